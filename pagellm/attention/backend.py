@@ -1,0 +1,71 @@
+"""The attention backend interface.
+
+One forward pass covers a flat batch of T new tokens that belong to S sequences, in sequence
+order: prefill chunks (many new tokens, causal over the cached prefix plus themselves) and
+decodes (one new token) mixed freely. Keys and values live in a paged cache; each sequence
+reaches its blocks through one row of the block table.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's tokens are, for one forward pass.
+
+    Sequence i owns new tokens ``query_start_loc[i]:query_start_loc[i+1]`` of the flat batch;
+    its context after this step is ``seq_lens[i]`` tokens long, so its first new token sits at
+    position ``seq_lens[i] - (query_start_loc[i+1] - query_start_loc[i])``.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [S + 1], on the model's device
+    seq_lens: torch.Tensor  # int32 [S], on the model's device
+    block_table: torch.Tensor  # int32 [S, max_num_blocks_per_seq], on the model's device; unused entries are 0
+    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset, where each new K/V goes
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so backends can plan without a device sync.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Writes the new keys/values into the paged cache, then attends over each sequence's context."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]; [0]=K, [1]=V
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's keys and values into their slots of the paged cache."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))

@@ -1,0 +1,93 @@
+"""Engine configuration: every knob a user can set, validated in one place."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+DEFAULT_KV_CACHE_MEMORY_BYTES = 2 << 30  # 2 GiB: ~46k tokens of SmolLM2-135M in fp32
+
+
+def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    try:
+        return _DTYPES[dtype.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}") from None
+
+
+def parse_memory_size(value: Union[str, int, float]) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(value), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"cannot parse memory size {value!r}; use e.g. 2GiB, 512MiB or a byte count")
+    number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
+    base = 1024 if binary or not unit else 1000
+    return int(number * base ** " KMGT".index(unit or " "))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None  # HF directory or GGUF file; None -> the packaged SmolLM2-135M-Instruct
+    tokenizer: Optional[str] = None
+    served_model_name: Optional[str] = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: Optional[int] = None  # None -> the model's own limit
+    kv_cache_memory_bytes: Optional[int] = None
+    num_kv_blocks: Optional[int] = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    dtype: Union[str, torch.dtype] = "float32"
+    device: Optional[Union[str, torch.device]] = None
+    attention_backend: Optional[str] = None  # None -> the fastest available
+    # "paged" is pagellm; "contiguous" is the pre-PagedAttention design, kept for comparison.
+    kv_layout: str = "paged"
+    max_waiting_requests: Optional[int] = None
+    num_threads: Optional[int] = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.dtype = parse_dtype(self.dtype)
+        self.device = torch.device(self.device) if self.device is not None else default_device()
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_memory_size(self.kv_cache_memory_bytes)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size > 1024 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two up to 1024, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be positive")

@@ -1,0 +1,47 @@
+"""Content hashes of full KV blocks, chained so that a block's hash covers its whole prefix.
+
+Two blocks share a hash only if they hold the same tokens *and* everything before them is the
+same, which is exactly when their keys and values are equal. SHA-256 makes an accidental match
+(which would hand a request someone else's KV) practically impossible, unlike Python's
+64-bit ``hash``. Anything else that changes the KV, such as a tenant's ``cache_salt``, is mixed
+into the first block so one tenant's prefix can never be found by another.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pagellm.request import Request
+
+BlockHash = bytes
+
+# Roots every chain; changing it invalidates nothing persistent since the cache lives in memory.
+_ROOT = hashlib.sha256(b"pagellm-prefix-cache-v1").digest()
+
+
+def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: list[int], extra_key: Optional[str] = None) -> BlockHash:
+    h = hashlib.sha256(parent_hash if parent_hash is not None else _ROOT)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra_key is not None:
+        h.update(b"\x00salt\x00" + extra_key.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def make_block_hasher(block_size: int) -> Callable[["Request"], list[BlockHash]]:
+    """Returns a function giving the hashes of a request's full blocks not hashed yet."""
+
+    def hasher(request: "Request") -> list[BlockHash]:
+        start = len(request.block_hashes)
+        num_full = len(request.all_token_ids) // block_size
+        parent = request.block_hashes[-1] if start else None
+        new_hashes: list[BlockHash] = []
+        for i in range(start, num_full):
+            tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
+            parent = hash_block_tokens(parent, tokens, request.cache_salt if i == 0 else None)
+            new_hashes.append(parent)
+        return new_hashes
+
+    return hasher

@@ -1,0 +1,84 @@
+"""What the scheduler tells the model runner each step, and what comes back.
+
+Only deltas cross: a request's full token list and sampling settings are sent once, when it
+(re)enters the batch; afterwards each step sends just its new block ids and token count. The
+runner keeps the rest in its persistent batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request entering the running batch: new, or resumed after preemption."""
+
+    req_id: str
+    token_ids: list[int]  # prompt plus any outputs generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: the runner skips these
+    num_output_tokens: int  # outputs so far (seeded sampling continues from here)
+
+
+@dataclass
+class CachedRequestData:
+    """A request that was already in the batch last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    # The token sampled last step, which this step feeds to the model. The runner already knows
+    # it (it sampled it), so this is only for runners that did not keep it.
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    # Step order: runners lay out the flat batch in this order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that left the batch since the last step (finished, aborted or preempted).
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request: the sampled token, or nothing for a partial prefill chunk."""
+
+    sampled_token_ids: dict[str, int]
+    # req_id -> (token_ids [k+1], logprobs [k+1], rank) as plain lists, column 0 the sampled token.
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # req_id -> rows for the prompt positions this step covered (same layout as logprobs).
+    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    # Requests that failed inside the runner (e.g. sampling blew up), with the error message.
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress from one step, for the output processor."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
+    new_prompt_logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

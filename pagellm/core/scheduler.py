@@ -1,0 +1,293 @@
+"""Continuous batching, as vLLM v1 does it: no prefill or decode phases, only a token budget.
+
+Each step hands out at most ``max_num_batched_tokens`` tokens, first to running requests (a
+decode needs one token; an unfinished prefill takes a chunk), then to waiting ones in arrival
+order, up to ``max_num_seqs`` requests in the batch. A request's progress is just
+``num_computed_tokens`` chasing ``num_tokens``, so prefill chunks, decodes and the recompute of
+a preempted request are all the same thing to the scheduler.
+
+When the pool has no block for a running request, the most recently admitted running request is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+from its prompt and the outputs it already produced. The scheduler never touches tensors.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagellm.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_cached_free_blocks: int
+    prefix_cache_queries: int  # tokens, since the last read
+    prefix_cache_hits: int
+    num_preemptions: int  # since the last read
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        static_batching: bool = False,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        # The pre-continuous-batching policy, kept for benchmarks: admit only into an empty batch.
+        self.static_batching = static_batching
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Left the batch since the last step; the runner drops their state.
+        self._finished_req_ids: set[str] = set()
+        self._num_preemptions = 0
+        self.total_num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Ends requests from outside the step (abort, stop string found by the detokenizer)."""
+        finished = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free_request(request, status)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        new_block_ids: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        # Running requests first, oldest first, so preemption hits the newest.
+        idx = 0
+        while idx < len(self.running) and token_budget > 0:
+            request = self.running[idx]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens <= 0:
+                idx += 1  # fully computed and waiting for its sample: nothing to run
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # the request preempted itself: nothing else can run either
+            num_scheduled[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            token_budget -= num_new_tokens
+            idx += 1
+
+        # Admit waiting requests while there is budget, unless we just had to evict someone.
+        if not preempted and not (self.static_batching and self.running):
+            skipped: list[Request] = []
+            pending_hashes = self._pending_prefix_hashes() if self.kv_cache_manager.enable_caching else None
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                computed_blocks, num_hit_tokens = [], 0
+                if request.num_computed_tokens == 0:
+                    computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                    # The next block is being computed by a request already running (a burst behind
+                    # one new prefix): wait for it instead of computing it a second time.
+                    next_idx = len(computed_blocks)
+                    if (
+                        pending_hashes
+                        and next_idx < len(request.block_hashes)
+                        and request.block_hashes[next_idx] in pending_hashes
+                    ):
+                        skipped.append(self.waiting.popleft())
+                        continue
+                num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+                if new_blocks is None:
+                    break
+                self.waiting.popleft()
+                request.num_computed_tokens = num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                if request.scheduled_time is None:
+                    request.scheduled_time = time.monotonic()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                if pending_hashes is not None and num_hit_tokens + num_new_tokens < request.num_prompt_tokens:
+                    pending_hashes.update(request.block_hashes[(num_hit_tokens + num_new_tokens) // self.block_size :])
+                num_scheduled[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.request_id,
+                        token_ids=list(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling_params=request.sampling_params,
+                        block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                        num_computed_tokens=num_hit_tokens,
+                        num_output_tokens=request.num_output_tokens,
+                    )
+                )
+            # Skipped requests keep their place at the head of the queue.
+            self.waiting.extendleft(reversed(skipped))
+
+        new_ids = {r.req_id for r in new_reqs}
+        for request in self.running:
+            req_id = request.request_id
+            if req_id in num_scheduled and req_id not in new_ids:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=req_id,
+                        new_block_ids=new_block_ids[req_id],
+                        num_computed_tokens=request.num_computed_tokens,
+                        new_token_ids=request.all_token_ids[-1:] if request.num_output_tokens else [],
+                    )
+                )
+
+        # Layout order: the runner builds the flat batch in running order.
+        ordered = {r.request_id: num_scheduled[r.request_id] for r in self.running if r.request_id in num_scheduled}
+        output = SchedulerOutput(
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=ordered,
+            total_num_scheduled_tokens=sum(ordered.values()),
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self._finished_req_ids = set()
+        # Tokens handed out now count as computed: their KV is written by this step's forward pass.
+        for req_id, n in ordered.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _pending_prefix_hashes(self) -> set[bytes]:
+        """Hashes of prompt blocks that running requests have yet to compute."""
+        pending: set[bytes] = set()
+        for request in self.running:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                first = request.num_computed_tokens // self.block_size
+                pending.update(request.block_hashes[first:])
+        return pending
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.total_num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._finished_req_ids.add(request.request_id)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            error = runner_output.failed.get(req_id)
+            token_id = runner_output.sampled_token_ids.get(req_id)
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id, [])
+            if error is not None:
+                self.running.remove(request)
+                self._free_request(request, RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
+                continue
+            if token_id is None:
+                if prompt_logprobs:
+                    outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
+                continue  # a prefill chunk that did not reach the end of the known tokens
+            request.append_output_token_ids([token_id])
+            status = self._check_stop(request, token_id)
+            out = EngineCoreOutput(
+                req_id=req_id,
+                new_token_ids=[token_id],
+                new_logprobs=[runner_output.logprobs[req_id]] if req_id in runner_output.logprobs else [],
+                new_prompt_logprobs=prompt_logprobs,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if status is not None:
+                self.running.remove(request)
+                self._free_request(request, status)
+                out.finish_reason = RequestStatus.finish_reason(status)
+                out.stop_reason = request.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens and token_id in params.all_stop_token_ids:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv_cache_manager.block_pool
+        cache_stats = self.kv_cache_manager.prefix_cache_stats
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=pool.usage(),
+            num_used_blocks=pool.num_used_blocks,
+            num_cached_free_blocks=pool.num_cached_free_blocks,
+            prefix_cache_queries=cache_stats.num_queries,
+            prefix_cache_hits=cache_stats.num_hits,
+            num_preemptions=self._num_preemptions,
+        )
+        cache_stats.num_queries = cache_stats.num_hits = 0
+        self._num_preemptions = 0
+        return stats

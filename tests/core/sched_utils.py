@@ -1,0 +1,90 @@
+"""Model-free drivers for the scheduler: a fake runner that 'samples' a deterministic token."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pagellm.core.block_hash import make_block_hasher
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.scheduler import Scheduler
+from pagellm.request import Request
+from pagellm.sampling_params import SamplingParams
+
+
+def fake_token(token_ids: list[int]) -> int:
+    """What the fake model generates next: a function of the whole context, as a real model's."""
+    return (sum(token_ids) * 31 + len(token_ids)) % 1000 + 1000
+
+
+class FakeRunner:
+    """Tracks what the runner would hold, and checks the scheduler's instructions are coherent."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.state: dict[str, dict] = {}
+
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
+        for req_id in out.finished_req_ids:
+            self.state.pop(req_id, None)
+        for new in out.new_reqs:
+            assert new.req_id not in self.state
+            self.state[new.req_id] = {"tokens": list(new.token_ids), "computed": new.num_computed_tokens, "blocks": list(new.block_ids)}
+        for cached in out.cached_reqs:
+            st = self.state[cached.req_id]
+            st["blocks"].extend(cached.new_block_ids)
+            assert st["computed"] == cached.num_computed_tokens
+        sampled = {}
+        for req_id, n in out.num_scheduled_tokens.items():
+            st = self.state[req_id]
+            st["computed"] += n
+            assert st["computed"] <= len(st["tokens"])
+            assert len(st["blocks"]) * self.block_size >= st["computed"], "not enough blocks for the computed tokens"
+            if st["computed"] == len(st["tokens"]):
+                token = fake_token(st["tokens"])
+                st["tokens"].append(token)
+                sampled[req_id] = token
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 256,
+    enable_caching: bool = True,
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
+
+
+def make_request(sched: Scheduler, req_id: str, prompt: list[int], max_tokens: int = 4, **params) -> Request:
+    hasher = make_block_hasher(sched.block_size) if sched.kv_cache_manager.enable_caching else None
+    p = SamplingParams(max_tokens=max_tokens, **params)
+    return Request(req_id, prompt, p, max_tokens, block_hasher=hasher)
+
+
+def run_to_completion(sched: Scheduler, runner: Optional[FakeRunner] = None, max_steps: int = 10_000) -> dict[str, list[int]]:
+    runner = runner or FakeRunner(sched.block_size)
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        res = runner.execute(out, sched.requests)
+        for o in sched.update_from_output(out, res):
+            outputs.setdefault(o.req_id, []).extend(o.new_token_ids)
+        sched.kv_cache_manager.check_integrity()
+    assert not sched.has_unfinished_requests()
+    return outputs
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        t = fake_token(tokens)
+        tokens.append(t)
+        out.append(t)
+    return out
+
