@@ -1,0 +1,99 @@
+"""The ``pagellm`` command: serve, generate, chat, bench.
+
+Each subcommand lives with the code it drives and registers itself through ``add_parser``;
+this module only wires them together and holds the engine flags they share (vLLM's names).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Any, Optional
+
+# subcommand -> module with add_parser(subparsers) that sets func=callable(args) -> int
+_SUBCOMMANDS = {
+    "serve": "pagellm.entrypoints.openai.cli_serve",
+    "generate": "pagellm.entrypoints.cli_generate",
+    "chat": "pagellm.entrypoints.cli_chat",
+    "bench": "pagellm.bench.cli",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    """Engine flags, named as vLLM's so users' habits carry over."""
+    if positional_model:
+        parser.add_argument("model_tag", nargs="?", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="HF directory or GGUF file (default: packaged SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default 2GiB)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--attention-backend", default=None, help="cpu_paged, torch_sdpa or torch_ref (default: fastest)")
+    parser.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from parsed engine flags; unset ones keep the defaults."""
+    model = getattr(args, "model_tag", None) or args.model
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        kv_layout=args.kv_layout,
+        num_threads=args.num_threads,
+    )
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kwargs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="LLM inference and serving with a paged KV cache.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module_name in _SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # not built yet in this checkout
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
