@@ -1,0 +1,5 @@
+"""Shared test set-up: shared helpers importable from any test directory."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))

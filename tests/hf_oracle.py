@@ -1,0 +1,71 @@
+"""Hugging Face transformers on the same GGUF weights, as the test oracle, and vLLM's comparison rule."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from pagellm.outputs import RequestOutput
+
+
+@dataclass
+class HFGreedy:
+    token_ids: list[int]
+    top_logprobs: list[dict[int, float]]  # per generated position, the top-5
+
+
+@lru_cache(maxsize=1)
+def hf_model_and_tokenizer():
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from pagellm.models.loader import default_model_path
+
+    path = default_model_path()
+    directory, name = os.path.dirname(path), os.path.basename(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.eval()
+    return model, tokenizer
+
+
+@torch.inference_mode()
+def hf_greedy(prompt_token_ids: list[int], max_new_tokens: int, eos_token_ids: set[int]) -> HFGreedy:
+    """Greedy decoding by hand (no generation-config surprises), stopping at EOS like the engine."""
+    model, _ = hf_model_and_tokenizer()
+    input_ids = torch.tensor([prompt_token_ids])
+    out = model(input_ids=input_ids, use_cache=True)
+    past = out.past_key_values
+    logits = out.logits[0, -1]
+    token_ids: list[int] = []
+    tops: list[dict[int, float]] = []
+    for _ in range(max_new_tokens):
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        values, ids = logprobs.topk(5)
+        tops.append(dict(zip(ids.tolist(), values.tolist())))
+        token = int(ids[0])
+        token_ids.append(token)
+        if token in eos_token_ids:
+            break
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[0, -1]
+    return HFGreedy(token_ids, tops)
+
+
+def check_close(ours: RequestOutput, ref: HFGreedy, name: str) -> bool:
+    """vLLM's rule: equal greedy ids, or at the first difference each side's token is in the
+    other's top-5, after which the sequences are free to diverge. Returns True if identical."""
+    our_ids = ours.outputs[0].token_ids
+    our_lps = ours.outputs[0].logprobs
+    for i, (a, b) in enumerate(zip(our_ids, ref.token_ids)):
+        if a != b:
+            assert our_lps is not None, f"{name}: differs at {i} and no logprobs to judge by"
+            assert a in ref.top_logprobs[i], f"{name}: at {i} our token {a} not in HF top-5 {ref.top_logprobs[i]}"
+            assert b in our_lps[i], f"{name}: at {i} HF token {b} not in our top-5 {list(our_lps[i])}"
+            return False
+    assert len(our_ids) == len(ref.token_ids), f"{name}: lengths differ: {len(our_ids)} vs {len(ref.token_ids)}"
+    return True
