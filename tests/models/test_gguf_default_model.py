@@ -1,0 +1,83 @@
+"""The default SmolLM2 GGUF: our config, weights and logits against transformers' GGUF load."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from model_utils import PagedDriver
+from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
+
+from pagellm.attention.torch_ref import TorchReferenceBackend
+from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights
+from pagellm.models.loader import default_model_path, eos_token_ids, get_max_model_len, load_hf_config, load_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path),
+        gguf_file=os.path.basename(gguf_path),
+        dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+        local_files_only=True,
+    ).eval()
+
+
+def test_config_matches_transformers(gguf_path: str) -> None:
+    ours = load_hf_config(gguf_path)
+    theirs = AutoConfig.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), local_files_only=True)
+    assert ours.architectures == ["LlamaForCausalLM"]
+    skip = {"architectures", "_name_or_path", "_model_name_or_path", "transformers_version"}
+    assert {k: v for k, v in ours.to_dict().items() if k not in skip} == {
+        k: v for k, v in theirs.to_dict().items() if k not in skip
+    }
+    assert (ours.num_hidden_layers, ours.hidden_size, ours.num_attention_heads, ours.num_key_value_heads) == (30, 576, 9, 3)
+    assert ours.tie_word_embeddings and ours.vocab_size == 49152
+    assert get_max_model_len(ours) == 8192
+
+
+def test_weights_are_bit_identical_to_transformers(gguf_path: str, hf_model: torch.nn.Module) -> None:
+    theirs = hf_model.state_dict()
+    ours = dict(iter_gguf_weights(gguf_path, load_hf_config(gguf_path)))
+    expected = {k for k in theirs if k != "lm_head.weight"}  # tied: transformers aliases the embeddings
+    assert set(ours) == expected
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_loaded_model_matches_transformers_logits(gguf_path: str, hf_model: torch.nn.Module) -> None:
+    config = load_hf_config(gguf_path)
+    start = time.perf_counter()
+    model = load_model(gguf_path, config, torch.float32, torch.device("cpu"), TorchReferenceBackend())
+    load_seconds = time.perf_counter() - start
+    print(f"default model load: {load_seconds:.2f}s")
+    assert load_seconds < 30  # ~1.5 s on 2 cores; generous for a loaded CI box
+
+    attn = model.model.layers[7].self_attn
+    theirs = hf_model.model.layers[7].self_attn
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([theirs.q_proj.weight, theirs.k_proj.weight, theirs.v_proj.weight]))
+
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198, 1, 4093, 198, 19556, 17, 2]
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([prompt])).logits[0]
+    driver = PagedDriver(model, config, block_size=16, num_blocks=8)
+    prefill = driver.step([(0, prompt[:-1])])
+    decode = driver.step([(0, prompt[-1:])])
+    torch.testing.assert_close(torch.cat([prefill, decode]), reference, atol=2e-3, rtol=1e-3)
+    assert torch.equal(torch.cat([prefill, decode]).argmax(-1), reference.argmax(-1))
+
+
+def test_eos_token_ids_from_gguf(gguf_path: str) -> None:
+    assert eos_token_ids(gguf_path, load_hf_config(gguf_path)) == {2}  # <|im_end|>
+    metadata = GGUFFile(gguf_path).metadata
+    assert metadata["tokenizer.ggml.eos_token_id"] == 2
