@@ -78,6 +78,8 @@ class EngineCoreOutput:
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    # When the request was first admitted to the running set (monotonic), for queue-time metrics.
+    scheduled_time: Optional[float] = None
 
     @property
     def finished(self) -> bool:

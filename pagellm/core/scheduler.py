@@ -256,6 +256,7 @@ class Scheduler:
                 new_logprobs=[runner_output.logprobs[req_id]] if req_id in runner_output.logprobs else [],
                 new_prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                scheduled_time=request.scheduled_time,
             )
             if status is not None:
                 self.running.remove(request)

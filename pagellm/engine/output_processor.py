@@ -146,6 +146,8 @@ class OutputProcessor:
     def _process_child(self, state: RequestState, child: _ChildState, out: EngineCoreOutput, now: float, to_abort: list[str]) -> None:
         if out.error is not None:
             state.error = out.error
+        if out.scheduled_time is not None and state.metrics.first_scheduled_time is None:
+            state.metrics.first_scheduled_time = out.scheduled_time
         if out.new_prompt_logprobs and state.prompt_logprobs is not None and child.index == 0:
             state.prompt_logprobs.extend(self._to_logprob_dicts(out.new_prompt_logprobs))
         if out.new_token_ids:
