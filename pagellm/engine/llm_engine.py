@@ -45,7 +45,7 @@ class LLMEngine:
         from pagellm.attention.selector import get_attn_backend
         from pagellm.models.loader import (
             default_model_path,
-            get_eos_token_ids,
+            eos_token_ids,
             get_max_model_len,
             load_hf_config,
             load_model,
@@ -69,7 +69,7 @@ class LLMEngine:
         attn_backend = get_attn_backend(config.attention_backend, config.device)
         model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend)
         self.shape = ModelShape.from_hf_config(self.hf_config)
-        self.eos_token_ids = get_eos_token_ids(model_path, self.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
         self.core = EngineCore(config, model, self.shape, self.max_model_len)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
