@@ -1,0 +1,386 @@
+"""The asyncio front of the engine: one background thread steps the ``LLMEngine``.
+
+``LLMEngine`` is not thread-safe, so the engine thread is the only one that touches it. The asyncio
+side hands it work as callables in a command list (add a request, abort one, tokenize), which the
+thread applies between steps; outputs go back through one ``loop.call_soon_threadsafe`` per step
+and event loop into per-request ``asyncio.Queue``s. Tokenization, chat templating and
+detokenization all happen on the engine thread: torch releases the GIL inside its ops, and the
+event loop stays free to serve HTTP.
+
+When no request is in flight the thread sleeps on a condition variable (no polling). If a step
+raises, the engine is dead: every in-flight request ends with ``EngineDeadError``, new ones are
+refused, and ``is_dead`` tells the server to report 503 and exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any, AsyncIterator, Callable, Optional, Protocol, TypeVar, Union
+
+from pagellm.config import EngineConfig
+from pagellm.engine.input_processor import PromptType
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.output_processor import RequestOutputKind
+from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# A prompt, or a zero-argument callable that makes one on the engine thread (e.g. a chat
+# template rendering), so that work never runs on the event loop.
+LazyPrompt = Union[PromptType, Callable[[], PromptType]]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread crashed; no request can be served any more."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later."""
+
+
+class StatLogger(Protocol):
+    """Receives engine statistics on the engine thread (see ``pagellm.entrypoints.openai.metrics``)."""
+
+    def record_step(self, engine: LLMEngine, now: float) -> None: ...
+
+    # inter_token_latency: seconds since this request's previous tokens, None for its first ones.
+    def record_output(self, output: RequestOutput, now: float, inter_token_latency: Optional[float]) -> None: ...
+
+    def record_aborted(self, num_requests: int) -> None: ...
+
+
+class _Command:
+    """Work for the engine thread: ``run`` between steps, or ``fail`` if the engine died first."""
+
+    __slots__ = ("run", "fail", "is_add")
+
+    def __init__(self, run: Callable[[], None], fail: Callable[[BaseException], None] = lambda e: None, is_add: bool = False):
+        self.run, self.fail, self.is_add = run, fail, is_add
+
+
+class RequestStream:
+    """The asyncio end of one request: outputs (or an exception) arrive on ``queue``."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Union[RequestOutput, BaseException]] = asyncio.Queue()
+        self.finished = False
+        # Set by the engine thread only; used for inter-token latency.
+        self.last_token_time: Optional[float] = None
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_requests: Optional[int] = None,
+        stat_logger: Optional[StatLogger] = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting_requests = (
+            max_waiting_requests if max_waiting_requests is not None else getattr(engine.config, "max_waiting_requests", None)
+        )
+        self.stat_logger = stat_logger
+        self._cond = threading.Condition()
+        self._commands: list[_Command] = []
+        self._shutdown = False
+        self._dead_error: Optional[BaseException] = None
+        # Engine-thread state: the streams of requests in the engine, by request id.
+        self._streams: dict[str, RequestStream] = {}
+        # Read from the asyncio side without a lock: plain ints, each written by one thread.
+        self._num_waiting = 0
+        self._num_pending_adds = 0
+        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, stat_logger: Optional[StatLogger] = None) -> "AsyncLLM":
+        return cls(LLMEngine(config), config.max_waiting_requests, stat_logger)
+
+    # -- properties the server reads ---------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> Optional[BaseException]:
+        return self._dead_error
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (approximate: read across threads)."""
+        return len(self._streams) + self._num_pending_adds
+
+    # -- asyncio side -------------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: LazyPrompt,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+    ) -> RequestStream:
+        """Validates and queues a request; returns once the engine accepted it.
+
+        Raises ``ValueError`` for bad input (nothing is queued then), ``EngineOverloadedError``
+        when ``max_waiting_requests`` are already waiting, ``EngineDeadError`` after a crash.
+        """
+        if self.max_waiting_requests is not None and self._num_waiting + self._num_pending_adds >= self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self.max_waiting_requests} requests are already waiting; retry later"
+            )
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        accepted: asyncio.Future[None] = loop.create_future()
+
+        def add() -> None:
+            try:
+                resolved = prompt() if callable(prompt) else prompt
+                processed = self.engine.process_prompt(resolved, params)
+                self.engine.add_request(
+                    request_id, resolved, params, RequestOutputKind.DELTA, arrival_time, sink=stream, processed=processed
+                )
+            except Exception as e:  # noqa: BLE001 - bad input (ValueError) or a tokenizer failure: the caller's
+                _resolve(loop, accepted, error=e)
+                return
+            self._streams[request_id] = stream
+            _resolve(loop, accepted)
+
+        self._submit(_Command(add, lambda e: _resolve(loop, accepted, error=e), is_add=True))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            # The caller went away while the engine was adding it; the abort follows the add.
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: LazyPrompt, params: SamplingParams, request_id: str, arrival_time: Optional[float] = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's DELTA outputs; aborts it if the caller stops early."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        async for output in self.iterate(stream):
+            yield output
+
+    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yields a stream's outputs; if the consumer stops early (disconnect, cancel) the request is aborted."""
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: Union[str, list[str]]) -> None:
+        """Aborts requests and frees their blocks at the next step boundary. Thread-safe, idempotent."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+
+        def abort() -> None:
+            finals = []
+            for request_id in request_ids:
+                stream = self._streams.pop(request_id, None)
+                if stream is None:
+                    continue  # finished already, or never added
+                finals.append((stream, self._aborted_output(request_id)))
+                self.engine.abort_request([request_id])
+            if finals:
+                if self.stat_logger is not None:
+                    self.stat_logger.record_aborted(len(finals))
+                # A caller still reading (e.g. aborted by a shutdown) sees finish_reason "abort".
+                by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+                for stream, output in finals:
+                    by_loop[stream.loop].append((stream, output))
+                for loop, items in by_loop.items():
+                    _deliver_threadsafe(loop, items)
+
+        try:
+            self._submit(_Command(abort))
+        except EngineDeadError:
+            pass  # a dead engine holds nothing worth freeing
+
+    async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs ``fn(engine)`` on the engine thread (e.g. tokenization) and returns its result."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def call() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # noqa: BLE001 - the caller's error to handle
+                _resolve(loop, done, error=e)
+            else:
+                _resolve(loop, done, result)
+
+        self._submit(_Command(call, lambda e: _resolve(loop, done, error=e)))
+        return await done
+
+    def abort_all(self) -> None:
+        self.abort(list(self._streams))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._shutdown = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _submit(self, command: _Command) -> None:
+        with self._cond:
+            if self._dead_error is not None:
+                raise EngineDeadError(f"the engine is dead: {self._dead_error!r}")
+            if self._shutdown:
+                raise EngineDeadError("the engine is shut down")
+            self._commands.append(command)
+            self._num_pending_adds += command.is_add
+            self._cond.notify()
+
+    # -- engine thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._shutdown and not engine.has_unfinished_requests():
+                        self._cond.wait()
+                    if self._shutdown:
+                        return
+                    commands, self._commands = self._commands, []
+                    self._num_pending_adds -= sum(c.is_add for c in commands)
+                for i, command in enumerate(commands):
+                    try:
+                        command.run()
+                    except BaseException:
+                        with self._cond:  # so _die fails the rest of this batch too
+                            self._commands[:0] = commands[i + 1 :]
+                        raise
+                if engine.has_unfinished_requests():
+                    self._dispatch(engine.step())
+                now = time.monotonic()
+                if self.stat_logger is not None:
+                    self.stat_logger.record_step(engine, now)
+                self._num_waiting = len(engine.core.scheduler.waiting)
+        except BaseException as e:  # noqa: BLE001 - anything escaping a step leaves the engine unusable
+            logger.exception("the engine loop crashed; failing all requests")
+            self._die(e)
+
+    def _dispatch(self, ready: list) -> None:
+        if not ready:
+            return
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
+        for state, output in ready:
+            stream: Optional[RequestStream] = state.sink
+            if stream is None or self._streams.get(output.request_id) is not stream:
+                continue  # aborted by its caller meanwhile
+            if self.stat_logger is not None:
+                self._record_output(stream, output, now)
+            if output.finished:
+                del self._streams[output.request_id]
+            by_loop[stream.loop].append((stream, output))
+        for loop, items in by_loop.items():
+            _deliver_threadsafe(loop, items)
+
+    def _aborted_output(self, request_id: str) -> RequestOutput:
+        state = self.engine.output_processor.request_states.get(request_id)
+        if state is None:
+            return RequestOutput(request_id, None, [], [], finished=True)
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[
+                CompletionOutput(index=c.index, text="", token_ids=[], finish_reason="abort")
+                for c in state.children
+                if c.finish_reason is None
+            ],
+            finished=True,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )
+
+    def _record_output(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
+        itl = None
+        if any(c.token_ids for c in output.outputs):
+            if stream.last_token_time is not None:
+                itl = now - stream.last_token_time
+            stream.last_token_time = now
+        if self.stat_logger is not None:
+            self.stat_logger.record_output(output, now, itl)
+
+    def _die(self, error: BaseException) -> None:
+        dead = EngineDeadError(f"the engine crashed: {error!r}")
+        with self._cond:
+            self._dead_error = error
+            pending, self._commands = self._commands, []
+            self._num_pending_adds = 0
+        # Queued commands hold futures on the asyncio side: fail them rather than leave them hanging.
+        for command in pending:
+            command.fail(dead)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, BaseException]]] = defaultdict(list)
+        for stream in self._streams.values():
+            by_loop[stream.loop].append((stream, dead))
+        self._streams.clear()
+        for loop, items in by_loop.items():
+            _deliver_threadsafe(loop, items)
+
+
+def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _deliver_threadsafe(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:
+        pass  # that event loop is closed: its requests have nobody left to read them
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any = None, error: Optional[BaseException] = None) -> None:
+    def set_it() -> None:
+        if future.done():
+            return  # cancelled by a caller that went away
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(set_it)
+    except RuntimeError:
+        pass

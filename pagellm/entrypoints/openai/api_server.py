@@ -1,0 +1,365 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes, guards, graceful shutdown.
+
+``python -m pagellm.entrypoints.openai.api_server [MODEL] [flags]`` and ``pagellm serve`` run it.
+A pure-ASGI middleware guards every request before FastAPI sees it: it refuses new work while
+draining (503), checks the API key on ``/v1/*`` (401) and reads the body with a size cap (413).
+SIGTERM/SIGINT start a drain: in-flight requests finish within ``--shutdown-timeout`` (then they
+are aborted) and the process exits 0; a crashed engine makes ``/health`` 503 and the exit code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import pagellm
+from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from pagellm.entrypoints.openai.errors import (
+    APIError,
+    api_error_response,
+    error_response,
+    format_validation_error,
+)
+from pagellm.entrypoints.openai.metrics import EngineMetrics
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    VersionResponse,
+)
+from pagellm.entrypoints.openai.serving_base import to_api_error
+from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# Paths that must keep answering while draining or overloaded (probes and scrapers).
+_UNGUARDED_PATHS = ("/metrics",)
+
+
+@dataclass
+class ServerState:
+    api_key: Optional[str] = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    draining: bool = False
+    num_in_flight: int = 0  # HTTP requests inside the app (a stream counts until its last byte)
+
+
+class GuardMiddleware:
+    """Drain, API key and body-size checks, before any parsing; counts requests in flight."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        state = self.state
+        if path in _UNGUARDED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if state.draining:
+            await _send_error(send, "the server is shutting down", 503, {"Retry-After": "5", "Connection": "close"})
+            return
+        if state.api_key is not None and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(scope):
+            await _send_error(send, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)", 401)
+            return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            receive = await self._read_body(scope, receive, send)
+            if receive is None:
+                return
+        state.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.num_in_flight -= 1
+
+    def _authorized(self, scope: Scope) -> bool:
+        expected = f"Bearer {self.state.api_key}".encode()
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return hmac.compare_digest(value, expected)
+        return False
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Optional[Receive]:
+        """Reads the whole body under the cap; returns a receive that replays it, or None if answered."""
+        limit = self.state.max_request_body_bytes
+        too_large = f"the request body exceeds the limit of {limit} bytes"
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    await _send_error(send, "invalid Content-Length header", 400)
+                    return None
+                if declared > limit:
+                    await _send_error(send, too_large, 413, {"Connection": "close"})
+                    return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body = message.get("body", b"")
+            size += len(body)
+            if size > limit:
+                await _send_error(send, too_large, 413, {"Connection": "close"})
+                return None
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replay: Optional[Message] = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay_receive() -> Message:
+            nonlocal replay
+            if replay is not None:
+                message, replay = replay, None
+                return message
+            return await receive()  # afterwards: http.disconnect, for disconnect detection
+
+        return replay_receive
+
+
+async def _send_error(send: Send, message: str, status: int, headers: Optional[dict[str, str]] = None) -> None:
+    response = error_response(message, status, headers=headers)
+    await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+
+def build_app(
+    async_llm: AsyncLLM,
+    metrics: EngineMetrics,
+    api_key: Optional[str] = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    model_root: Optional[str] = None,
+) -> FastAPI:
+    app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__)
+    state = ServerState(api_key=api_key, max_request_body_bytes=max_request_body_bytes)
+    app.state.server = state
+    app.state.async_llm = async_llm
+    app.state.metrics = metrics
+    name = async_llm.model_name
+    completions = OpenAIServingCompletion(async_llm, name)
+    chat = OpenAIServingChat(async_llm, name)
+    tokenization = OpenAIServingTokenization(async_llm, name)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return api_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = format_validation_error(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return error_response(str(exc), 400)
+
+    @app.exception_handler(EngineOverloadedError)
+    @app.exception_handler(EngineDeadError)
+    async def _engine_error(_: Request, exc: Exception) -> JSONResponse:
+        return api_error_response(to_api_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(f"internal error: {type(exc).__name__}", 500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_llm.is_dead:
+            return error_response(f"the engine is dead: {async_llm.dead_error!r}", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=pagellm.__version__)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=model_root or name, max_model_len=async_llm.max_model_len)])
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return await tokenization.detokenize(request)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    app.add_middleware(GuardMiddleware, state=state)
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn with a drain on SIGTERM/SIGINT and an exit when the engine dies."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, async_llm: AsyncLLM, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.async_llm = async_llm
+        self.shutdown_timeout = shutdown_timeout
+        self._drain_deadline: Optional[float] = None
+        self._aborted_at: Optional[float] = None
+        self._dead_since: Optional[float] = None
+
+    def handle_exit(self, sig: int, frame) -> None:  # noqa: ARG002 - signal handler signature
+        # Unlike uvicorn's, this does not re-raise the signal after shutdown: a drain exits 0.
+        if self.state.draining:
+            logger.warning("second signal: exiting now")
+            self.should_exit = True
+            self.force_exit = True
+            return
+        logger.info(
+            "received %s: refusing new requests, finishing %d in flight (up to %.0f s)",
+            signal.Signals(sig).name,
+            self.state.num_in_flight,
+            self.shutdown_timeout,
+        )
+        self.state.draining = True
+        self._drain_deadline = time.monotonic() + self.shutdown_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        now = time.monotonic()
+        if self.async_llm.is_dead:
+            # A moment for in-flight requests to receive their errors, then go: a supervisor restarts us.
+            if self._dead_since is None:
+                self._dead_since = now
+                logger.error("the engine is dead; shutting down")
+            return now - self._dead_since > 1.0
+        if self._drain_deadline is None:
+            return False
+        if self.state.num_in_flight == 0:
+            return True
+        if now >= self._drain_deadline:
+            if self._aborted_at is None:
+                logger.warning("shutdown timeout: aborting %d requests still in flight", self.state.num_in_flight)
+                self.async_llm.abort_all()
+                self._aborted_at = now
+            return now - self._aborted_at > 2.0
+        return False
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGELLM_API_KEY)"
+    )
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    parser.add_argument(
+        "--max-waiting-requests", type=int, default=None, help="answer 503 once this many requests wait (default: unbounded)"
+    )
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Loads the engine, serves until drained or the engine dies; returns the exit code."""
+    from pagellm.cli import engine_kwargs
+    from pagellm.config import EngineConfig
+    from pagellm.engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    api_key = args.api_key if args.api_key is not None else os.environ.get("PAGELLM_API_KEY") or None
+    config = EngineConfig(**engine_kwargs(args), max_waiting_requests=args.max_waiting_requests)
+    engine = LLMEngine(config)
+    metrics = EngineMetrics(engine.model_name)
+    async_llm = AsyncLLM(engine, config.max_waiting_requests, metrics)
+    app = build_app(async_llm, metrics, api_key, args.max_request_body_bytes, engine.model_path)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        lifespan="off",
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+    )
+    server = GracefulServer(uv_config, app.state.server, async_llm, args.shutdown_timeout)
+    logger.info(
+        "serving %s on http://%s:%d (engine loaded in %.1f s)%s",
+        engine.model_name,
+        args.host,
+        args.port,
+        time.perf_counter() - t0,
+        "; API key required" if api_key else "",
+    )
+    try:
+        server.run()
+    finally:
+        dead = async_llm.is_dead
+        async_llm.shutdown()
+    if not server.started:
+        return 1  # e.g. the port was taken
+    return 1 if dead else 0
+
+
+def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    from pagellm.cli import add_engine_args
+
+    parser = parser or argparse.ArgumentParser(prog="pagellm serve", description="OpenAI-compatible HTTP server.")
+    add_engine_args(parser, positional_model=True)
+    add_server_args(parser)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = make_arg_parser()
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_server(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

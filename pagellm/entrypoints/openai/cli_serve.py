@@ -1,0 +1,23 @@
+"""``pagellm serve [MODEL]``: the OpenAI-compatible server (see ``api_server``)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from pagellm.entrypoints.openai.api_server import make_arg_parser
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, ...)",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+    )
+    make_arg_parser(parser)
+    parser.set_defaults(func=_run)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pagellm.entrypoints.openai.api_server import run_server
+
+    return run_server(args)

@@ -1,0 +1,141 @@
+"""Prometheus metrics and the periodic stats log line, named after vLLM's with a ``pagellm:`` prefix.
+
+``EngineMetrics`` is the ``StatLogger`` of ``AsyncLLM``: its methods run on the engine thread
+(prometheus_client's metrics are thread-safe). Each app gets its own ``CollectorRegistry``, so
+several servers can live in one process (tests do this).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagellm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# The *_created series double the output and nobody reads them.
+prometheus_client.disable_created_metrics()
+
+# Buckets as vLLM's, so dashboards built for vLLM read these unchanged.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None, log_interval_s: float = 5.0) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.log_interval_s = log_interval_s
+        reg, labels, name = self.registry, ["model_name"], model_name
+
+        def gauge(metric: str, doc: str):
+            return Gauge(metric, doc, labels, registry=reg).labels(name)
+
+        def counter(metric: str, doc: str):
+            return Counter(metric, doc, labels, registry=reg).labels(name)
+
+        def histogram(metric: str, doc: str, buckets: list[float]):
+            return Histogram(metric, doc, labels, buckets=buckets, registry=reg).labels(name)
+
+        self.num_requests_running = gauge("pagellm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("pagellm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("pagellm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter("pagellm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("pagellm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("pagellm:num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("pagellm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("pagellm:generation_tokens", "Number of generation tokens processed.")
+        request_success = Counter(
+            "pagellm:request_success", "Count of finished requests by finish reason.", ["model_name", "finished_reason"], registry=reg
+        )
+        self.request_success = {reason: request_success.labels(name, reason) for reason in FINISHED_REASONS}
+        self.time_to_first_token = histogram("pagellm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("pagellm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "pagellm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "pagellm:request_queue_time_seconds", "Histogram of time spent waiting before first scheduled, in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self._model_name = name
+        # Totals since the last log line.
+        self._last_log_time = time.monotonic()
+        self._interval_prompt_tokens = 0
+        self._interval_generation_tokens = 0
+        self._interval_queries = 0
+        self._interval_hits = 0
+
+    # -- StatLogger, called on the engine thread ------------------------------------------------------
+
+    def record_step(self, engine, now: float) -> None:
+        stats = engine.core.make_stats()  # reading resets its interval counters: we are its only reader
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions)
+        self._interval_queries += stats.prefix_cache_queries
+        self._interval_hits += stats.prefix_cache_hits
+        if now - self._last_log_time >= self.log_interval_s:
+            busy = stats.num_running_reqs or stats.num_waiting_reqs or self._interval_generation_tokens
+            if busy:
+                self._log(stats, now)
+            else:  # idle: start the next interval fresh rather than log zeros
+                self._reset_interval(now)
+
+    def record_output(self, output: RequestOutput, now: float, inter_token_latency: Optional[float]) -> None:
+        num_new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        metrics = output.metrics
+        if num_new_tokens:
+            self.generation_tokens.inc(num_new_tokens)
+            self._interval_generation_tokens += num_new_tokens
+            if inter_token_latency is None:  # this request's first tokens
+                num_prompt_tokens = len(output.prompt_token_ids)
+                self.prompt_tokens.inc(num_prompt_tokens)
+                self._interval_prompt_tokens += num_prompt_tokens
+                if metrics is not None:
+                    self.time_to_first_token.observe((metrics.first_token_time or now) - metrics.arrival_time)
+                    if metrics.first_scheduled_time is not None:
+                        self.request_queue_time.observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
+            else:
+                self.inter_token_latency.observe(inter_token_latency)
+        if output.finished:
+            for completion in output.outputs:
+                reason = completion.finish_reason if completion.finish_reason in self.request_success else "error"
+                self.request_success[reason].inc()
+            if metrics is not None:
+                self.e2e_request_latency.observe((metrics.finished_time or now) - metrics.arrival_time)
+
+    def record_aborted(self, num_requests: int) -> None:
+        self.request_success["abort"].inc(num_requests)
+
+    # -------------------------------------------------------------------------------------------------
+
+    def _log(self, stats, now: float) -> None:
+        elapsed = now - self._last_log_time
+        hit_rate = self._interval_hits / self._interval_queries if self._interval_queries else 0.0
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            self._interval_prompt_tokens / elapsed,
+            self._interval_generation_tokens / elapsed,
+            stats.num_running_reqs,
+            stats.num_waiting_reqs,
+            stats.kv_cache_usage * 100,
+            hit_rate * 100,
+        )
+        self._reset_interval(now)
+
+    def _reset_interval(self, now: float) -> None:
+        self._last_log_time = now
+        self._interval_prompt_tokens = self._interval_generation_tokens = 0
+        self._interval_queries = self._interval_hits = 0
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)

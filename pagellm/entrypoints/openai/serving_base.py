@@ -1,0 +1,169 @@
+"""What the completion and chat handlers share: model check, prompts, request fan-out, SSE, errors."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, LazyPrompt, RequestStream
+from pagellm.entrypoints.openai.errors import APIError, error_body
+from pagellm.entrypoints.openai.protocol import ChatMessage, PromptTokensDetails, UsageInfo
+from pagellm.outputs import Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Logprobs of -inf are not valid JSON; OpenAI's clients get vLLM's floor instead.
+LOGPROB_FLOOR = -9999.0
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The HTTP error for an exception raised while adding or running a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(str(exc), 400)
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(str(exc), 503, headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 503)
+    logger.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+
+def sse(chunk: BaseModel, exclude: Optional[set[str]] = None) -> str:
+    return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    err = to_api_error(exc)
+    return f"data: {json.dumps(error_body(err.message, err.status_code, err.param))}\n\n"
+
+
+def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+    )
+
+
+def logprob_value(logprob: Logprob) -> float:
+    return max(logprob.logprob, LOGPROB_FLOOR)
+
+
+def messages_to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as plain dicts for the template; text content parts are joined into a string.
+
+    Small chat templates index ``message['content']`` as a string, so parts are flattened here (as
+    vLLM's "string" content format does). Non-text parts are refused: no model here reads images.
+    """
+    out = []
+    for i, message in enumerate(messages):
+        d = message.model_dump(exclude_none=True)
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(
+                        f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                        param="messages",
+                    )
+                texts.append(part["text"])
+            d["content"] = "\n".join(texts)
+        elif content is None:
+            d["content"] = ""
+        out.append(d)
+    return out
+
+
+class OpenAIServing:
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str) -> None:
+        self.async_llm = async_llm
+        self.served_model_name = served_model_name
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model and model != self.served_model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, param="model")
+
+    async def add_requests(
+        self, base_request_id: str, prompts: Sequence[LazyPrompt], params: SamplingParams, arrival_time: float
+    ) -> list[RequestStream]:
+        """Adds one engine request per prompt; all are validated or none is left running."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = base_request_id if len(prompts) == 1 else f"{base_request_id}-{i}"
+                streams.append(await self.async_llm.add_request(request_id, prompt, params, arrival_time))
+        except BaseException as e:
+            self.async_llm.abort([s.request_id for s in streams])
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise to_api_error(e) from e
+        return streams
+
+    async def iterate_streams(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yields (prompt index, output) as they come from all streams; aborts the unfinished ones on exit."""
+        try:
+            if len(streams) == 1:
+                async for output in streams[0]:
+                    yield 0, output
+                return
+            pending: dict[asyncio.Future, int] = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+            try:
+                while pending:
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for fut in done:
+                        i = pending.pop(fut)
+                        try:
+                            output = fut.result()
+                        except StopAsyncIteration:
+                            continue
+                        pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                        yield i, output
+            finally:
+                for fut in pending:
+                    fut.cancel()
+        finally:
+            unfinished = [s.request_id for s in streams if not s.finished]
+            if unfinished:
+                self.async_llm.abort(unfinished)
+
+
+async def run_until_disconnected(raw_request: Request, make_coro: Callable[[], Any]) -> Any:
+    """Runs a non-streaming handler; if the client leaves first, cancels it (which aborts its requests).
+
+    Returns the handler's result, or None when the client disconnected (nobody reads the answer).
+    """
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    handler = asyncio.ensure_future(make_coro())
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        handler.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if handler.done():
+        return handler.result()
+    logger.info("client disconnected; aborting its request")
+    handler.cancel()
+    try:
+        await handler
+    except BaseException:  # noqa: BLE001 - cancelled on purpose; nothing to report to a gone client
+        pass
+    return None

@@ -1,0 +1,27 @@
+"""Fixtures for the end-to-end server tests: one real server shared by the whole session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from openai_server_utils import API_KEY, SERVER_ARGS, RemoteServer
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = RemoteServer(SERVER_ARGS)
+    yield srv
+    exit_code = srv.terminate()
+    log = srv.read_log()
+    os.unlink(srv.log.name)
+    assert exit_code == 0, log
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return server.openai_client()
+
+
+@pytest.fixture(scope="session")
+def auth_headers():
+    return {"Authorization": f"Bearer {API_KEY}"}

@@ -1,0 +1,87 @@
+"""A real ``pagellm`` server in a subprocess, on a free loopback port."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import httpx
+
+API_KEY = "sk-pagellm-test"
+# Small budgets keep the server light on a shared 2-core machine: 512-token context, ~1.1k KV tokens.
+SERVER_ARGS = [
+    "--max-model-len", "512",
+    "--kv-cache-memory", "48MiB",
+    "--max-num-seqs", "32",
+    "--no-enable-prefix-caching",
+    "--api-key", API_KEY,
+    "--disable-uvicorn-access-log",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """``pagellm serve`` (or the api_server module) as a child process."""
+
+    def __init__(self, args: list[str], use_cli: bool = False, startup_timeout_s: float = 240.0, env: Optional[dict] = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-server-", suffix=".log", delete=False)
+        entry = ["-m", "pagellm.cli", "serve"] if use_cli else ["-m", "pagellm.entrypoints.openai.api_server"]
+        cmd = [sys.executable, *entry, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self._wait_healthy(startup_timeout_s)
+        self.startup_s = time.monotonic() - t0
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def openai_client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **kwargs)
+
+    def async_openai_client(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **kwargs)
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
