@@ -81,14 +81,7 @@ class OutputProcessor:
             raise ValueError(f"request id {request_id!r} is already in use")
         children = []
         for index, (core_req_id, params) in enumerate(child_params):
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
+            detok = IncrementalDetokenizer.from_sampling_params(self.tokenizer, prompt_token_ids, params)
             child = _ChildState(index, core_req_id, params, detok)
             if params.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0
@@ -162,8 +155,12 @@ class OutputProcessor:
             dicts = self._to_logprob_dicts(out.new_logprobs)
             child.logprobs.extend(dicts)
             child.cumulative_logprob += sum(row[1][0] for row in out.new_logprobs)
-        stop_str = child.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
-        if stop_str is not None and len(child.token_ids) >= child.params.min_tokens:
+        stop_str = None
+        if out.new_token_ids:
+            # A stop token id's own text is left out of the output, as vLLM does.
+            # (The core only ever stops on token ids; stop strings are found here.)
+            stop_str = child.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+        if stop_str is not None:
             child.finish_reason, child.stop_reason = "stop", stop_str
             if out.finish_reason is None:
                 to_abort.append(child.core_req_id)
