@@ -60,6 +60,7 @@ class FakeInputProcessor:
     def __init__(self, tokenizer: FakeTokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = 1000
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text)

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import time
 
 import httpx
 import pytest
 from fake_engine import FakeEngine
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.entrypoints.openai.api_server import build_app
+from pagellm.entrypoints.openai.api_server import GracefulServer, ServerState, build_app
 from pagellm.entrypoints.openai.metrics import EngineMetrics
 
 API_KEY = "sk-test-key"
@@ -113,6 +115,7 @@ def test_bad_requests_are_400_in_openai_shape(server):
     assert_error(post(json={"prompt": "bad"}), 400, "BadRequestError", "not allowed")
     assert_error(post(json={"prompt": []}), 400, "BadRequestError", "empty")
     assert_error(post(json={"prompt": "x", "logit_bias": {"abc": 1}}), 400, "BadRequestError", "logit_bias")
+    assert_error(post(json={"prompt": "x", "logit_bias": {"1000": 1}}), 400, "BadRequestError", "vocabulary")
     assert_error(post(json={"prompt": "x", "stream_options": {"include_usage": True}}), 400, "BadRequestError", "stream")
     assert_error(post(json={"prompt": "x", "suffix": "y"}), 400, "BadRequestError", "suffix")
     chat = request(app, "POST", "/v1/chat/completions", headers=AUTH, json={"messages": [{"role": "user", "content": "hi"}]})
@@ -201,3 +204,53 @@ def test_metrics_exposition(server):
     ):
         assert f'{name}{{model_name="fake-model"}} ' in text
     assert 'pagellm:request_queue_time_seconds_count{model_name="fake-model"} 1.0' in text
+
+
+class _StubLLM:
+    def __init__(self) -> None:
+        self.is_dead = False
+        self.num_abort_all = 0
+
+    def abort_all(self) -> None:
+        self.num_abort_all += 1
+
+
+def make_graceful_server(shutdown_timeout: float = 10.0):
+    import uvicorn
+
+    state, llm = ServerState(), _StubLLM()
+    return GracefulServer(uvicorn.Config(app=None), state, llm, shutdown_timeout), state, llm
+
+
+def test_sigterm_drains_until_requests_finish():
+    server, state, llm = make_graceful_server()
+    state.num_in_flight = 2
+    assert asyncio.run(server.on_tick(1)) is False
+    server.handle_exit(signal.SIGTERM, None)
+    assert state.draining and not server.should_exit
+    assert asyncio.run(server.on_tick(1)) is False  # still two in flight
+    state.num_in_flight = 0
+    assert asyncio.run(server.on_tick(1)) is True
+    assert server._captured_signals == []  # not re-raised after shutdown: the exit code stays 0
+    assert llm.num_abort_all == 0
+
+
+def test_shutdown_timeout_aborts_the_rest():
+    server, state, llm = make_graceful_server(shutdown_timeout=0.0)
+    state.num_in_flight = 1
+    server.handle_exit(signal.SIGTERM, None)
+    assert asyncio.run(server.on_tick(1)) is False
+    assert llm.num_abort_all == 1
+    server._aborted_at = time.monotonic() - 3  # their final chunks had time to go out
+    assert asyncio.run(server.on_tick(1)) is True
+    server.handle_exit(signal.SIGINT, None)  # a second signal forces the exit
+    assert server.force_exit
+
+
+def test_dead_engine_stops_the_server():
+    server, _, llm = make_graceful_server()
+    assert asyncio.run(server.on_tick(1)) is False
+    llm.is_dead = True
+    assert asyncio.run(server.on_tick(1)) is False  # a moment for errors to reach clients
+    server._dead_since = time.monotonic() - 2
+    assert asyncio.run(server.on_tick(1)) is True

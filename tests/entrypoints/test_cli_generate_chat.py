@@ -116,7 +116,7 @@ def test_chat_interrupt_keeps_the_partial_reply_and_frees_the_request():
 @pytest.mark.slow
 def test_real_chat_session_streams_two_turns():
     proc = subprocess.run(
-        [sys.executable, "-m", "pagellm.cli", "--log-level", "warning", "chat", "--temperature", "0", "--max-tokens", "40",
+        [sys.executable, "-m", "pagellm.cli", "--log-level", "warning", "chat", "--temperature", "0", "--max-tokens", "16",
          "--max-model-len", "1024", "--kv-cache-memory", "64MiB"],
         input="What is the capital of France?\nThank you!\n",
         capture_output=True,

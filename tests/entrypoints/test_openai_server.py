@@ -150,6 +150,8 @@ def test_version_and_health(server):
         ({"prompt": "x", "n": 1000}, 400, "n must be"),
         ({"prompt": "x", "max_tokens": 600}, 400, "512"),
         ({"prompt": [10**9]}, 400, "out of range"),
+        ({"prompt": "x", "logit_bias": {"999999": 1}}, 400, "vocabulary"),
+        (b'{"prompt": "\\udcff", "max_tokens": 2}', 400, "tokenize"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "gpt-4"),
     ],
 )

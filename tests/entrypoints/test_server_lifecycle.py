@@ -74,6 +74,24 @@ def test_overload_is_503_with_retry_after(small_server):
     assert httpx.post(f"{small_server.url}/v1/completions", json=body, headers=headers, timeout=120).status_code == 200
 
 
+def test_prefix_cache_hits_show_in_usage_and_cache_salt_isolates(small_server):
+    headers = {"Authorization": f"Bearer {ENV_KEY}"}
+    body = {"prompt": "You are a helpful assistant who answers briefly. " * 6 + "What is 2 + 2?", "max_tokens": 1}
+
+    def cached_tokens(extra: dict) -> tuple[int, int]:
+        resp = httpx.post(f"{small_server.url}/v1/completions", json={**body, **extra}, headers=headers, timeout=120)
+        usage = resp.json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+    cached_tokens({})
+    hits, num_prompt = cached_tokens({})
+    assert num_prompt > 32 and hits >= 32 and hits % 16 == 0 and hits < num_prompt
+    assert cached_tokens({"cache_salt": "tenant-b"})[0] == 0  # another tenant shares no blocks
+    assert cached_tokens({"cache_salt": "tenant-b"})[0] == hits
+    metrics = httpx.get(f"{small_server.url}/metrics").text
+    assert 'pagellm:prefix_cache_hits_total{model_name="SmolLM2-135M-Instruct"} 0.0' not in metrics
+
+
 def test_sigterm_drains_in_flight_then_exits_zero(small_server):
     url = small_server.url
     short, long = {}, {}

@@ -93,6 +93,14 @@ class OpenAIServing:
         if model and model != self.served_model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, param="model")
 
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """Checks what SamplingParams cannot know alone: token ids against the vocabulary."""
+        vocab_size = self.async_llm.engine.input_processor.vocab_size
+        for token_id in params.logit_bias or {}:
+            if not 0 <= token_id < vocab_size:
+                raise APIError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})", param="logit_bias")
+        return params
+
     async def add_requests(
         self, base_request_id: str, prompts: Sequence[LazyPrompt], params: SamplingParams, arrival_time: float
     ) -> list[RequestStream]:

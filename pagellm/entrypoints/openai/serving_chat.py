@@ -67,10 +67,11 @@ def make_chat_prompt(
         raise
     except Exception as e:  # noqa: BLE001 - jinja and template errors are the request's fault
         raise ValueError(f"could not apply the chat template: {type(e).__name__}: {e}") from None
-    prompt: dict[str, Any] = {
-        "prompt": text,
-        "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=add_special_tokens)),
-    }
+    try:
+        token_ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except Exception as e:  # noqa: BLE001 - e.g. lone surrogates in the messages
+        raise ValueError(f"could not tokenize the messages: {e}") from None
+    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     return prompt
@@ -87,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         n = 1 if request.n is None else request.n
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = request.to_sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
+        params = self.check_params(request.to_sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None))
         messages = messages_to_dicts(request.messages)
         tokenizer = self.async_llm.tokenizer
 

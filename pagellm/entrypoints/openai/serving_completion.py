@@ -58,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != n:
             raise APIError("best_of must be unset or equal to n", param="best_of")
         prompts = self._prompts(request)
-        params = request.to_sampling_params(request.max_tokens, request.logprobs)
+        params = self.check_params(request.to_sampling_params(request.max_tokens, request.logprobs))
         if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = request.logprobs  # echoed prompt tokens carry logprobs too
         request_id = random_id("cmpl")
@@ -81,7 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise APIError("prompt must not be empty", param="prompt")
-        tokenizer = self.async_llm.tokenizer
+        input_processor = self.async_llm.engine.input_processor
         out: list[LazyPrompt] = []
         for item in items:
             if isinstance(item, list):
@@ -96,7 +96,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 def lazy(text: str = item) -> dict:
                     d = {"prompt": text}
                     if not request.add_special_tokens:
-                        d["prompt_token_ids"] = list(tokenizer.encode(text, add_special_tokens=False))
+                        d["prompt_token_ids"] = input_processor.tokenize(text, add_special_tokens=False)
                     if request.cache_salt is not None:
                         d["cache_salt"] = request.cache_salt
                     return d
