@@ -1,0 +1,85 @@
+"""Prefix caching on the real model: same outputs with and without it, across eviction,
+preemption and aborts; shared prefixes and n > 1 samples computed once."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.engine.output_processor import RequestOutputKind
+
+pytestmark = pytest.mark.slow
+
+rng = random.Random(0)
+SYSTEM_PROMPTS = [[rng.randrange(100, 40000) for _ in range(80)] for _ in range(3)]
+PROMPTS = [{"prompt_token_ids": SYSTEM_PROMPTS[i % 3] + [rng.randrange(100, 40000) for _ in range(5 + i)]} for i in range(12)]
+
+
+def _run(enable_prefix_caching: bool, params: SamplingParams, **kwargs):
+    llm = LLM(enable_prefix_caching=enable_prefix_caching, **kwargs)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    core = llm.llm_engine.core
+    core.kv_cache_manager.check_integrity()
+    assert core.kv_cache_manager.block_pool.num_used_blocks == 0
+    return [o.outputs[0].token_ids for o in outputs], core
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_tokens=16), SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16)],
+    ids=["greedy", "seeded"],
+)
+def test_same_outputs_with_and_without_caching_under_pressure(params):
+    # 24 blocks of 16 tokens cannot hold 12 requests of ~100 tokens: eviction and preemption.
+    kwargs = dict(num_kv_blocks=24, max_num_batched_tokens=256, max_num_seqs=8)
+    with_cache, core = _run(True, params, **kwargs)
+    without_cache, core_off = _run(False, params, **kwargs)
+    assert with_cache == without_cache
+    assert core.scheduler.total_num_preemptions > 0 or core_off.scheduler.total_num_preemptions > 0
+    stats = core.make_stats()
+    assert stats.prefix_cache_hits > 0
+
+
+def test_shared_prefix_computed_once_and_n_samples_share_prompt():
+    llm = LLM(max_num_batched_tokens=4096)
+    core = llm.llm_engine.core
+    outputs = llm.generate(PROMPTS[:6], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    stats = core.make_stats()
+    # Each system prompt (80 tokens = 5 full blocks) is computed once; its second user hits them.
+    assert stats.prefix_cache_hits == 3 * 80
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+
+    prompt = {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(100)]}
+    out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8), use_tqdm=False)[0]
+    stats = core.make_stats()
+    assert stats.prefix_cache_hits == 3 * 96  # samples 2..4 reuse the 6 full prompt blocks of sample 1
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # seeds differ per sample
+
+
+def test_abort_mid_generation_keeps_cache_consistent():
+    llm = LLM(num_kv_blocks=64)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    for i, p in enumerate(PROMPTS[:6]):
+        engine.add_request(str(i), p, params, RequestOutputKind.DELTA)
+    token_ids: dict[str, list[int]] = {}
+    finished = set()
+
+    def step() -> None:
+        for _, out in engine.step():
+            token_ids.setdefault(out.request_id, []).extend(out.outputs[0].token_ids if out.outputs else [])
+            if out.finished:
+                finished.add(out.request_id)
+
+    for _ in range(4):
+        step()
+    engine.abort_request(["0", "2", "4"])
+    while engine.has_unfinished_requests():
+        step()
+    assert finished == {"1", "3", "5"}
+    engine.core.kv_cache_manager.check_integrity()
+    assert engine.core.kv_cache_manager.block_pool.num_used_blocks == 0
+    # The survivors' outputs are what they would have been alone.
+    alone = LLM(enable_prefix_caching=False).generate([PROMPTS[1], PROMPTS[3], PROMPTS[5]], params, use_tqdm=False)
+    assert [token_ids[r] for r in ("1", "3", "5")] == [a.outputs[0].token_ids for a in alone]
