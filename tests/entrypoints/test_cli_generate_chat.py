@@ -86,7 +86,7 @@ def test_chat_drops_old_turns_when_the_context_is_full():
     # The toy template makes a turn's prompt 38 tokens, 77 with one earlier exchange, 116 with two:
     # with 4 tokens to answer, a 100-token context keeps one earlier exchange and drops the rest.
     session = make_session(max_model_len=100, max_tokens=4)
-    for turn in range(4):
+    for _ in range(4):
         session.reply("x" * 10, lambda text: None)
     assert len(session.history) == 4  # two exchanges: the newest one and the one before
     assert session.engine.states == {} and session._num_turns == 4

@@ -214,6 +214,24 @@ def test_disconnecting_streams_free_their_blocks(server, auth_headers):
     assert metric_value(text, 'pagellm:request_success_total{finished_reason="abort",model_name="SmolLM2-135M-Instruct"}') >= 20
 
 
+def test_disconnecting_non_streamed_request_aborts_it(server, auth_headers):
+    def num_aborted() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return metric_value(text, 'pagellm:request_success_total{finished_reason="abort",model_name="SmolLM2-135M-Instruct"}')
+
+    before = num_aborted()
+    body = {"prompt": "Tell me everything about the sea.", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=auth_headers, timeout=httpx.Timeout(5, read=1.0))
+    for _ in range(100):
+        text = httpx.get(f"{server.url}/metrics").text
+        if num_aborted() == before + 1 and metric_value(text, "pagellm:num_requests_running") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert num_aborted() == before + 1
+    assert metric_value(text, "pagellm:kv_cache_usage_perc") == 0.0
+
+
 def test_metrics_names(server, client):
     client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=3)
     text = httpx.get(f"{server.url}/metrics").text

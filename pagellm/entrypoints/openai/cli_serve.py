@@ -18,6 +18,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pagellm.entrypoints.openai.api_server import run_server
+    from pagellm.entrypoints.openai.api_server import exit_now, run_server
 
-    return run_server(args)
+    exit_now(run_server(args))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request
@@ -45,8 +45,11 @@ class _Choice:
 
 @dataclass
 class _PromptInfo:
+    """Per prompt of the request: what usage and echo need, filled in as outputs arrive."""
+
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs = field(default_factory=list)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -171,20 +174,16 @@ class OpenAIServingCompletion(OpenAIServing):
             choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
         return text, new_logprobs
 
-    async def _consume(
-        self, streams: list[RequestStream]
-    ) -> AsyncIterator[tuple[int, RequestOutput, list[PromptLogprobs], list[_PromptInfo]]]:
-        """Outputs of all streams, with the per-prompt bookkeeping both paths need kept up to date."""
-        infos = [_PromptInfo() for _ in streams]
-        prompt_logprobs: list[PromptLogprobs] = [[] for _ in streams]
+    async def _consume(self, streams: list[RequestStream], infos: list[_PromptInfo]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all streams, keeping ``infos`` (one per prompt) up to date."""
         async for i, output in self.iterate_streams(streams):
             if output.error is not None:
                 raise APIError(f"the engine failed on this request: {output.error}", 500)
             infos[i].num_prompt_tokens = len(output.prompt_token_ids)
             infos[i].num_cached_tokens = output.num_cached_tokens
             if output.prompt_logprobs:
-                prompt_logprobs[i].extend(output.prompt_logprobs)
-            yield i, output, prompt_logprobs, infos
+                infos[i].prompt_logprobs.extend(output.prompt_logprobs)
+            yield i, output
 
     # -- non-streamed ---------------------------------------------------------------------------------
 
@@ -192,12 +191,12 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest, request_id: str, created: int, streams: list[RequestStream], n: int
     ) -> CompletionResponse:
         choices = [_Choice() for _ in range(len(streams) * n)]
-        infos: list[_PromptInfo] = []
-        async for i, output, prompt_logprobs, infos in self._consume(streams):
+        infos = [_PromptInfo() for _ in streams]
+        async for i, output in self._consume(streams, infos):
             for completion in output.outputs:
                 choice = choices[i * n + completion.index]
                 if choice.finish_reason is None:  # finished samples of n > 1 repeat in later outputs
-                    self._update_choice(request, choice, output, completion, prompt_logprobs[i])
+                    self._update_choice(request, choice, output, completion, infos[i].prompt_logprobs)
         return CompletionResponse(
             id=request_id,
             created=created,
@@ -217,17 +216,17 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest, request_id: str, created: int, streams: list[RequestStream], n: int
     ) -> AsyncIterator[str]:
         choices = [_Choice() for _ in range(len(streams) * n)]
-        infos: list[_PromptInfo] = []
+        infos = [_PromptInfo() for _ in streams]
         # Without include_usage, chunks carry no usage key at all; with it, "usage": null until the last.
         exclude = None if request.include_usage else {"usage"}
         try:
-            async for i, output, prompt_logprobs, infos in self._consume(streams):
+            async for i, output in self._consume(streams, infos):
                 for completion in output.outputs:
                     index = i * n + completion.index
                     choice = choices[index]
                     if choice.finish_reason is not None:
                         continue
-                    text, logprobs = self._update_choice(request, choice, output, completion, prompt_logprobs[i])
+                    text, logprobs = self._update_choice(request, choice, output, completion, infos[i].prompt_logprobs)
                     if not text and not completion.token_ids and completion.finish_reason is None:
                         continue
                     chunk = CompletionStreamResponse(
