@@ -1,0 +1,135 @@
+"""Build and load the C++ paged-attention kernel, caching the result per source, flags and CPU.
+
+The library is compiled once with ``-O3 -march=native -fopenmp`` into
+``$PAGELLM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pagellm`` or ``~/.cache/pagellm``), in a folder
+named by a hash of everything that shapes the binary, so a later start just loads the ``.so``.
+``python -m pagellm.attention.build`` compiles it ahead of time (setup scripts) and checks it.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+LIB_NAME = "pagellm_paged_attention"
+# Tried in order: the first is the fast one; the second survives compilers without -march=native.
+FLAG_SETS: tuple[tuple[str, ...], ...] = (
+    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", "-fopenmp"),
+)
+
+_loaded: bool | None = None  # None: not tried yet; True/False: loaded / failed in this process
+_load_error: str | None = None
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live."""
+    if os.environ.get("PAGELLM_CACHE_DIR"):
+        return Path(os.environ["PAGELLM_CACHE_DIR"]) / "extensions"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagellm" / "extensions"
+
+
+def _cpu_identity() -> str:
+    # -march=native bakes the CPU's instruction set into the binary: a cache shared between
+    # machines must not hand one CPU's build to another.
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.strip()
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _build_tag(flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
+                 sys.version.encode(), _cpu_identity().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _library_path(build_dir: Path) -> Path:
+    return build_dir / f"{LIB_NAME}.so"
+
+
+def _compile(flags: tuple[str, ...], build_dir: Path, verbose: bool) -> Path:
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=LIB_NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=list(flags),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        is_standalone=False,
+        verbose=verbose,
+    )
+    return _library_path(build_dir)
+
+
+def load_paged_attention(verbose: bool = False) -> bool:
+    """Make ``torch.ops.pagellm_attn.paged_attention`` available; False (with one warning) if it cannot be built."""
+    global _loaded, _load_error
+    if _loaded is not None:
+        return _loaded
+    errors = []
+    for flags in FLAG_SETS:
+        build_dir = cache_dir() / f"{LIB_NAME}_{_build_tag(flags)}"
+        library = _library_path(build_dir)
+        try:
+            if library.exists():
+                torch.ops.load_library(str(library))
+            else:
+                start = time.perf_counter()
+                _compile(flags, build_dir, verbose)  # cpp_extension loads the library it built
+                logger.info("built %s in %.1fs", library, time.perf_counter() - start)
+            _loaded = True
+            return True
+        except Exception as exc:  # a compiler or loader failure of any kind means: fall back
+            errors.append(f"{' '.join(flags)}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}")
+    _load_error = "; ".join(errors)
+    warnings.warn(f"pagellm: C++ paged attention unavailable, using the torch fallback ({_load_error})", stacklevel=2)
+    _loaded = False
+    return False
+
+
+def load_error() -> str | None:
+    """Why the last load failed, if it did."""
+    return _load_error
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Pre-build the pagellm C++ attention kernel and check it.")
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    if not load_paged_attention(verbose=args.verbose):
+        print(f"build failed: {_load_error}", file=sys.stderr)
+        return 1
+    print(f"paged attention kernel ready under {cache_dir()} ({time.perf_counter() - start:.1f}s)")
+    from pagellm.attention.selfcheck import run_selfcheck
+
+    max_err = run_selfcheck()
+    print(f"self-check against the reference: max abs error {max_err:.2e}")
+    return 0 if max_err < 1e-4 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,773 @@
+// Paged attention for CPUs: reads each sequence's keys and values in place from the paged
+// cache (no padded copy), float32 math, online softmax, GQA-aware (all query heads of one
+// kv head are processed together so every K/V row is read once per tile).
+//
+// Two kernels:
+//   * decode (a sequence with one new token): work item = (sequence, kv head, head chunk,
+//     context partition); the g query heads are dotted against each key row as it streams by.
+//     Short batches of long contexts are split along the context (flash-decoding) and merged.
+//   * prefill (a sequence with several new tokens): work item = (sequence, kv head, head chunk,
+//     query tile).  A tile holds ~64 (token, head) query rows, stored transposed so that
+//     scores, masking and the softmax update are vectorised across rows; keys stream in
+//     chunks of kKeyChunk.
+// Vector code uses GCC vector extensions so that one source builds for AVX-512, AVX2 or NEON
+// with -march=native.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace pagellm {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
+
+typedef float vfloat __attribute__((vector_size(W * 4)));
+typedef int32_t vint __attribute__((vector_size(W * 4)));
+typedef float vfloat_u __attribute__((vector_size(W * 4), aligned(4)));
+
+inline vfloat vload(const float* p) { return *reinterpret_cast<const vfloat_u*>(p); }
+inline void vstore(float* p, vfloat v) { *reinterpret_cast<vfloat_u*>(p) = v; }
+template <size_t... I>
+inline vfloat vsplat_impl(float x, std::index_sequence<I...>) {
+  return vfloat{((void)I, x)...};
+}
+// Not `vfloat{} + x`: without -ffast-math that is a real addition (0 + -0 = +0).
+inline vfloat vsplat(float x) { return vsplat_impl(x, std::make_index_sequence<W>{}); }
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+// Shuffle masks are built at compile time so the compiler can pick fixed permutations.
+template <typename Fn, size_t... I>
+constexpr vint make_mask(Fn fn, std::index_sequence<I...>) {
+  return vint{fn(static_cast<int>(I))...};
+}
+template <typename Fn>
+constexpr vint make_mask(Fn fn) {
+  return make_mask(fn, std::make_index_sequence<W>{});
+}
+template <int Step>
+struct XorMask {
+  static constexpr vint make() {
+    return make_mask([](int i) { return i ^ Step; });
+  }
+};
+
+// Butterfly reductions: every lane ends up holding the total.
+template <int Step = W / 2>
+inline vfloat allsum(vfloat v) {
+  if constexpr (Step == 0) {
+    return v;
+  } else {
+    constexpr vint mask = XorMask<Step>::make();
+    return allsum<Step / 2>(v + __builtin_shuffle(v, mask));
+  }
+}
+template <int Step = W / 2>
+inline vfloat allmax(vfloat v) {
+  if constexpr (Step == 0) {
+    return v;
+  } else {
+    constexpr vint mask = XorMask<Step>::make();
+    return allmax<Step / 2>(vmax(v, __builtin_shuffle(v, mask)));
+  }
+}
+inline float hsum(vfloat v) { return allsum(v)[0]; }
+inline float hmax(vfloat v) { return allmax(v)[0]; }
+
+// One level of a transposing reduction. Inputs hold W / H segments of H partial sums each
+// (one segment per key); the output holds twice as many keys, each in H / 2 lanes: a's keys
+// first, then b's.
+template <int H>
+struct FoldMask {
+  static constexpr vint make(int half) {
+    return make_mask([half](int i) {
+      constexpr int kNext = H / 2;
+      constexpr int kSegsIn = W / H;
+      const int seg = i / kNext, within = i % kNext;
+      const int source = seg < kSegsIn ? 0 : W;
+      return source + (seg % kSegsIn) * H + within + half * kNext;
+    });
+  }
+};
+template <int H>
+inline void fold_level(vfloat* x) {
+  if constexpr (H > 1) {
+    constexpr vint lo = FoldMask<H>::make(0);
+    constexpr vint hi = FoldMask<H>::make(1);
+    for (int m = 0; m < H / 2; ++m)
+      x[m] = __builtin_shuffle(x[2 * m], x[2 * m + 1], lo) + __builtin_shuffle(x[2 * m], x[2 * m + 1], hi);
+    fold_level<H / 2>(x);
+  }
+}
+// Given W vectors (clobbered), returns r with r[n] = sum of the lanes of x[n].
+inline vfloat transpose_sum(vfloat* x) {
+  fold_level<W>(x);
+  return x[0];
+}
+
+// In-register W x W transpose by recursive block swaps: stage H exchanges the off-diagonal
+// H x H blocks of each pair of rows (i, i + H).
+template <int H>
+struct SwapMask {
+  static constexpr vint make(bool upper) {
+    return make_mask([upper](int l) {
+      if (!upper) return (l & H) ? W + l - H : l;
+      return (l & H) ? W + l : l + H;
+    });
+  }
+};
+template <int H>
+inline void transpose_stage(vfloat* x) {
+  if constexpr (H >= 1) {
+    constexpr vint lo = SwapMask<H>::make(false);
+    constexpr vint hi = SwapMask<H>::make(true);
+    for (int i = 0; i < W; ++i) {
+      if (i & H) continue;
+      const vfloat a = x[i], b = x[i + H];
+      x[i] = __builtin_shuffle(a, b, lo);
+      x[i + H] = __builtin_shuffle(a, b, hi);
+    }
+    transpose_stage<H / 2>(x);
+  }
+}
+inline void transpose(vfloat* x) { transpose_stage<W / 2>(x); }
+
+// 2^x for x <= 0 (scores minus their running max), relative error ~1e-7; -inf -> 0.
+// Round-to-nearest via the 1.5 * 2^23 trick keeps the polynomial on [-0.5, 0.5].
+inline vfloat vexp2(vfloat x) {
+  x = x < vsplat(-127.f) ? vsplat(-127.f) : x;
+  x = x > vsplat(127.f) ? vsplat(127.f) : x;
+  const vfloat magic = vsplat(12582912.f);
+  vfloat t = x + magic;
+  vfloat n = t - magic;
+  vfloat f = x - n;
+  vint ni = (vint)t - (vint)magic;
+  vfloat p = vsplat(1.5403530393381606e-4f);
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  vint bits = (ni + 127) << 23;
+  return p * (vfloat)bits;
+}
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kDecodeChunk = 16;  // keys per decode step; a multiple of W
+constexpr int kPrefetchChunks = 1;  // decode chunks prefetched ahead
+constexpr int kKeyChunk = 32;     // keys per prefill step
+constexpr int kTileRows = 64;     // target (token, head) rows per prefill tile
+constexpr int kMaxGroup = 8;      // query heads per kv head handled in one item
+constexpr int kMaxHeadDim = 256;
+
+// Where everything lives for one call.
+struct Problem {
+  const float* query;
+  int64_t query_token_stride;
+  float* out;
+  const float* key_cache;
+  const float* value_cache;
+  const int32_t* block_table;
+  int64_t block_table_stride;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  int block_size;
+  float scale_log2;  // softmax scale * log2(e): scores live in the log2 domain
+};
+
+// One unit of parallel work.
+struct Item {
+  int seq;
+  int kv_head;
+  int head_begin;  // first query head (absolute)
+  int num_group;   // query heads in this item (<= kMaxGroup)
+  int begin;       // decode: first key position; prefill: first new-token index in the sequence
+  int end;         // decode: last key position (exclusive); prefill: end new-token index
+  int partial;     // decode: index into the split partials, or -1 when the item writes output directly
+  double cost;
+};
+
+// Points key_rows/value_rows at the rows of keys [pos, pos + n) for one kv head; rows past
+// `context_len` point at a zero row so that masked-out keys never read stale cache memory.
+inline void locate_rows(const Problem& p, int seq, int kv_head, int pos, int n, int context_len,
+                        const float* zero_row, const float** key_rows, const float** value_rows) {
+  const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+  int block_index = pos / p.block_size;
+  int offset = pos - block_index * p.block_size;
+  for (int i = 0; i < n; ++i) {
+    if (pos + i < context_len) {
+      const int64_t slot = static_cast<int64_t>(table[block_index]) * p.block_size + offset;
+      const int64_t at = slot * row_stride + static_cast<int64_t>(kv_head) * p.head_dim;
+      key_rows[i] = p.key_cache + at;
+      value_rows[i] = p.value_cache + at;
+    } else {
+      key_rows[i] = zero_row;
+      value_rows[i] = zero_row;
+    }
+    if (++offset == p.block_size) {
+      offset = 0;
+      ++block_index;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: one new token; its g query heads against keys [item.begin, item.end).
+// Writes normalised output, or (m, l, acc) partials for a later merge when split.
+template <int D, int G>
+void decode_item(const Problem& p, const Item& item, const float* zero_row, float* partials) {
+  constexpr int NV = D / W;
+  constexpr int KV = kDecodeChunk / W;  // score vectors per chunk
+  const int context_len = std::min(p.seq_lens[item.seq], item.end);
+  const int token = p.query_start_loc[item.seq];
+  vfloat q[G][NV];
+  vfloat acc[G][NV];
+  vfloat l[G];  // lane-wise partial sums of the softmax denominator
+  float m[G];
+  const float* q_src = p.query + token * p.query_token_stride + static_cast<int64_t>(item.head_begin) * D;
+  for (int j = 0; j < G; ++j) {
+    for (int v = 0; v < NV; ++v) {
+      q[j][v] = vload(q_src + j * D + v * W) * p.scale_log2;
+      acc[j][v] = vfloat{};
+    }
+    m[j] = kNegInf;
+    l[j] = vfloat{};
+  }
+  vint lane{};
+  for (int i = 0; i < W; ++i) lane[i] = i;
+  // Rows of the chunks in flight: kPrefetchChunks ahead are prefetched while this one computes,
+  // since blocks are scattered and hardware prefetchers cannot guess the next block.
+  constexpr int kRing = kPrefetchChunks + 1;
+  const float* rows[kRing][2][kDecodeChunk];
+  auto fetch = [&](int chunk_start, int slot) {
+    locate_rows(p, item.seq, item.kv_head, chunk_start, kDecodeChunk, context_len, zero_row, rows[slot][0], rows[slot][1]);
+    for (int n = 0; n < kDecodeChunk; ++n) {
+      for (int line = 0; line < D; line += 16) {
+        __builtin_prefetch(rows[slot][0][n] + line, 0, 3);
+        __builtin_prefetch(rows[slot][1][n] + line, 0, 3);
+      }
+    }
+  };
+  for (int c = 0; c < kPrefetchChunks; ++c)
+    if (item.begin + c * kDecodeChunk < item.end) fetch(item.begin + c * kDecodeChunk, c);
+  int cur = 0;
+  for (int k0 = item.begin; k0 < item.end; k0 += kDecodeChunk, cur = cur + 1 == kRing ? 0 : cur + 1) {
+    const int n_keys = std::min(kDecodeChunk, item.end - k0);
+    const float* const* key_rows = rows[cur][0];
+    const float* const* value_rows = rows[cur][1];
+    const int ahead = k0 + kPrefetchChunks * kDecodeChunk;
+    if (ahead < item.end) fetch(ahead, cur == 0 ? kRing - 1 : cur - 1);
+    vfloat scores[G][KV];
+    for (int kv = 0; kv < KV; ++kv) {
+      vfloat part[G][W];
+      for (int n = 0; n < W; ++n) {
+        const float* k = key_rows[kv * W + n];
+        vfloat kr[NV];
+        for (int v = 0; v < NV; ++v) kr[v] = vload(k + v * W);
+        for (int j = 0; j < G; ++j) {
+          vfloat s = q[j][0] * kr[0];
+          for (int v = 1; v < NV; ++v) s += q[j][v] * kr[v];
+          part[j][n] = s;
+        }
+      }
+      const vint valid = lane < (n_keys - kv * W);
+      for (int j = 0; j < G; ++j) scores[j][kv] = valid ? transpose_sum(part[j]) : vsplat(kNegInf);
+    }
+    for (int j = 0; j < G; ++j) {
+      vfloat cm = scores[j][0];
+      for (int kv = 1; kv < KV; ++kv) cm = vmax(cm, scores[j][kv]);
+      const float chunk_max = hmax(cm);
+      if (chunk_max > m[j]) {
+        // Rescale only when the running max moves, which is rare after the first chunks.
+        const float corr = std::exp2(m[j] - chunk_max);  // m[j] = -inf gives 0
+        l[j] *= corr;
+        for (int v = 0; v < NV; ++v) acc[j][v] *= corr;
+        m[j] = chunk_max;
+      }
+      const vfloat shift = vsplat(m[j] == kNegInf ? 0.f : m[j]);
+      for (int kv = 0; kv < KV; ++kv) {
+        scores[j][kv] = vexp2(scores[j][kv] - shift);
+        l[j] += scores[j][kv];
+      }
+    }
+    for (int n = 0; n < n_keys; ++n) {
+      const float* vrow = value_rows[n];
+      vfloat vr[NV];
+      for (int v = 0; v < NV; ++v) vr[v] = vload(vrow + v * W);
+      for (int j = 0; j < G; ++j) {
+        const vfloat pj = vsplat(scores[j][n / W][n % W]);
+        for (int v = 0; v < NV; ++v) acc[j][v] += pj * vr[v];
+      }
+    }
+  }
+  if (item.partial < 0) {
+    float* dst = p.out + static_cast<int64_t>(token) * p.num_heads * D + static_cast<int64_t>(item.head_begin) * D;
+    for (int j = 0; j < G; ++j) {
+      const float total = hsum(l[j]);
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int v = 0; v < NV; ++v) vstore(dst + j * D + v * W, acc[j][v] * inv);
+    }
+  } else {
+    // Partial layout per item: m[kMaxGroup], l[kMaxGroup], acc[kMaxGroup][D].
+    float* dst = partials + static_cast<int64_t>(item.partial) * (2 + D) * kMaxGroup;
+    for (int j = 0; j < G; ++j) {
+      dst[j] = m[j];
+      dst[kMaxGroup + j] = hsum(l[j]);
+      for (int v = 0; v < NV; ++v) vstore(dst + 2 * kMaxGroup + j * D + v * W, acc[j][v]);
+    }
+  }
+}
+
+template <int D>
+void decode_dispatch(const Problem& p, const Item& item, const float* zero_row, float* partials) {
+  switch (item.num_group) {
+    case 1: return decode_item<D, 1>(p, item, zero_row, partials);
+    case 2: return decode_item<D, 2>(p, item, zero_row, partials);
+    case 3: return decode_item<D, 3>(p, item, zero_row, partials);
+    case 4: return decode_item<D, 4>(p, item, zero_row, partials);
+    case 5: return decode_item<D, 5>(p, item, zero_row, partials);
+    case 6: return decode_item<D, 6>(p, item, zero_row, partials);
+    case 7: return decode_item<D, 7>(p, item, zero_row, partials);
+    default: return decode_item<D, 8>(p, item, zero_row, partials);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill: rows r = token_in_tile * g + head_in_group, padded to a multiple of W. Row-major
+// buffers use the fixed stride kTileRows so that every offset below is a compile-time constant.
+struct TileScratch {
+  std::vector<float> qt;      // [D][kTileRows]: transposed, pre-scaled queries
+  std::vector<float> kc;      // [kKeyChunk][D]: the chunk's keys, contiguous
+  std::vector<float> st;      // [kKeyChunk][kTileRows]: scores, then probabilities
+  std::vector<float> o;       // [kTileRows][D]: unnormalised output
+  std::vector<float> m, l, corr, row_pos, chunk_max;  // [kTileRows]
+  std::vector<float> zero_row;                         // [kMaxHeadDim]
+  explicit TileScratch(int head_dim)
+      : qt(static_cast<size_t>(head_dim) * kTileRows),
+        kc(static_cast<size_t>(kKeyChunk) * head_dim),
+        st(static_cast<size_t>(kKeyChunk) * kTileRows),
+        o(static_cast<size_t>(kTileRows) * head_dim),
+        m(kTileRows),
+        l(kTileRows),
+        corr(kTileRows),
+        row_pos(kTileRows),
+        chunk_max(kTileRows),
+        zero_row(kMaxHeadDim, 0.f) {}
+};
+
+#if defined(__AVX512F__)
+constexpr int kQkKeys = 4;  // 4 keys x 4 row vectors = 16 accumulators of 32 registers
+constexpr int kPvRows = 4;
+#else
+constexpr int kQkKeys = 2;  // 2 x 4 = 8 accumulators of 16 registers
+constexpr int kPvRows = 2;
+#endif
+constexpr int kQkRowVecs = 4;
+constexpr int kPvVecs = 4;
+
+// st[n][r] = k_n . q_r for keys [n0, n0 + KB) and row vectors [rv0, rv0 + RV); also folds
+// the scores into the running per-row chunk maximum.
+template <int D, int KB, int RV>
+inline void qk_block(const float* kc, const float* qt, float* st, float* chunk_max, int n0, int rv0) {
+  vfloat acc[KB][RV];
+  for (int b = 0; b < KB; ++b)
+    for (int i = 0; i < RV; ++i) acc[b][i] = vfloat{};
+  const float* k = kc + n0 * D;
+#pragma GCC unroll 4
+  for (int d = 0; d < D; ++d) {
+    vfloat qv[RV];
+    for (int i = 0; i < RV; ++i) qv[i] = vload(qt + d * kTileRows + (rv0 + i) * W);
+    for (int b = 0; b < KB; ++b) {
+      const vfloat kb = vsplat(k[b * D + d]);
+      for (int i = 0; i < RV; ++i) acc[b][i] += kb * qv[i];
+    }
+  }
+  for (int i = 0; i < RV; ++i) {
+    vfloat mx = vload(chunk_max + (rv0 + i) * W);
+    for (int b = 0; b < KB; ++b) {
+      vstore(st + (n0 + b) * kTileRows + (rv0 + i) * W, acc[b][i]);
+      mx = vmax(mx, acc[b][i]);
+    }
+    vstore(chunk_max + (rv0 + i) * W, mx);
+  }
+}
+
+template <int D>
+void qk_chunk(const float* kc, int n_keys, const float* qt, int rows, float* st, float* chunk_max) {
+  const int row_vecs = rows / W;
+  for (int n0 = 0; n0 < n_keys; n0 += kQkKeys) {
+    int rv0 = 0;
+    for (; rv0 + kQkRowVecs <= row_vecs; rv0 += kQkRowVecs)
+      qk_block<D, kQkKeys, kQkRowVecs>(kc, qt, st, chunk_max, n0, rv0);
+    for (; rv0 < row_vecs; ++rv0) qk_block<D, kQkKeys, 1>(kc, qt, st, chunk_max, n0, rv0);
+  }
+}
+
+// o[r] = o[r] * corr[r] + sum_n p[n][r] * v_n for rows [r0, r0 + R), output vectors [c0, c0 + C).
+template <int D, int R, int C>
+inline void pv_block(const float* const* value_rows, int n_keys, const float* st, const float* corr, float* o, int r0,
+                     int c0) {
+  vfloat acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    const vfloat cr = vsplat(corr[r0 + r]);
+    for (int c = 0; c < C; ++c) acc[r][c] = vload(o + (r0 + r) * D + (c0 + c) * W) * cr;
+  }
+  for (int n = 0; n < n_keys; ++n) {
+    vfloat vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = vload(value_rows[n] + (c0 + c) * W);
+    for (int r = 0; r < R; ++r) {
+      const vfloat pr = vsplat(st[n * kTileRows + r0 + r]);
+      for (int c = 0; c < C; ++c) acc[r][c] += pr * vv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) vstore(o + (r0 + r) * D + (c0 + c) * W, acc[r][c]);
+}
+
+template <int D>
+void pv_chunk(const float* const* value_rows, int n_keys, const float* st, int rows, const float* corr, float* o) {
+  constexpr int NV = D / W;
+  constexpr int kTail = NV % kPvVecs;
+  for (int r0 = 0; r0 < rows; r0 += kPvRows) {
+    int c0 = 0;
+    for (; c0 + kPvVecs <= NV; c0 += kPvVecs) pv_block<D, kPvRows, kPvVecs>(value_rows, n_keys, st, corr, o, r0, c0);
+    if constexpr (kTail > 0) pv_block<D, kPvRows, kTail>(value_rows, n_keys, st, corr, o, r0, c0);
+  }
+}
+
+template <int D>
+void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
+  constexpr int NV = D / W;
+  const int g = item.num_group;
+  const int context_len = p.seq_lens[item.seq];
+  const int token0 = p.query_start_loc[item.seq];
+  const int q_len = p.query_start_loc[item.seq + 1] - token0;
+  const int first_pos = context_len - q_len;
+  const int n_tokens = item.end - item.begin;
+  const int used_rows = n_tokens * g;
+  const int rows = (used_rows + W - 1) / W * W;
+  float* qt = s.qt.data();
+  float* kc = s.kc.data();
+  float* st = s.st.data();
+  float* o = s.o.data();
+  // Transpose the tile's queries W rows x W dims at a time; padding rows read zeros.
+  const vfloat scale = vsplat(p.scale_log2);
+  for (int r0 = 0; r0 < rows; r0 += W) {
+    const float* src[W];
+    for (int i = 0; i < W; ++i) {
+      const int r = r0 + i, t = r / g, j = r % g;
+      src[i] = r < used_rows ? p.query + static_cast<int64_t>(token0 + item.begin + t) * p.query_token_stride +
+                                   static_cast<int64_t>(item.head_begin + j) * D
+                             : s.zero_row.data();
+    }
+    for (int d0 = 0; d0 < D; d0 += W) {
+      vfloat x[W];
+      for (int i = 0; i < W; ++i) x[i] = vload(src[i] + d0) * scale;
+      transpose(x);
+      for (int i = 0; i < W; ++i) vstore(qt + (d0 + i) * kTileRows + r0, x[i]);
+    }
+  }
+  std::fill(o, o + rows * D, 0.f);
+  for (int r = 0; r < rows; ++r) {
+    const bool used = r < used_rows;
+    const int t = r / g;
+    s.m[r] = kNegInf;
+    s.l[r] = 0.f;
+    // Padding rows are never stored; position -1 keeps them out of any masking decision.
+    s.row_pos[r] = used ? static_cast<float>(first_pos + item.begin + t) : -1.f;
+  }
+  const int first_row_pos = first_pos + item.begin;
+  const int key_end = first_pos + item.end;  // the tile's last row sees keys < key_end
+  const float* key_rows[kKeyChunk];
+  const float* value_rows[kKeyChunk];
+  for (int k0 = 0; k0 < key_end; k0 += kKeyChunk) {
+    const int n_keys = std::min(kKeyChunk, key_end - k0);
+    // Round up to the QK block; the extra keys are zero rows and get masked below.
+    const int n_keys_qk = (n_keys + kQkKeys - 1) / kQkKeys * kQkKeys;
+    locate_rows(p, item.seq, item.kv_head, k0, n_keys_qk, key_end, s.zero_row.data(), key_rows, value_rows);
+    for (int n = 0; n < n_keys_qk; ++n)
+      for (int v = 0; v < NV; ++v) vstore(kc + n * D + v * W, vload(key_rows[n] + v * W));
+    for (int rv = 0; rv < rows; rv += W) vstore(s.chunk_max.data() + rv, vsplat(kNegInf));
+    qk_chunk<D>(kc, n_keys_qk, qt, rows, st, s.chunk_max.data());
+    // Only chunks that reach past the tile's first position need the causal mask.
+    const bool masked = k0 + n_keys_qk - 1 > first_row_pos;
+    for (int rv = 0; rv < rows; rv += W) {
+      vfloat chunk_max = vload(s.chunk_max.data() + rv);
+      if (masked) {
+        const vfloat pos = vload(s.row_pos.data() + rv);
+        chunk_max = vsplat(kNegInf);
+        for (int n = 0; n < n_keys; ++n) {
+          vfloat sc = vload(st + n * kTileRows + rv);
+          sc = vsplat(static_cast<float>(k0 + n)) <= pos ? sc : vsplat(kNegInf);
+          vstore(st + n * kTileRows + rv, sc);
+          chunk_max = vmax(chunk_max, sc);
+        }
+      }
+      const vfloat m_old = vload(s.m.data() + rv);
+      const vfloat m_new = vmax(m_old, chunk_max);
+      const vfloat shift = m_new == vsplat(kNegInf) ? vfloat{} : m_new;
+      vfloat sum = vfloat{};
+      for (int n = 0; n < n_keys; ++n) {
+        const vfloat e = vexp2(vload(st + n * kTileRows + rv) - shift);
+        vstore(st + n * kTileRows + rv, e);
+        sum += e;
+      }
+      const vfloat corr = vexp2(m_old - shift);
+      vstore(s.corr.data() + rv, corr);
+      vstore(s.l.data() + rv, vload(s.l.data() + rv) * corr + sum);
+      vstore(s.m.data() + rv, m_new);
+    }
+    pv_chunk<D>(value_rows, n_keys, st, rows, s.corr.data(), o);
+  }
+  for (int r = 0; r < used_rows; ++r) {
+    const int t = r / g, j = r % g;
+    float* dst = p.out + static_cast<int64_t>(token0 + item.begin + t) * p.num_heads * D +
+                 static_cast<int64_t>(item.head_begin + j) * D;
+    const vfloat inv = vsplat(s.l[r] > 0.f ? 1.f / s.l[r] : 0.f);
+    for (int v = 0; v < NV; ++v) vstore(dst + v * W, vload(o + r * D + v * W) * inv);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <int D>
+void run(const Problem& p, int num_seqs, int num_threads) {
+  const int group = p.num_heads / p.num_kv_heads;
+  const int num_chunks = (group + kMaxGroup - 1) / kMaxGroup;
+  std::vector<Item> items;
+  int max_decode_context = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
+    const int context_len = p.seq_lens[s];
+    if (q_len == 0) continue;
+    for (int kh = 0; kh < p.num_kv_heads; ++kh) {
+      for (int c = 0; c < num_chunks; ++c) {
+        const int h0 = kh * group + c * kMaxGroup;
+        const int g = std::min(kMaxGroup, group - c * kMaxGroup);
+        if (q_len == 1) {
+          items.push_back({s, kh, h0, g, 0, context_len, -1, static_cast<double>(context_len) * g});
+        } else {
+          const int tile_tokens = std::max(1, kTileRows / g);
+          const int first_pos = context_len - q_len;
+          for (int t0 = 0; t0 < q_len; t0 += tile_tokens) {
+            const int t1 = std::min(q_len, t0 + tile_tokens);
+            items.push_back({s, kh, h0, g, t0, t1, -1, static_cast<double>(first_pos + t1) * (t1 - t0) * g});
+          }
+        }
+      }
+    }
+    if (q_len == 1) max_decode_context = std::max(max_decode_context, context_len);
+  }
+  // Too few items to keep every thread busy: split long decode contexts into partitions whose
+  // partial softmax states are merged afterwards.
+  std::vector<Item> split_items;
+  std::vector<std::pair<int, int>> split_ranges;  // per original split item: [first partial, count)
+  std::vector<Item> originals;
+  const int min_items = 4 * num_threads;
+  if (num_threads > 1 && static_cast<int>(items.size()) < min_items && max_decode_context >= 512) {
+    const int parts_wanted = (min_items + static_cast<int>(items.size()) - 1) / static_cast<int>(items.size());
+    std::vector<Item> kept;
+    for (const Item& it : items) {
+      const bool is_decode = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] == 1;
+      const int len = it.end - it.begin;
+      int part_len = (len + parts_wanted - 1) / parts_wanted;
+      part_len = std::max(256, (part_len + kDecodeChunk - 1) / kDecodeChunk * kDecodeChunk);
+      if (!is_decode || part_len >= len) {
+        kept.push_back(it);
+        continue;
+      }
+      const int first = static_cast<int>(split_items.size());
+      for (int b = it.begin; b < it.end; b += part_len) {
+        Item part = it;
+        part.begin = b;
+        part.end = std::min(it.end, b + part_len);
+        part.partial = static_cast<int>(split_items.size());
+        part.cost = static_cast<double>(part.end - part.begin) * it.num_group;
+        split_items.push_back(part);
+      }
+      split_ranges.push_back({first, static_cast<int>(split_items.size()) - first});
+      originals.push_back(it);
+    }
+    items.swap(kept);
+    items.insert(items.end(), split_items.begin(), split_items.end());
+  }
+  // Biggest first, so dynamic scheduling ends with the small ones.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<float> partials(split_items.size() * (2 + D) * kMaxGroup);
+  const int num_items = static_cast<int>(items.size());
+  const int threads = std::max(1, std::min(num_threads, num_items));
+#pragma omp parallel num_threads(threads)
+  {
+    TileScratch scratch(D);
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < num_items; ++i) {
+      const Item& it = items[i];
+      if (p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] == 1)
+        decode_dispatch<D>(p, it, scratch.zero_row.data(), partials.data());
+      else
+        prefill_item<D>(p, it, scratch);
+    }
+  }
+  // Merge split decode partials: out = sum_k 2^(m_k - M) acc_k / sum_k 2^(m_k - M) l_k.
+  const int num_merges = static_cast<int>(originals.size());
+  at::parallel_for(0, num_merges, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = originals[i];
+      const auto [first, count] = split_ranges[i];
+      const int token = p.query_start_loc[it.seq];
+      float* dst = p.out + static_cast<int64_t>(token) * p.num_heads * D + static_cast<int64_t>(it.head_begin) * D;
+      for (int j = 0; j < it.num_group; ++j) {
+        float m_all = kNegInf;
+        for (int k = 0; k < count; ++k) m_all = std::max(m_all, partials[static_cast<int64_t>(first + k) * (2 + D) * kMaxGroup + j]);
+        float l_all = 0.f;
+        float acc[kMaxHeadDim] = {};
+        for (int k = 0; k < count; ++k) {
+          const float* part = partials.data() + static_cast<int64_t>(first + k) * (2 + D) * kMaxGroup;
+          if (part[j] == kNegInf) continue;
+          const float w = std::exp2(part[j] - m_all);
+          l_all += w * part[kMaxGroup + j];
+          const float* a = part + 2 * kMaxGroup + j * D;
+          for (int d = 0; d < D; ++d) acc[d] += w * a[d];
+        }
+        const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+        for (int d = 0; d < D; ++d) dst[j * D + d] = acc[d] * inv;
+      }
+    }
+  });
+}
+
+bool supported_head_dim(int64_t d) { return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK_VALUE(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
+                        out.scalar_type() == at::kFloat,
+                    "paged_attention: float32 query, cache and output only");
+  TORCH_CHECK_VALUE(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_attention: bad shapes");
+  TORCH_CHECK_VALUE(kv_cache.is_contiguous() && out.is_contiguous(), "paged_attention: kv_cache and out must be contiguous");
+  TORCH_CHECK_VALUE(query.stride(2) == 1 && query.stride(1) == query.size(2),
+                    "paged_attention: each token's query heads must be contiguous");
+  TORCH_CHECK_VALUE(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                        query_start_loc.scalar_type() == at::kInt,
+                    "paged_attention: block_table, seq_lens and query_start_loc must be int32");
+  TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.stride(1) == 1, "paged_attention: block_table rows must be contiguous");
+  TORCH_CHECK_VALUE(seq_lens.is_contiguous() && query_start_loc.is_contiguous(), "paged_attention: metadata must be contiguous");
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK_VALUE(supported_head_dim(head_dim), "paged_attention: unsupported head_dim ", head_dim);
+  TORCH_CHECK_VALUE(kv_cache.size(4) == head_dim && query.size(1) % kv_cache.size(3) == 0,
+                    "paged_attention: head shapes do not match");
+  TORCH_CHECK_VALUE(query_start_loc.size(0) == num_seqs + 1 && block_table.size(0) >= num_seqs,
+                    "paged_attention: metadata sizes do not match");
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "paged_attention: out must be shaped like query");
+
+  Problem p;
+  p.query = query.data_ptr<float>();
+  p.query_token_stride = query.stride(0);
+  p.out = out.data_ptr<float>();
+  p.key_cache = kv_cache.data_ptr<float>();
+  p.value_cache = p.key_cache + kv_cache.stride(0);
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.block_table_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.num_heads = static_cast<int>(query.size(1));
+  p.num_kv_heads = static_cast<int>(kv_cache.size(3));
+  p.head_dim = static_cast<int>(head_dim);
+  p.block_size = static_cast<int>(kv_cache.size(2));
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+
+  // Every block a sequence reaches must exist: a bad table would otherwise read out of bounds.
+  const int64_t num_blocks = kv_cache.size(1);
+  TORCH_CHECK_VALUE(p.query_start_loc[0] == 0 && p.query_start_loc[num_seqs] == query.size(0),
+                    "paged_attention: query_start_loc must run from 0 to the number of tokens");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
+    const int context_len = p.seq_lens[s];
+    TORCH_CHECK_VALUE(q_len >= 0 && context_len >= q_len, "paged_attention: sequence ", s, " has ", q_len,
+                      " new tokens but a context of ", context_len);
+    const int64_t blocks = (context_len + p.block_size - 1) / p.block_size;
+    TORCH_CHECK_VALUE(blocks <= block_table.size(1), "paged_attention: block_table too narrow for sequence ", s);
+    const int32_t* row = p.block_table + s * p.block_table_stride;
+    for (int64_t b = 0; b < blocks; ++b)
+      TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < num_blocks, "paged_attention: sequence ", s, " uses block ", row[b],
+                        " of ", num_blocks);
+  }
+  const int threads = at::get_num_threads();
+  switch (head_dim) {
+    case 32: return run<32>(p, static_cast<int>(num_seqs), threads);
+    case 64: return run<64>(p, static_cast<int>(num_seqs), threads);
+    case 80: return run<80>(p, static_cast<int>(num_seqs), threads);
+    case 96: return run<96>(p, static_cast<int>(num_seqs), threads);
+    case 128: return run<128>(p, static_cast<int>(num_seqs), threads);
+    default: return run<256>(p, static_cast<int>(num_seqs), threads);
+  }
+}
+
+// Scatter this step's keys and values into their cache slots (what write_kv_cache does, without
+// the generic index_copy_ machinery: one memcpy per token row, spread over the threads).
+void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+                    "write_kv_cache: kv_cache must be a contiguous CPU [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+                    "write_kv_cache: key/value dtype must match the cache");
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1,
+                    "write_kv_cache: slot_mapping must be contiguous int64");
+  const int64_t num_tokens = slot_mapping.size(0);
+  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == num_kv_heads && t->size(2) == head_dim,
+                      "write_kv_cache: key/value must be [tokens, kv_heads, head_dim] matching the cache");
+    TORCH_CHECK_VALUE(t->stride(2) == 1 && t->stride(1) == head_dim, "write_kv_cache: each token's heads must be contiguous");
+  }
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot ", slots[t], " out of ", num_slots);
+  const int64_t row_bytes = num_kv_heads * head_dim * static_cast<int64_t>(kv_cache.element_size());
+  char* key_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* value_cache = key_cache + kv_cache.stride(0) * kv_cache.element_size();
+  const char* key_src = static_cast<const char*>(key.data_ptr());
+  const char* value_src = static_cast<const char*>(value.data_ptr());
+  const int64_t key_stride = key.stride(0) * key.element_size(), value_stride = value.stride(0) * value.element_size();
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(key_cache + slots[t] * row_bytes, key_src + t * key_stride, row_bytes);
+      std::memcpy(value_cache + slots[t] * row_bytes, value_src + t * value_stride, row_bytes);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace pagellm
+
+TORCH_LIBRARY(pagellm_attn, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, float scale) -> ()");
+  m.def("write_kv_cache(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagellm_attn, CPU, m) {
+  m.impl("paged_attention", &pagellm::paged_attention);
+  m.impl("write_kv_cache", &pagellm::write_kv_cache);
+}

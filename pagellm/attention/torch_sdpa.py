@@ -1,0 +1,182 @@
+"""Vectorised pure-torch backend: the default on accelerators and the CPU fallback.
+
+Decodes (one new token each) go through one batched gather + matmul over the padded block
+tables; prefill chunks go one sequence at a time through ``scaled_dot_product_attention`` on
+accelerators and through a GQA-grouped float32 matmul + softmax on CPU (faster there). Both
+gather the context out of the paged cache, which the C++ CPU kernel avoids.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv_cache
+from pagellm.attention.validation import check_attention_inputs
+
+# Cap on the gathered K (and V) bytes per decode sub-batch, so that long contexts in big
+# batches do not allocate gigabytes at once.
+_DECODE_GATHER_BYTES = 256 * 1024 * 1024
+
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    # Reduced precision is native on accelerators; on CPU float32 is both exact and fastest.
+    return query.dtype if query.device.type != "cpu" else torch.float32
+
+
+def decode_attention(
+    query: torch.Tensor,  # [S, num_heads, head_dim], one new token per sequence
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [S, >= blocks needed]
+    seq_lens: torch.Tensor,  # [S]
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each sequence's single new token over its whole context, batched."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    dtype = _compute_dtype(query)
+    num_blocks = -(-max_seq_len // block_size)
+    padded_len = num_blocks * block_size
+    row_bytes = padded_len * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    per_batch = max(1, _DECODE_GATHER_BYTES // max(1, row_bytes))
+    output = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    positions = torch.arange(padded_len, device=query.device)
+    for start in range(0, num_seqs, per_batch):
+        end = min(num_seqs, start + per_batch)
+        blocks = block_table[start:end, :num_blocks].long()
+        # [n, num_blocks, block_size, kvh, D] -> [n, kvh, L, D]
+        keys = kv_cache[0][blocks].flatten(1, 2).transpose(1, 2).to(dtype)
+        values = kv_cache[1][blocks].flatten(1, 2).transpose(1, 2).to(dtype)
+        valid = positions[None, :] < seq_lens[start:end, None].long()  # [n, L]
+        # Padding slots may hold anything (even NaN): zero the values so 0-probability stays 0.
+        values = values.masked_fill(~valid[:, None, :, None], 0.0)
+        q = query[start:end].to(dtype).view(end - start, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [n, kvh, g, L]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        out = torch.matmul(probs, values)  # [n, kvh, g, D]
+        output[start:end] = out.reshape(end - start, num_heads, head_dim).to(query.dtype)
+    return output
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim]
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,  # this sequence's block-table row
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's last q_len positions over its context."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-context_len // block_size)
+    blocks = block_ids[:num_blocks].long()
+    keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:context_len]  # [L, kvh, D]
+    values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:context_len]
+    if query.device.type == "cpu":
+        return _prefill_matmul(query, keys, values, scale)
+    return _prefill_sdpa(query, keys, values, scale)
+
+
+def _causal_mask(q_len: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """[q_len, context_len], True where new token i (at position context_len - q_len + i) may look."""
+    query_pos = torch.arange(context_len - q_len, context_len, device=device)
+    key_pos = torch.arange(context_len, device=device)
+    return key_pos[None, :] <= query_pos[:, None]
+
+
+def _prefill_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    q_len, num_heads, _ = query.shape
+    context_len, num_kv_heads, _ = keys.shape
+    dtype = _compute_dtype(query)
+    q = query.transpose(0, 1).to(dtype)  # [H, q_len, D]
+    k = keys.transpose(0, 1).to(dtype)
+    v = values.transpose(0, 1).to(dtype)
+    if num_heads != num_kv_heads:
+        group = num_heads // num_kv_heads
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    if q_len == context_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        # SDPA's is_causal aligns the corners top-left; a cached prefix needs bottom-right.
+        mask = _causal_mask(q_len, context_len, query.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).to(query.dtype)
+
+
+# Cap on one score matrix in the CPU prefill path; longer prefills go in query chunks.
+_PREFILL_SCORE_BYTES = 64 * 1024 * 1024
+
+
+def _prefill_matmul(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float32 matmul + softmax, GQA by grouping query heads per kv head (no K/V repeat).
+
+    On CPU this beats SDPA's kernels for these shapes and keeps float32 exact.
+    """
+    q_len, num_heads, head_dim = query.shape
+    context_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    q = query.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kvh, g, q_len, D]
+    k_t = keys.float().permute(1, 2, 0)  # [kvh, D, L]
+    v = values.float().transpose(0, 1)  # [kvh, L, D]
+    mask = _causal_mask(q_len, context_len, query.device)
+    out = torch.empty(num_kv_heads, group, q_len, head_dim, dtype=torch.float32, device=query.device)
+    rows_per_chunk = max(1, _PREFILL_SCORE_BYTES // (4 * num_heads * context_len))
+    for c0 in range(0, q_len, rows_per_chunk):
+        c1 = min(q_len, c0 + rows_per_chunk)
+        rows = q[:, :, c0:c1].reshape(num_kv_heads, group * (c1 - c0), head_dim)
+        scores = torch.matmul(rows, k_t).view(num_kv_heads, group, c1 - c0, context_len) * scale
+        scores.masked_fill_(~mask[c0:c1], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * (c1 - c0), context_len)
+        out[:, :, c0:c1] = torch.matmul(probs, v).view(num_kv_heads, group, c1 - c0, head_dim)
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
+
+
+def torch_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention over an already-written cache: decodes batched, prefill chunks one by one."""
+    starts = metadata.query_start_loc_cpu
+    seq_lens = metadata.seq_lens_cpu
+    output = torch.empty_like(query)
+    if metadata.num_tokens == 0:
+        return output
+    if metadata.num_tokens == metadata.num_seqs and metadata.max_query_len <= 1:
+        return decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.max_seq_len, scale)
+    decode_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+    if decode_seqs:
+        seq_index = torch.tensor(decode_seqs, device=query.device)
+        token_index = torch.tensor([starts[i] for i in decode_seqs], device=query.device)
+        output[token_index] = decode_attention(
+            query[token_index],
+            kv_cache,
+            metadata.block_table.index_select(0, seq_index),
+            metadata.seq_lens.index_select(0, seq_index),
+            max(seq_lens[i] for i in decode_seqs),
+            scale,
+        )
+    for i in range(metadata.num_seqs):
+        start, end = starts[i], starts[i + 1]
+        if end - start > 1:
+            output[start:end] = prefill_attention(query[start:end], kv_cache, metadata.block_table[i], seq_lens[i], scale)
+    return output
+
+
+class TorchSdpaBackend(AttentionBackend):
+    """Vectorised torch: works on every device torch supports."""
+
+    name = "torch_sdpa"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        check_attention_inputs(query, key, value, kv_cache, metadata)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return torch_attention(query, kv_cache, metadata, scale)

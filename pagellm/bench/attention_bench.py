@@ -1,0 +1,138 @@
+"""Micro-benchmark of the attention backends on SmolLM2-135M shapes.
+
+    python -m pagellm.bench.attention_bench [--cases decode,prefill,mixed] [--save-result out.json]
+
+For each case every backend runs the same batch; the table shows the median time per call,
+the speed-up over the torch reference, the achieved rate (KV-cache GB/s for decode, attention
+GFLOP/s otherwise) and the largest difference from the reference output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pagellm.attention.selector import BACKEND_NAMES, get_attn_backend
+from pagellm.attention.synthetic import SyntheticBatch, make_batch
+
+# SmolLM2-135M attention.
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+CASES: dict[str, list[tuple[int, int]]] = {
+    "decode": [(1, 1024)] * 32,
+    "decode_short": [(1, 256)] * 32,
+    "prefill": [(512, 512)] * 4,
+    # A typical continuous-batching step: decodes plus one prefill chunk after a cached prefix.
+    "mixed": [(1, 256 + 24 * i) for i in range(31)] + [(512, 1024)],
+}
+
+
+@dataclass
+class BenchRow:
+    case: str
+    backend: str
+    ms_per_call: float
+    speedup_vs_ref: float
+    rate: float
+    rate_unit: str
+    max_abs_diff: float
+
+
+def attention_flops(seqs: list[tuple[int, int]]) -> float:
+    """Multiply-adds x2 of QK^T and PV over the causally visible keys."""
+    flops = 0.0
+    for q_len, seq_len in seqs:
+        visible = sum(seq_len - q_len + i + 1 for i in range(q_len))
+        flops += 4.0 * visible * NUM_HEADS * HEAD_DIM
+    return flops
+
+
+def kv_bytes(seqs: list[tuple[int, int]]) -> float:
+    return float(sum(seq_len for _, seq_len in seqs)) * 2 * NUM_KV_HEADS * HEAD_DIM * 4
+
+
+def time_backend(backend_name: str, batch: SyntheticBatch, min_seconds: float, max_repeats: int) -> tuple[float, torch.Tensor]:
+    backend = get_attn_backend(backend_name, batch.query.device)
+    cache = batch.kv_cache.clone()
+
+    def call() -> torch.Tensor:
+        return backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale)
+
+    output = call()  # warm-up (and the output checked against the reference)
+    times: list[float] = []
+    deadline = time.perf_counter() + min_seconds
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < max_repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), output
+
+
+def run_case(case: str, backend_names: list[str], min_seconds: float, max_repeats: int) -> list[BenchRow]:
+    seqs = CASES[case]
+    batch = make_batch(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, seed=0)
+    ref_seconds, ref_out = time_backend("torch_ref", batch, min_seconds, max_repeats)
+    rows = []
+    for name in backend_names:
+        seconds, out = (ref_seconds, ref_out) if name == "torch_ref" else time_backend(name, batch, min_seconds, max_repeats)
+        if case.startswith("decode"):
+            rate, unit = kv_bytes(seqs) / seconds / 1e9, "GB/s"
+        else:
+            rate, unit = attention_flops(seqs) / seconds / 1e9, "GFLOP/s"
+        diff = (out - ref_out).abs().max().item()
+        rows.append(BenchRow(case, name, seconds * 1e3, ref_seconds / seconds, rate, unit, diff))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="decode,prefill,mixed", help=f"comma-separated, from {', '.join(CASES)}")
+    parser.add_argument("--backends", default=",".join(BACKEND_NAMES), help="comma-separated backend names")
+    parser.add_argument("--min-seconds", type=float, default=1.0, help="time each backend for at least this long")
+    parser.add_argument("--max-repeats", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before timing")
+    parser.add_argument("--save-result", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cases = [c for c in args.cases.split(",") if c]
+    backends = [b for b in args.backends.split(",") if b]
+    for case in cases:
+        if case not in CASES:
+            raise ValueError(f"unknown case {case!r}; choose from {', '.join(CASES)}")
+    rows: list[BenchRow] = []
+    header = f"{'case':<13}{'backend':<12}{'ms/call':>10}{'vs ref':>9}{'rate':>10} {'unit':<8}{'max|diff|':>11}"
+    print(f"attention micro-benchmark: heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}, "
+          f"{torch.get_num_threads()} threads")
+    print(header)
+    print("-" * len(header))
+    for case in cases:
+        for row in run_case(case, backends, args.min_seconds, args.max_repeats):
+            rows.append(row)
+            print(f"{row.case:<13}{row.backend:<12}{row.ms_per_call:>10.3f}{row.speedup_vs_ref:>8.1f}x"
+                  f"{row.rate:>10.1f} {row.rate_unit:<8}{row.max_abs_diff:>11.2e}")
+    worst = max((r.max_abs_diff for r in rows), default=0.0)
+    agree = worst < 1e-4
+    print(f"all backends agree with torch_ref: {agree} (max |diff| {worst:.2e})")
+    if args.save_result:
+        result = {
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
+            "cases": {c: CASES[c] for c in cases},
+            "rows": [asdict(r) for r in rows],
+            "all_agree": agree,
+        }
+        with open(args.save_result, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

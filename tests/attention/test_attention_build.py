@@ -1,0 +1,49 @@
+"""Kernel build cache location, cache keys and the fallback when compiling fails."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from pagellm.attention import build
+
+
+def test_cache_dir_follows_environment(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "pc"))
+    assert build.cache_dir() == tmp_path / "pc" / "extensions"
+    monkeypatch.delenv("PAGELLM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert build.cache_dir() == tmp_path / "xdg" / "pagellm" / "extensions"
+
+
+def test_build_tag_depends_on_flags() -> None:
+    tags = {build._build_tag(flags) for flags in build.FLAG_SETS}
+    assert len(tags) == len(build.FLAG_SETS)
+    assert build._build_tag(build.FLAG_SETS[0]) == build._build_tag(build.FLAG_SETS[0])
+
+
+def test_compile_failure_falls_back_with_one_warning(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "FLAG_SETS", (("-O3", "--no-such-compiler-flag"),))
+    monkeypatch.setattr(build, "_loaded", None)
+    with pytest.warns(UserWarning, match="torch fallback"):
+        assert build.load_paged_attention() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the failure is remembered: no second warning
+        assert build.load_paged_attention() is False
+    assert "no-such-compiler-flag" in (build.load_error() or "")
+
+
+@pytest.mark.skipif(not build.load_paged_attention(), reason="C++ kernel unavailable")
+def test_second_start_loads_from_cache() -> None:
+    # The library was built by now; a fresh interpreter must load it without compiling.
+    code = (
+        "import time, torch; t = time.perf_counter();"
+        "from pagellm.attention.build import load_paged_attention;"
+        "assert load_paged_attention(); print(time.perf_counter() - t)"
+    )
+    seconds = float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    assert seconds < 3.0

@@ -1,0 +1,28 @@
+"""The attention micro-benchmark runs, checks agreement and writes its JSON."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pagellm.bench import attention_bench
+
+
+def test_bench_writes_result(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "attn.json"
+    code = attention_bench.main(
+        ["--cases", "decode_short", "--backends", "torch_sdpa,torch_ref", "--min-seconds", "0", "--save-result", str(out)]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["all_agree"] is True
+    rows = {row["backend"]: row for row in result["rows"]}
+    assert set(rows) == {"torch_sdpa", "torch_ref"}
+    assert rows["torch_ref"]["speedup_vs_ref"] == 1.0
+    assert all(row["ms_per_call"] > 0 and row["max_abs_diff"] < 1e-4 for row in rows.values())
+    assert "decode_short" in capsys.readouterr().out
+
+
+def test_flop_and_byte_counts() -> None:
+    # One 2-token prefill from scratch: query 0 sees 1 key, query 1 sees 2.
+    assert attention_bench.attention_flops([(2, 2)]) == 4.0 * 3 * attention_bench.NUM_HEADS * attention_bench.HEAD_DIM
+    assert attention_bench.kv_bytes([(1, 10)]) == 10 * 2 * attention_bench.NUM_KV_HEADS * attention_bench.HEAD_DIM * 4
