@@ -209,29 +209,18 @@ class AsyncLLM:
     def abort(self, request_id: Union[str, list[str]]) -> None:
         """Aborts requests and frees their blocks at the next step boundary. Thread-safe, idempotent."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
-
-        def abort() -> None:
-            finals = []
-            for request_id in request_ids:
-                stream = self._streams.pop(request_id, None)
-                if stream is None:
-                    continue  # finished already, or never added
-                finals.append((stream, self._aborted_output(request_id)))
-                self.engine.abort_request([request_id])
-            if finals:
-                if self.stat_logger is not None:
-                    self.stat_logger.record_aborted(len(finals))
-                # A caller still reading (e.g. aborted by a shutdown) sees finish_reason "abort".
-                by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-                for stream, output in finals:
-                    by_loop[stream.loop].append((stream, output))
-                for loop, items in by_loop.items():
-                    _deliver_threadsafe(loop, items)
-
         try:
-            self._submit(_Command(abort))
+            self._submit(_Command(lambda: self._abort_now(request_ids)))
         except EngineDeadError:
             pass  # a dead engine holds nothing worth freeing
+
+    def abort_all(self) -> None:
+        """Aborts every request in flight (e.g. at the end of a shutdown's grace period)."""
+        try:
+            # The list is taken on the engine thread, which owns it.
+            self._submit(_Command(lambda: self._abort_now(list(self._streams))))
+        except EngineDeadError:
+            pass
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn(engine)`` on the engine thread (e.g. tokenization) and returns its result."""
@@ -248,9 +237,6 @@ class AsyncLLM:
 
         self._submit(_Command(call, lambda e: _resolve(loop, done, error=e)))
         return await done
-
-    def abort_all(self) -> None:
-        self.abort(list(self._streams))
 
     def shutdown(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -278,14 +264,14 @@ class AsyncLLM:
                     while not self._commands and not self._shutdown and not engine.has_unfinished_requests():
                         self._cond.wait()
                     if self._shutdown:
-                        return
+                        break
                     commands, self._commands = self._commands, []
                     self._num_pending_adds -= sum(c.is_add for c in commands)
                 for i, command in enumerate(commands):
                     try:
                         command.run()
                     except BaseException:
-                        with self._cond:  # so _die fails the rest of this batch too
+                        with self._cond:  # so _fail_all fails the rest of this batch too
                             self._commands[:0] = commands[i + 1 :]
                         raise
                 if engine.has_unfinished_requests():
@@ -296,7 +282,11 @@ class AsyncLLM:
                 self._num_waiting = len(engine.core.scheduler.waiting)
         except BaseException as e:  # noqa: BLE001 - anything escaping a step leaves the engine unusable
             logger.exception("the engine loop crashed; failing all requests")
-            self._die(e)
+            with self._cond:
+                self._dead_error = e
+            self._fail_all(f"the engine crashed: {e!r}")
+            return
+        self._fail_all("the engine was shut down")
 
     def _dispatch(self, ready: list) -> None:
         if not ready:
@@ -311,6 +301,25 @@ class AsyncLLM:
                 self._record_output(stream, output, now)
             if output.finished:
                 del self._streams[output.request_id]
+            by_loop[stream.loop].append((stream, output))
+        for loop, items in by_loop.items():
+            _deliver_threadsafe(loop, items)
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        finals = []
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                continue  # finished already, or never added
+            finals.append((stream, self._aborted_output(request_id)))
+            self.engine.abort_request([request_id])
+        if not finals:
+            return
+        if self.stat_logger is not None:
+            self.stat_logger.record_aborted(len(finals))
+        # A caller still reading (e.g. one cut off by a shutdown) sees finish_reason "abort".
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for stream, output in finals:
             by_loop[stream.loop].append((stream, output))
         for loop, items in by_loop.items():
             _deliver_threadsafe(loop, items)
@@ -342,18 +351,16 @@ class AsyncLLM:
         if self.stat_logger is not None:
             self.stat_logger.record_output(output, now, itl)
 
-    def _die(self, error: BaseException) -> None:
-        dead = EngineDeadError(f"the engine crashed: {error!r}")
-        with self._cond:
-            self._dead_error = error
+    def _fail_all(self, message: str) -> None:
+        """Ends every queued command and in-flight request with EngineDeadError (nothing may hang)."""
+        with self._cond:  # _submit refuses new commands from here on (dead or shut down)
             pending, self._commands = self._commands, []
             self._num_pending_adds = 0
-        # Queued commands hold futures on the asyncio side: fail them rather than leave them hanging.
         for command in pending:
-            command.fail(dead)
+            command.fail(EngineDeadError(message))
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, BaseException]]] = defaultdict(list)
         for stream in self._streams.values():
-            by_loop[stream.loop].append((stream, dead))
+            by_loop[stream.loop].append((stream, EngineDeadError(message)))
         self._streams.clear()
         for loop, items in by_loop.items():
             _deliver_threadsafe(loop, items)

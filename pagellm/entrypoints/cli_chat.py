@@ -10,7 +10,8 @@ import argparse
 import sys
 from typing import Callable, Optional, TextIO
 
-from pagellm.entrypoints.cli_generate import add_sampling_args, sampling_params_from_args, stream_request
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.cli_generate import add_sampling_args, sampling_params_from_args, start_engine, stream_request
 from pagellm.sampling_params import SamplingParams
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system message), /help, /exit"
@@ -36,8 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 class ChatSession:
     """The conversation and the engine behind it; the REPL is a thin loop over ``reply``."""
 
-    def __init__(self, engine, make_params: Callable[[int], SamplingParams], max_tokens: int, system: Optional[str] = None) -> None:
-        self.engine = engine
+    def __init__(self, llm: AsyncLLM, make_params: Callable[[int], SamplingParams], max_tokens: int, system: Optional[str] = None) -> None:
+        self.llm = llm
         self.make_params = make_params  # max_tokens -> this turn's SamplingParams
         self.max_tokens = max_tokens
         self.system = system
@@ -51,11 +52,11 @@ class ChatSession:
         from pagellm.tokenizer import apply_chat_template
 
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return apply_chat_template(self.engine.tokenizer, system + messages)
+        return apply_chat_template(self.llm.tokenizer, system + messages)
 
     def _fit(self, messages: list[dict[str, str]]) -> tuple[list[int], list[dict[str, str]], int]:
         """Prompt ids of the longest recent history that leaves room to answer, and that room."""
-        max_len = self.engine.max_model_len
+        max_len = self.llm.max_model_len
         while True:
             ids = self._prompt_ids(messages)
             room = max_len - len(ids)
@@ -71,13 +72,10 @@ class ChatSession:
 
         On KeyboardInterrupt the partial answer is kept in the history and the interrupt re-raised.
         """
-        from pagellm.engine.output_processor import RequestOutputKind
-
         ids, kept, max_tokens = self._fit(self.history + [{"role": "user", "content": user_text}])
         self.history = kept
         self._num_turns += 1
         request_id = f"chat-{self._num_turns}"
-        self.engine.add_request(request_id, {"prompt_token_ids": ids}, self.make_params(max_tokens), RequestOutputKind.DELTA)
         parts: list[str] = []
 
         def collect(index: int, text: str) -> None:
@@ -85,7 +83,7 @@ class ChatSession:
             on_text(text)
 
         try:
-            stream_request(self.engine, request_id, collect)
+            stream_request(self.llm, request_id, {"prompt_token_ids": ids}, self.make_params(max_tokens), collect)
         finally:
             self.history.append({"role": "assistant", "content": "".join(parts)})
         return "".join(parts)
@@ -98,7 +96,7 @@ def repl(session: ChatSession, read: Callable[[str], str], out: TextIO) -> int:
         out.write(text)
         out.flush()
 
-    write(f"Chatting with {session.engine.model_name}. {HELP}\n")
+    write(f"Chatting with {session.llm.model_name}. {HELP}\n")
     while True:
         try:
             line = read(">>> ").strip()
@@ -133,16 +131,15 @@ def repl(session: ChatSession, read: Callable[[str], str], out: TextIO) -> int:
 
 
 def run(args: argparse.Namespace, read: Callable[[str], str] = input, out: Optional[TextIO] = None) -> int:
-    from pagellm.cli import engine_kwargs
-    from pagellm.config import EngineConfig
-    from pagellm.engine.llm_engine import LLMEngine
-
     sampling_params_from_args(args)  # bad sampling flags fail before the model loads
     if read is input and sys.stdin.isatty():
         try:
             import readline  # noqa: F401 - gives input() line editing and history
         except ImportError:
             pass
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
-    session = ChatSession(engine, lambda max_tokens: sampling_params_from_args(args, max_tokens=max_tokens), args.max_tokens, args.system)
-    return repl(session, read, out or sys.stdout)
+    llm = start_engine(args)
+    try:
+        session = ChatSession(llm, lambda max_tokens: sampling_params_from_args(args, max_tokens=max_tokens), args.max_tokens, args.system)
+        return repl(session, read, out or sys.stdout)
+    finally:
+        llm.shutdown()

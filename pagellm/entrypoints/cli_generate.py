@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from typing import Any, Callable, Optional, TextIO
 
+from pagellm.engine.async_llm import AsyncLLM
 from pagellm.sampling_params import SamplingParams
 
 
@@ -41,30 +43,31 @@ def sampling_params_from_args(args: argparse.Namespace, **overrides: Any) -> Sam
     return SamplingParams(**kwargs)
 
 
-def stream_request(engine, request_id: str, on_text: Callable[[int, str], None]) -> dict[int, str]:
-    """Steps the engine until ``request_id`` finishes, passing each sample's new text to ``on_text``.
+def stream_request(llm: AsyncLLM, request_id: str, prompt: Any, params: SamplingParams, on_text: Callable[[int, str], None]) -> dict[int, str]:
+    """Runs one request to completion, passing each sample's new text to ``on_text`` as it comes.
 
+    The engine steps on AsyncLLM's thread, as in the server (on a busy machine torch's thread pool
+    runs far slower driven from the main thread), and the main thread stays free for Ctrl-C.
     Returns each sample's full text. On KeyboardInterrupt (or any error) the request is aborted,
     so the engine stays usable, and the exception propagates.
     """
-    texts: dict[int, str] = {}
-    try:
-        while engine.has_unfinished_requests():
-            for _, output in engine.step():
-                if output.request_id != request_id:
-                    continue
+
+    async def consume() -> dict[int, str]:
+        texts: dict[int, str] = {}
+        try:
+            async for output in llm.generate(prompt, params, request_id):
                 if output.error:
                     raise RuntimeError(f"generation failed: {output.error}")
                 for completion in output.outputs:
                     if completion.text:
                         texts[completion.index] = texts.get(completion.index, "") + completion.text
                         on_text(completion.index, completion.text)
-                if output.finished:
-                    return texts
-    except BaseException:
-        engine.abort_request([request_id])
-        raise
-    return texts
+        except BaseException:
+            llm.abort(request_id)
+            raise
+        return texts
+
+    return asyncio.run(consume())
 
 
 def print_sample_zero(out: TextIO) -> Callable[[int, str], None]:
@@ -94,24 +97,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> int:
+def start_engine(args: argparse.Namespace) -> AsyncLLM:
     from pagellm.cli import engine_kwargs
     from pagellm.config import EngineConfig
     from pagellm.engine.llm_engine import LLMEngine
-    from pagellm.engine.output_processor import RequestOutputKind
 
+    return AsyncLLM(LLMEngine(EngineConfig(**engine_kwargs(args))))
+
+
+def run(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> int:
     stdout = stdout or sys.stdout
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    params = sampling_params_from_args(args, n=args.n)
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
-    prompt: Any = text
-    if args.chat:
-        from pagellm.tokenizer import apply_chat_template
+    params = sampling_params_from_args(args, n=args.n)  # bad flags fail before the model loads
+    llm = start_engine(args)
+    try:
+        prompt: Any = text
+        if args.chat:
+            from pagellm.tokenizer import apply_chat_template
 
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
-        prompt = {"prompt_token_ids": apply_chat_template(engine.tokenizer, messages)}
-    engine.add_request("generate-0", prompt, params, RequestOutputKind.DELTA)
-    texts = stream_request(engine, "generate-0", print_sample_zero(stdout))
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+            prompt = {"prompt_token_ids": apply_chat_template(llm.tokenizer, messages)}
+        texts = stream_request(llm, "generate-0", prompt, params, print_sample_zero(stdout))
+    finally:
+        llm.shutdown()
     stdout.write("\n")
     for index in range(1, args.n):
         stdout.write(f"--- sample {index} ---\n{texts.get(index, '')}\n")

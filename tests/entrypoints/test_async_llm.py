@@ -235,3 +235,18 @@ def test_duplicate_request_id_is_a_value_error(make_llm):
         return [o async for o in llm.iterate(stream)]
 
     assert asyncio.run(main())[-1].finished
+
+
+def test_shutdown_ends_in_flight_requests(make_llm):
+    llm = make_llm(step_delay_s=0.005)
+
+    async def main():
+        reader = asyncio.ensure_future(collect(llm, "x", SamplingParams(max_tokens=60), "cut"))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(llm.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(reader, 5)
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("after", "x", SamplingParams(max_tokens=2))
+
+    asyncio.run(main())

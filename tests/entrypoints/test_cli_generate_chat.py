@@ -4,12 +4,14 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import time
 
 import pytest
 from fake_engine import FakeEngine
 
 import pagellm.engine.llm_engine as llm_engine
 from pagellm.cli import main
+from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.cli_chat import ChatSession, repl
 from pagellm.sampling_params import SamplingParams
 
@@ -32,6 +34,7 @@ def test_generate_prints_the_completion(fake_engines, capsys):
     assert main(["generate", "Hello", "--max-tokens", "3"]) == 0
     assert capsys.readouterr().out == "t0 t1 t2 \n"
     assert fake_engines[0].aborted == [] and not fake_engines[0].has_unfinished_requests()
+    assert fake_engines[0].step_threads == {"pagellm-engine"}
 
 
 def test_generate_n_and_chat_template(fake_engines, capsys):
@@ -45,13 +48,31 @@ def test_generate_bad_flag_fails_before_loading(fake_engines, capsys):
     assert fake_engines == []
 
 
-def make_session(max_model_len: int = 200, max_tokens: int = 4) -> ChatSession:
-    engine = FakeEngine(max_model_len=max_model_len)
-    engine.tokenizer.chat_template = "toy"
-    return ChatSession(engine, lambda n: SamplingParams(max_tokens=n, temperature=0), max_tokens, system="sys")
+@pytest.fixture
+def make_session():
+    llms: list[AsyncLLM] = []
+
+    def make(max_model_len: int = 200, max_tokens: int = 4, step_delay_s: float = 0.0) -> ChatSession:
+        engine = FakeEngine(max_model_len=max_model_len, step_delay_s=step_delay_s)
+        engine.tokenizer.chat_template = "toy"
+        llms.append(AsyncLLM(engine))
+        return ChatSession(llms[-1], lambda n: SamplingParams(max_tokens=n, temperature=0), max_tokens, system="sys")
+
+    yield make
+    for llm in llms:
+        llm.shutdown()
 
 
-def test_chat_repl_streams_and_keeps_history():
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_chat_repl_streams_and_keeps_history(make_session):
     session = make_session()
     lines = iter(["hello", "", "/help", "again", "/exit", "never read"])
     out = io.StringIO()
@@ -68,7 +89,7 @@ def test_chat_repl_streams_and_keeps_history():
     assert next(lines) == "never read"
 
 
-def test_chat_reset_and_eof():
+def test_chat_reset_and_eof(make_session):
     session = make_session()
     lines = iter(["hello", "/reset", "/system pirate"])
 
@@ -82,19 +103,18 @@ def test_chat_reset_and_eof():
     assert session.history == [] and session.system == "pirate"
 
 
-def test_chat_drops_old_turns_when_the_context_is_full():
+def test_chat_drops_old_turns_when_the_context_is_full(make_session):
     # The toy template makes a turn's prompt 38 tokens, 77 with one earlier exchange, 116 with two:
     # with 4 tokens to answer, a 100-token context keeps one earlier exchange and drops the rest.
     session = make_session(max_model_len=100, max_tokens=4)
     for _ in range(4):
         session.reply("x" * 10, lambda text: None)
     assert len(session.history) == 4  # two exchanges: the newest one and the one before
-    assert session.engine.states == {} and session._num_turns == 4
-    assert session.engine.has_unfinished_requests() is False
+    assert session.llm.engine.states == {} and session._num_turns == 4
 
 
-def test_chat_interrupt_keeps_the_partial_reply_and_frees_the_request():
-    session = make_session(max_tokens=50)
+def test_chat_interrupt_keeps_the_partial_reply_and_frees_the_request(make_session):
+    session = make_session(max_tokens=50, step_delay_s=0.01)
     seen = []
 
     def on_text(text):
@@ -105,7 +125,8 @@ def test_chat_interrupt_keeps_the_partial_reply_and_frees_the_request():
     with pytest.raises(KeyboardInterrupt):
         session.reply("hi", on_text)
     assert session.history[-1] == {"role": "assistant", "content": "t0 t1 "}
-    assert session.engine.aborted == ["chat-1"] and not session.engine.has_unfinished_requests()
+    engine = session.llm.engine
+    assert wait_until(lambda: engine.aborted == ["chat-1"] and not engine.has_unfinished_requests())
     lines = iter(["again", "/exit"])
     out = io.StringIO()
     session.make_params = lambda n: SamplingParams(max_tokens=2)
