@@ -38,6 +38,7 @@ class _ChildState:
     stop_reason: Optional[int | str] = None
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
+    finish_sent: bool = False  # DELTA mode: the output carrying finish_reason went out
 
 
 @dataclass
@@ -199,8 +200,9 @@ class OutputProcessor:
                 child.num_sent_tokens = len(child.token_ids)
                 if child.logprobs is not None:
                     child.num_sent_logprobs = len(child.logprobs)
-                if not token_ids and not done:
-                    continue
+                if not token_ids and (not done or child.finish_sent):
+                    continue  # nothing new, or its end was already reported
+                child.finish_sent = done
             else:
                 token_ids, logprobs = list(child.token_ids), child.logprobs
             text = child.detokenizer.get_next_output_text(done, delta)
