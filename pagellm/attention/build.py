@@ -95,15 +95,20 @@ def load_paged_attention(verbose: bool = False) -> bool:
         library = _library_path(build_dir)
         try:
             if library.exists():
-                torch.ops.load_library(str(library))
-            else:
-                start = time.perf_counter()
-                _compile(flags, build_dir, verbose)  # cpp_extension loads the library it built
-                logger.info("built %s in %.1fs", library, time.perf_counter() - start)
+                try:
+                    torch.ops.load_library(str(library))
+                    _loaded = True
+                    return True
+                except OSError:
+                    pass  # e.g. still being linked by a concurrent build; the locked build below waits for it
+            start = time.perf_counter()
+            _compile(flags, build_dir, verbose)  # cpp_extension loads the library it built
+            logger.info("built %s in %.1fs", library, time.perf_counter() - start)
             _loaded = True
             return True
         except Exception as exc:  # a compiler or loader failure of any kind means: fall back
-            errors.append(f"{' '.join(flags)}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}")
+            lines = str(exc).strip().splitlines() or [""]
+            errors.append(f"[{' '.join(flags)}] {type(exc).__name__}: {lines[-1]}")
     _load_error = "; ".join(errors)
     warnings.warn(f"pagellm: C++ paged attention unavailable, using the torch fallback ({_load_error})", stacklevel=2)
     _loaded = False
