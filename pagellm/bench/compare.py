@@ -33,6 +33,7 @@ from pagellm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 BLOCK_TABLE_ENTRY_BYTES = 4  # int32 block ids in the runner's block table
+_SHORT_RESERVE = {"max_model_len": "max-len", "max_tokens": "max-tokens"}
 
 
 def bench_sampling_params(output_len: int) -> SamplingParams:
@@ -67,9 +68,14 @@ class DesignResult:
     def kv_budget_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def output_tokens_per_step(self) -> float:
+        return self.total_output_tokens / self.num_steps if self.num_steps else 0.0
+
     def to_json(self, include_samples: bool = True) -> dict[str, Any]:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("samples", "utilization")}
         out["kv_budget_tokens"] = self.kv_budget_tokens
+        out["output_tokens_per_step"] = self.output_tokens_per_step
         out["utilization"] = dataclasses.asdict(self.utilization)
         if include_samples:
             # Column lists rather than one dict per step: a long run has tens of thousands.
@@ -227,6 +233,7 @@ def run_compare(
     reserve_modes: Sequence[str] = ("max_model_len",),
     sweep_block_sizes: Sequence[int] = (),
     use_tqdm: bool = True,
+    include_contiguous: bool = True,
 ) -> dict[str, Any]:
     """Paged, then contiguous per reservation mode, then the paged block-size sweep."""
     if budget_tokens < block_size:
@@ -235,9 +242,9 @@ def run_compare(
     install_core(engine, kv_layout="paged", block_size=block_size, num_kv_blocks=budget_tokens // block_size)
     warm_up(engine)
     designs.append(run_workload(engine, samples, "paged", use_tqdm=use_tqdm))
-    for mode in reserve_modes:
+    for mode in reserve_modes if include_contiguous else ():
         install_core(engine, kv_layout="contiguous", block_size=block_size, num_kv_blocks=budget_tokens // block_size)
-        label = "contiguous" if len(reserve_modes) == 1 else f"contiguous ({mode})"
+        label = "contiguous" if len(reserve_modes) == 1 else f"contig {_SHORT_RESERVE[mode]}"
         designs.append(run_workload(engine, samples, label, reserve=mode, use_tqdm=use_tqdm))
     sweep: list[SweepPoint] = []
     for bs in sweep_block_sizes:
@@ -267,6 +274,8 @@ def ratios(paged: DesignResult, other: DesignResult) -> dict[str, Optional[float
             paged.utilization.mean_requests_in_flight, other.utilization.mean_requests_in_flight
         ),
         "output_throughput": _ratio(paged.output_throughput, other.output_throughput),
+        # Steps do not depend on how busy the machine is, unlike the wall-clock figures.
+        "output_tokens_per_step": _ratio(paged.output_tokens_per_step, other.output_tokens_per_step),
         "mean_latency_speedup": _ratio(other.mean_latency_ms, paged.mean_latency_ms),
         "p99_latency_speedup": _ratio(other.p99_latency_ms, paged.p99_latency_ms),
     }
@@ -274,9 +283,9 @@ def ratios(paged: DesignResult, other: DesignResult) -> dict[str, Optional[float
 
 def format_compare_table(designs: Sequence[DesignResult]) -> str:
     paged, others = designs[0], designs[1:]
-    width = 14
-    header = f"{'':<34}" + "".join(f"{d.label[:width - 1]:>{width}}" for d in designs)
-    header += "".join(f"{'x vs ' + d.label[:7]:>{width}}" for d in others)
+    width = max(14, 2 + max(len(d.label) for d in designs))
+    header = f"{'':<34}" + "".join(f"{d.label:>{width}}" for d in designs)
+    header += "".join(f"{'ratio' if len(others) == 1 else 'ratio ' + d.label.split()[-1]:>{width}}" for d in others)
     rows: list[tuple[str, Any, str, Optional[str]]] = [
         # label, getter, format, ratio key
         ("KV budget (tokens)", lambda d: d.kv_budget_tokens, "d", None),
@@ -287,6 +296,8 @@ def format_compare_table(designs: Sequence[DesignResult]) -> str:
         ("Requests in flight, mean", lambda d: d.utilization.mean_requests_in_flight, ".1f", "mean_requests_in_flight"),
         ("Output throughput (tok/s)", lambda d: d.output_throughput, ".2f", "output_throughput"),
         ("Request throughput (req/s)", lambda d: d.request_throughput, ".3f", None),
+        ("Engine steps", lambda d: d.num_steps, "d", None),
+        ("Output tokens per step", lambda d: d.output_tokens_per_step, ".2f", "output_tokens_per_step"),
         ("Mean latency (s)", lambda d: d.mean_latency_ms / 1000, ".2f", "mean_latency_speedup"),
         ("P99 latency (s)", lambda d: d.p99_latency_ms / 1000, ".2f", "p99_latency_speedup"),
         ("Mean TTFT (s)", lambda d: d.mean_ttft_ms / 1000, ".2f", None),
@@ -303,6 +314,8 @@ def format_compare_table(designs: Sequence[DesignResult]) -> str:
             value = r.get(key) if key else None
             line += f"{format(value, '.2f') + 'x':>{width}}" if value is not None else f"{'':>{width}}"
         lines.append(line)
+    if others:
+        lines.append("ratio: paged / other; for latencies other / paged, so > 1 always means paged is better")
     lines.append("=" * total_width)
     return "\n".join(lines)
 

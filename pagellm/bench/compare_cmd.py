@@ -41,6 +41,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "(max_tokens is prompt + max_tokens: an oracle that knows each output length)",
     )
     parser.add_argument("--block-size-sweep", default=None, help="paged block sizes to sweep, e.g. 8,16,32,64,128,512")
+    parser.add_argument("--sweep-only", action="store_true", help="skip the contiguous runs (with --block-size-sweep)")
     parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument("--no-timeline", action="store_true", help="leave the per-step samples out of the JSON")
     parser.add_argument("--disable-tqdm", action="store_true")
@@ -63,6 +64,8 @@ def main(args: argparse.Namespace) -> int:
 
     reserve_modes = parse_reserve_modes(args.contiguous_reserve)
     sweep = positive_int_list(args.block_size_sweep) if args.block_size_sweep else []
+    if args.sweep_only and not sweep:
+        raise ValueError("--sweep-only needs --block-size-sweep")
     kwargs = engine_kwargs(args)
     kwargs["kv_layout"] = "paged"
     if kwargs["num_kv_blocks"] is None and kwargs["kv_cache_memory_bytes"] is None:
@@ -81,7 +84,14 @@ def main(args: argparse.Namespace) -> int:
         f"{engine.max_model_len})"
     )
     out = run_compare(
-        engine, samples, budget_tokens, args.block_size, reserve_modes, sweep, use_tqdm=not args.disable_tqdm
+        engine,
+        samples,
+        budget_tokens,
+        args.block_size,
+        reserve_modes,
+        sweep,
+        use_tqdm=not args.disable_tqdm,
+        include_contiguous=not args.sweep_only,
     )
     designs, points = out["designs"], out["sweep"]
     print(format_compare_table(designs))
@@ -96,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
         "kv_budget_tokens": budget_tokens,
         "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-        "contiguous_reserve": reserve_modes,
+        "contiguous_reserve": [] if args.sweep_only else reserve_modes,
         "input_lens": [s.prompt_len for s in samples],
         "output_lens": [s.output_len for s in samples],
     }

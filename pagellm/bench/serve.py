@@ -117,7 +117,9 @@ async def request_completion(client: httpx.AsyncClient, url: str, payload: dict[
                     last = now
                     trace.num_chunks += 1
                     text_parts.append(choices[0].get("text") or "")
-                elif message.get("usage"):
+                # vLLM reads usage only from choice-less chunks; a server that puts it on the last
+                # token's chunk is counted too.
+                if message.get("usage"):
                     trace.output_tokens = message["usage"].get("completion_tokens")
         trace.generated_text = "".join(text_parts)
         trace.latency = last - st

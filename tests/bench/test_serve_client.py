@@ -13,8 +13,9 @@ from pagellm.bench.serve import arrival_offsets, benchmark, completion_payload
 class FakeServer:
     """Streams one chunk per token, then a usage chunk, as an OpenAI completions server does."""
 
-    def __init__(self, fail_prompts=(), report_usage=True, sse_comments=False):
+    def __init__(self, fail_prompts=(), report_usage=True, sse_comments=False, in_band_error_prompts=()):
         self.payloads = []
+        self.in_band_error_prompts = set(in_band_error_prompts)
         self.fail_prompts = set(fail_prompts)
         self.report_usage = report_usage
         self.sse_comments = sse_comments
@@ -33,6 +34,9 @@ class FakeServer:
         if self.sse_comments:
             events.append(": keep-alive\n\n")
         for i in range(payload["max_tokens"]):
+            if key in self.in_band_error_prompts and i == 1:
+                events.append("data: " + json.dumps({"error": {"message": "engine died", "code": 500}}) + "\n\n")
+                break
             events.append("data: " + json.dumps({"id": "c", "choices": [{"index": 0, "text": f"t{i} "}]}) + "\n\n")
         if self.report_usage:
             usage = {"prompt_tokens": 3, "completion_tokens": payload["max_tokens"], "total_tokens": 3 + payload["max_tokens"]}
@@ -82,6 +86,12 @@ def test_without_usage_counts_chunks_and_failures_are_reported():
     assert [t.output_len for t in traces] == [4, 0, 3]
     m = calculate_metrics(traces, duration)
     assert (m.completed, m.failed, m.total_output) == (2, 1, 7)
+
+
+def test_in_band_stream_error_fails_the_request():
+    traces, duration, _ = run(FakeServer(in_band_error_prompts={31}))
+    assert [t.success for t in traces] == [True, True, False]
+    assert "engine died" in traces[2].error
 
 
 def test_failing_test_request_is_a_clear_error():
