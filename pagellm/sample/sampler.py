@@ -3,7 +3,7 @@
 Order, as vLLM v1: raw logprobs first (before any processing), then logit bias, banned tokens
 and penalties (these can change the argmax, so they apply to greedy rows too), then greedy
 argmax for greedy rows; random rows go on through temperature, top-k, top-p, min-p and an
-exponential race.
+inverse-CDF draw.
 """
 from __future__ import annotations
 
@@ -94,27 +94,29 @@ class Sampler:
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         probs = logits.softmax(dim=-1)
-        return self._exponential_race(probs, metadata.seeds)
+        return self._inverse_cdf_sample(probs, metadata.seeds)
 
-    def _exponential_race(self, probs: torch.Tensor, seeds: dict[int, tuple[int, int]]) -> torch.Tensor:
-        """Draws one token per row: argmax(p / q) with q ~ Exp(1) samples exactly from p.
+    def _inverse_cdf_sample(self, probs: torch.Tensor, seeds: dict[int, tuple[int, int]]) -> torch.Tensor:
+        """Draws one token per row by inverting its CDF at a uniform draw: one random number
+        per row (an exponential race needs one per vocabulary entry, ~10x slower on a CPU).
 
-        Seeded rows draw their q from a generator seeded by (seed, step) alone, so their samples
-        do not depend on the other rows of the batch nor on the row's position in it.
+        Seeded rows draw their uniform from a generator seeded by (seed, step) alone, so their
+        samples do not depend on the other rows of the batch nor on the row's position in it.
         """
         num_rows = probs.shape[0]
-        q = torch.empty_like(probs)
-        if len(seeds) < num_rows:
-            q.exponential_()
+        u = torch.rand(num_rows, 1, device=probs.device, dtype=probs.dtype)
         for i, (row, (seed, step)) in enumerate(seeds.items()):
             if not 0 <= row < num_rows:
                 raise ValueError(f"seeded row {row} is outside the batch of {num_rows} rows.")
             generator = self._generator(probs.device, i)
             generator.manual_seed(derive_step_seed(seed, step))
-            q[row].exponential_(generator=generator)
-        # A zero draw would turn masked tokens' 0 / 0 into NaN, which argmax would pick.
-        q.clamp_min_(torch.finfo(q.dtype).tiny)
-        return probs.div_(q).argmax(dim=-1)
+            u[row] = torch.rand(1, device=probs.device, dtype=probs.dtype, generator=generator)
+        cdf = probs.cumsum_(dim=-1)
+        # Scale to the row's total so rounding in the cumsum never leaves u past the end;
+        # masked tokens add no mass, so the first index where the CDF exceeds u has p > 0.
+        targets = u * cdf[:, -1:]
+        sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        return sampled.clamp_max_(probs.shape[1] - 1)
 
     def _generator(self, device: torch.device, index: int) -> torch.Generator:
         pool = self._generators.setdefault(device, [])

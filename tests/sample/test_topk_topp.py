@@ -83,3 +83,20 @@ def test_top_p_matches_reference_on_random_logits() -> None:
             total += probs[row, token].item()
         assert got[row] == keep
     assert math.isfinite(float(logits.sum()))
+
+
+def test_candidate_nucleus_matches_full_sort_on_a_large_vocabulary():
+    from pagellm.sample.topk_topp import NUCLEUS_CANDIDATES, _apply_top_k_top_p_sorted
+
+    torch.manual_seed(0)
+    vocab = 4 * NUCLEUS_CANDIDATES
+    peaked = torch.randn(6, vocab) * 4.0  # nucleus well inside the candidates
+    flat = torch.randn(4, vocab) * 0.01  # nucleus spans most of the vocabulary: the fallback
+    logits = torch.cat([peaked, flat])
+    top_p = torch.tensor([0.5, 0.9, 0.99, 1.0, 0.7, 0.95, 0.5, 0.9, 0.3, 1.0])
+    for top_k in (None, torch.tensor([0, 5, 2000, 0, 1, 4096, 0, 3000, 10, 0])):
+        fast = apply_top_k_top_p(logits.clone(), top_k, top_p)
+        slow = _apply_top_k_top_p_sorted(logits.clone(), top_k, top_p)
+        assert torch.equal(torch.isinf(fast), torch.isinf(slow))
+        kept = ~torch.isinf(fast)
+        assert torch.equal(fast[kept], logits[kept])
