@@ -13,6 +13,7 @@ _COMMANDS = {
     "latency": ("pagellm.bench.latency", "latency of one batch, repeated"),
     "serve": ("pagellm.bench.serve", "load-test an OpenAI-compatible server over HTTP (vLLM's metrics)"),
     "compare": ("pagellm.bench.compare_cmd", "paged + continuous batching vs contiguous + static batching"),
+    "prefix-cache": ("pagellm.bench.prefix_cache", "shared-prefix burst with and without prefix caching"),
 }
 
 
