@@ -3,7 +3,8 @@
 The library is compiled once with ``-O3 -march=native -fopenmp`` into
 ``$PAGELLM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pagellm`` or ``~/.cache/pagellm``), in a folder
 named by a hash of everything that shapes the binary, so a later start just loads the ``.so``.
-``python -m pagellm.attention.build`` compiles it ahead of time (setup scripts) and checks it.
+``python -m pagellm.attention.build`` compiles it ahead of time (setup scripts) and checks it;
+``--clean`` also deletes builds of older source versions.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import time
 import warnings
@@ -120,10 +122,30 @@ def load_error() -> str | None:
     return _load_error
 
 
+def remove_stale_builds() -> list[Path]:
+    """Delete cached builds of other source versions, flags or CPUs; returns what was removed.
+
+    Not done automatically: checkouts of different versions may share one cache.
+    """
+    keep = {f"{LIB_NAME}_{_build_tag(flags)}" for flags in FLAG_SETS}
+    removed = []
+    root = cache_dir()
+    if root.is_dir():
+        for entry in root.glob(f"{LIB_NAME}_*"):
+            if entry.is_dir() and entry.name not in keep:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Pre-build the pagellm C++ attention kernel and check it.")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    parser.add_argument("--clean", action="store_true", help="first delete cached builds of other versions")
     args = parser.parse_args(argv)
+    if args.clean:
+        for path in remove_stale_builds():
+            print(f"removed {path}")
     start = time.perf_counter()
     if not load_paged_attention(verbose=args.verbose):
         print(f"build failed: {_load_error}", file=sys.stderr)

@@ -47,3 +47,15 @@ def test_second_start_loads_from_cache() -> None:
     )
     seconds = float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
     assert seconds < 3.0
+
+
+def test_remove_stale_builds_keeps_current_tags(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    root = build.cache_dir()
+    current = root / f"{build.LIB_NAME}_{build._build_tag(build.FLAG_SETS[0])}"
+    stale = root / f"{build.LIB_NAME}_0123456789abcdef"
+    unrelated = root / "something_else"
+    for path in (current, stale, unrelated):
+        path.mkdir(parents=True)
+    assert build.remove_stale_builds() == [stale]
+    assert current.is_dir() and unrelated.is_dir() and not stale.exists()
