@@ -52,7 +52,6 @@ class StepStats:
 class EngineCore:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, shape: ModelShape, max_model_len: int) -> None:
         self.config = config
-        self.max_model_len = max_model_len
         self.block_size = config.block_size
         block_bytes = bytes_per_block(shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, config.dtype)
         self.num_blocks = determine_num_blocks(
@@ -64,6 +63,17 @@ class EngineCore:
             max_model_len,
         )
         self.kv_cache_bytes = self.num_blocks * block_bytes
+        # A request longer than the whole cache could never be scheduled and would wait forever.
+        capacity = self.num_blocks * config.block_size
+        if max_model_len > capacity:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={max_model_len} does not fit in the KV cache, which holds {capacity} tokens "
+                    f"({self.num_blocks} blocks of {config.block_size}); raise the KV cache budget or lower max_model_len"
+                )
+            logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d to %d", capacity, max_model_len, capacity)
+            max_model_len = capacity
+        self.max_model_len = max_model_len
         kv_caches = allocate_kv_caches(
             shape.num_layers, self.num_blocks, config.block_size, shape.num_kv_heads, shape.head_dim, config.dtype, config.device
         )

@@ -71,6 +71,7 @@ class LLMEngine:
         self.shape = ModelShape.from_hf_config(self.hf_config)
         self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
         self.core = EngineCore(config, model, self.shape, self.max_model_len)
+        self.max_model_len = self.core.max_model_len  # may be lowered to what the KV cache holds
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
