@@ -12,6 +12,10 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
+# Knobs the runner stores in fixed-width arrays: larger values would overflow there and take the
+# whole batch down, not just the request. A top_k this large already means "no limit".
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1
 
 
 class SamplingType(Enum):
@@ -93,6 +97,8 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
             bad(f"top_k must be 0 or -1 (disable) or at least 1, got {self.top_k}.")
+        if self.top_k > MAX_TOP_K:
+            bad(f"top_k must be at most {MAX_TOP_K}, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None:
@@ -104,6 +110,8 @@ class SamplingParams:
             bad(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}.")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and not -MAX_SEED - 1 <= self.seed <= MAX_SEED:
+            bad(f"seed must fit in 64 bits (between {-MAX_SEED - 1} and {MAX_SEED}), got {self.seed}.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):

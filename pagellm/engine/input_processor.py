@@ -51,6 +51,7 @@ class InputProcessor:
             text = prompt
             token_ids = self.tokenize(prompt)
         self.validate_token_ids(token_ids)
+        self.validate_params(params)
         max_tokens = self.resolve_max_tokens(len(token_ids), params)
         return ProcessedPrompt(text, list(token_ids), max_tokens, cache_salt)
 
@@ -62,6 +63,18 @@ class InputProcessor:
         for t in token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} is out of range for a vocabulary of {self.vocab_size}")
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Checks the token ids in ``params`` against the vocabulary, which SamplingParams cannot know.
+
+        An id outside it would fail in the sampler's tensors mid-batch, after the request was accepted.
+        """
+        for token_id in params.logit_bias or {}:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        for token_id in params.stop_token_ids or []:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"stop_token_ids token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         if num_prompt_tokens >= self.max_model_len:

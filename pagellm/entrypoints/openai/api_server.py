@@ -154,6 +154,7 @@ def build_app(
     api_key: Optional[str] = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     model_root: Optional[str] = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__)
     state = ServerState(api_key=api_key, max_request_body_bytes=max_request_body_bytes)
@@ -162,8 +163,8 @@ def build_app(
     app.state.metrics = metrics
     name = async_llm.model_name
     completions = OpenAIServingCompletion(async_llm, name)
-    chat = OpenAIServingChat(async_llm, name)
-    tokenization = OpenAIServingTokenization(async_llm, name)
+    chat = OpenAIServingChat(async_llm, name, trust_request_chat_template)
+    tokenization = OpenAIServingTokenization(async_llm, name, trust_request_chat_template)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -294,6 +295,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--max-waiting-requests", type=int, default=None, help="answer 503 once this many requests wait (default: unbounded)"
     )
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template sent with a request (it runs on the engine thread; off by default)",
+    )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
 
@@ -310,7 +316,9 @@ def run_server(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     metrics = EngineMetrics(engine.model_name)
     async_llm = AsyncLLM(engine, config.max_waiting_requests, metrics)
-    app = build_app(async_llm, metrics, api_key, args.max_request_body_bytes, engine.model_path)
+    app = build_app(
+        async_llm, metrics, api_key, args.max_request_body_bytes, engine.model_path, args.trust_request_chat_template
+    )
     uv_config = uvicorn.Config(
         app,
         host=args.host,

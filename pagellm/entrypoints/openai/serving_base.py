@@ -85,9 +85,25 @@ def messages_to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
 
 class OpenAIServing:
-    def __init__(self, async_llm: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str, trust_request_chat_template: bool = False) -> None:
         self.async_llm = async_llm
         self.served_model_name = served_model_name
+        self.trust_request_chat_template = trust_request_chat_template
+
+    def check_chat_template(self, chat_template: Optional[str], chat_template_kwargs: Optional[dict[str, Any]]) -> None:
+        """Refuses a template sent with the request unless the operator trusts clients with them.
+
+        A template is a program run on the engine thread: the sandbox stops file and attribute
+        access but not a loop of 10^10 steps, which would stall every request (vLLM's
+        ``--trust-request-chat-template`` guards the same way).
+        """
+        if self.trust_request_chat_template:
+            return
+        if chat_template is not None or (chat_template_kwargs and "chat_template" in chat_template_kwargs):
+            raise APIError(
+                "chat_template in a request is refused; the server must be started with --trust-request-chat-template",
+                param="chat_template",
+            )
 
     def check_model(self, model: Optional[str]) -> None:
         if model and model != self.served_model_name:

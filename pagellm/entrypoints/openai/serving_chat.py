@@ -84,6 +84,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("messages must not be empty", param="messages")
         if request.add_generation_prompt and request.continue_final_message:
             raise APIError("add_generation_prompt and continue_final_message cannot both be true", param="continue_final_message")
+        self.check_chat_template(request.chat_template, request.chat_template_kwargs)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         n = 1 if request.n is None else request.n

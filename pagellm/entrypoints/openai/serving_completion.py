@@ -30,6 +30,10 @@ from pagellm.entrypoints.openai.serving_base import (
 )
 from pagellm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 
+# One HTTP request fans out into prompts x n sequences. Without a cap, an 8 MiB body of one-token
+# prompts times n=128 queues hundreds of millions of requests and the server runs out of memory.
+MAX_SEQUENCES_PER_REQUEST = 1024
+
 
 @dataclass
 class _Choice:
@@ -60,8 +64,15 @@ class OpenAIServingCompletion(OpenAIServing):
         n = 1 if request.n is None else request.n
         if request.best_of is not None and request.best_of != n:
             raise APIError("best_of must be unset or equal to n", param="best_of")
-        prompts = self._prompts(request)
         params = self.check_params(request.to_sampling_params(request.max_tokens, request.logprobs))
+        num_prompts = len(_prompt_items(request.prompt))
+        if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+            raise APIError(
+                f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts x n), "
+                f"got {num_prompts} prompts x n={n}",
+                param="prompt",
+            )
+        prompts = self._prompts(request)
         if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = request.logprobs  # echoed prompt tokens carry logprobs too
         request_id = random_id("cmpl")
@@ -77,11 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     def _prompts(self, request: CompletionRequest) -> list[LazyPrompt]:
-        prompt = request.prompt
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-            items: list = [prompt]
-        else:
-            items = list(prompt)
+        items = _prompt_items(request.prompt)
         if not items:
             raise APIError("prompt must not be empty", param="prompt")
         input_processor = self.async_llm.engine.input_processor
@@ -250,6 +257,13 @@ class OpenAIServingCompletion(OpenAIServing):
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
             yield sse_error(e)
         yield SSE_DONE
+
+
+def _prompt_items(prompt: Union[list[int], list[list[int]], str, list[str]]) -> list:
+    """The request's prompts: one string or token list, or a list of them."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return prompt if isinstance(prompt, list) else list(prompt)
 
 
 def _usage(infos: list[_PromptInfo], choices: list[_Choice]):

@@ -12,6 +12,7 @@ class OpenAIServingTokenization(OpenAIServing):
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
+        self.check_chat_template(request.chat_template, request.chat_template_kwargs)
         messages = messages_to_dicts(request.messages) if request.messages is not None else None
 
         def tokenize(engine) -> tuple[list[int], list[str]]:
