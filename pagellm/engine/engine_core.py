@@ -47,6 +47,12 @@ class StepStats:
     num_reqs: int
     num_prefill_tokens: int
     duration_s: float
+    # Where the step's time went (seconds): scheduling, the runner's phases, bookkeeping after.
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
 
 
 class EngineCore:
@@ -122,11 +128,23 @@ class EngineCore:
             return []
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
         runner_out = self.runner.execute_model(sched_out)
+        t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        t3 = time.perf_counter()
         num_prefill = sum(n for n in sched_out.num_scheduled_tokens.values() if n > 1)
+        phases = self.runner.last_timings
         self.last_step = StepStats(
-            sched_out.total_num_scheduled_tokens, len(sched_out.num_scheduled_tokens), num_prefill, time.perf_counter() - t0
+            sched_out.total_num_scheduled_tokens,
+            len(sched_out.num_scheduled_tokens),
+            num_prefill,
+            t3 - t0,
+            schedule_s=t1 - t0,
+            prepare_s=phases.get("prepare", 0.0),
+            forward_s=phases.get("forward", 0.0),
+            sample_s=phases.get("sample", 0.0),
+            update_s=t3 - t2,
         )
         return outputs
 

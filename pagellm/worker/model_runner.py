@@ -6,6 +6,7 @@ The runner owns the model, the KV cache tensors and the persistent input batch. 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import numpy as np
@@ -50,6 +51,8 @@ class ModelRunner:
         max_num_blocks_per_req = -(-max_model_len // block_size)
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_blocks_per_req)
         self.sampler = Sampler()
+        # Seconds spent in each phase of the last step; cheap enough to always record.
+        self.last_timings: dict[str, float] = {}
 
     # ---- state updates -----------------------------------------------------------------
 
@@ -70,6 +73,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
         self._update_states(out)
         if out.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
@@ -102,9 +106,12 @@ class ModelRunner:
             query_start_loc_cpu=[0] + cu_end.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
+        t1 = time.perf_counter()
         hidden = self.model(
             torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, metadata
         )
+        t2 = time.perf_counter()
+        self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1}
 
         # Only sequences whose known tokens are now all computed produce a new token.
         sample_mask = seq_lens == batch.num_tokens[rows]
@@ -121,6 +128,7 @@ class ModelRunner:
             token = result.sampled_token_ids.get(req_id)
             if token is not None:
                 batch.append_token(row, token)
+        self.last_timings["sample"] = time.perf_counter() - t2
         return result
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], result: ModelRunnerOutput) -> None:

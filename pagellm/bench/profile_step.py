@@ -1,0 +1,95 @@
+"""``pagellm bench profile``: where a decode step's time goes.
+
+    pagellm bench profile --batch-size 32 --input-len 256 --num-steps 20
+
+Fills a batch with prompts, lets the prefills finish, then times decode steps: the engine's own
+phase clocks (scheduling, input preparation, forward pass, logits + sampling, bookkeeping) and,
+under torch.profiler, the split of the forward pass between matrix multiplies, attention and
+everything else (norms, RoPE, activations, Python).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from pagellm.cli import add_engine_args
+
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--num-steps", type=int, default=20)
+    add_engine_args(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagellm import LLM, SamplingParams
+    from pagellm.cli import engine_kwargs
+    from pagellm.engine.output_processor import RequestOutputKind
+
+    llm = LLM(**engine_kwargs(args))
+    engine, core = llm.llm_engine, llm.llm_engine.core
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.num_steps * 3 + 8, ignore_eos=True)
+    for i in range(args.batch_size):
+        prompt = [rng.randrange(100, engine.shape.vocab_size - 100) for _ in range(args.input_len)]
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params, RequestOutputKind.DELTA)
+    worker = ThreadPoolExecutor(1)  # steps run off the main thread, as in the engine's front ends
+
+    def step():
+        return worker.submit(engine.step).result()
+
+    while core.last_step is None or core.last_step.num_prefill_tokens > 0 or core.last_step.num_reqs < args.batch_size:
+        step()
+    for _ in range(3):  # warm-up of the pure decode shape
+        step()
+    phases = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "update": 0.0, "step": 0.0}
+    t0 = time.perf_counter()
+    for _ in range(args.num_steps):
+        step()
+        s = core.last_step
+        for key in ("schedule", "prepare", "forward", "sample", "update"):
+            phases[key] += getattr(s, f"{key}_s")
+        phases["step"] += s.duration_s
+    wall = time.perf_counter() - t0
+    def profiled_steps():
+        # The profiler records the thread it is entered on, so it runs on the engine's thread.
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(max(3, args.num_steps // 4)):
+                engine.step()
+        return prof
+
+    prof = worker.submit(profiled_steps).result()
+    matmul = attention = total = 0.0
+    for evt in prof.key_averages():
+        total += evt.self_cpu_time_total
+        if evt.key in _MATMUL_OPS:
+            matmul += evt.self_cpu_time_total
+        elif evt.key.startswith("pagellm_attn::") or "attention" in evt.key:
+            attention += evt.self_cpu_time_total
+    n = args.num_steps
+    step_ms = phases["step"] / n * 1000
+    forward_ms = phases["forward"] / n * 1000
+    share = lambda ms: 100 * ms / step_ms  # noqa: E731
+    mm_fwd = forward_ms * matmul / total if total else 0.0
+    attn_fwd = forward_ms * attention / total if total else 0.0
+    rows = [
+        ("matrix multiplies (forward)", mm_fwd),
+        ("attention", attn_fwd),
+        ("other forward ops (norms, RoPE, act.)", forward_ms - mm_fwd - attn_fwd),
+        ("logits (lm_head) + sampling", phases["sample"] / n * 1000),
+        ("input preparation", phases["prepare"] / n * 1000),
+        ("scheduling + bookkeeping", (phases["schedule"] + phases["update"]) / n * 1000),
+    ]
+    print(f"decode step at batch {args.batch_size}, context ~{args.input_len}: {step_ms:.1f} ms "
+          f"({args.batch_size * n / wall:.1f} tok/s incl. output processing)")
+    for name, ms in rows:
+        print(f"  {name:<40}{ms:8.1f} ms {share(ms):6.1f}%")
+    return 0
