@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# pagellm against vLLM's CPU build, on this machine, in one run, with vLLM's own `bench serve`
+# client (../shared/peers/peer_bench.sh): workloads R (64 x 256 in / 128 out), P (4 shared
+# 512-token prefixes + 64 unique, 64 out) and V (256 in/out spread 10%..190%), 32 in flight.
+# Then pagellm's own `bench serve` on the same server, and the MFU of every run against the
+# fp32 matmul peak measured right after.
+#
+# Needs the peers set up first (see ../shared/peers/README.md: the model as an HF directory in
+# /tmp/models/smollm2-135m-instruct and vLLM in /tmp/peers/vllm-venv).
+# Usage: scripts/peer_compare.sh OUTDIR [skip-vllm]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: peer_compare.sh OUTDIR [skip-vllm]}
+mkdir -p "$out"
+peers=$(cd ../shared/peers && pwd)
+
+wait_ready() {  # port pid -> seconds until /health answers 200
+  local start=$SECONDS
+  until curl -sf "http://127.0.0.1:$1/health" >/dev/null; do
+    kill -0 "$2" 2>/dev/null || { echo "server on port $1 died" >&2; return 1; }
+    sleep 0.5
+  done
+  echo $((SECONDS - start))
+}
+
+if [ "${2:-}" != skip-vllm ]; then
+  bash "$peers/vllm-serve.sh" 8100 > "$out/vllm-server.log" 2>&1 &
+  vpid=$!
+  echo "vLLM ready after $(wait_ready 8100 $vpid) s" | tee "$out/vllm-ready.txt"
+  WITH_V=1 bash "$peers/peer_bench.sh" vllm 8100 "$out"
+  kill -TERM $vpid; wait $vpid || true
+fi
+
+.venv/bin/pagellm serve --port 8000 > "$out/pagellm-server.log" 2>&1 &
+ppid=$!
+echo "pagellm ready after $(wait_ready 8000 $ppid) s" | tee "$out/pagellm-ready.txt"
+WITH_V=1 bash "$peers/peer_bench.sh" pagellm 8000 "$out"
+.venv/bin/pagellm bench serve --base-url http://127.0.0.1:8000 --dataset-name random --random-input-len 256 \
+  --random-output-len 128 --num-prompts 64 --max-concurrency 32 --request-rate inf --seed 0 --disable-tqdm \
+  --save-result --result-dir "$out" --result-filename pagellm-own-random.json > "$out/pagellm-own-random.log"
+kill -TERM $ppid; wait $ppid || true
+
+.venv/bin/pagellm bench mfu --result "$out"/*-random.json "$out"/*-prefix.json "$out"/*-variable.json | tee "$out/mfu.txt"
