@@ -96,6 +96,8 @@ class EngineCore:
         )
         self.block_hasher = make_block_hasher(config.block_size) if config.enable_prefix_caching else None
         self.last_step: Optional[StepStats] = None
+        # Running totals for benchmarks: steps that carried prompt tokens vs decode-only steps.
+        self.totals = {"prefill_steps_s": 0.0, "prefill_tokens": 0, "decode_steps_s": 0.0, "decode_tokens": 0}
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)",
             self.num_blocks,
@@ -146,6 +148,9 @@ class EngineCore:
             sample_s=phases.get("sample", 0.0),
             update_s=t3 - t2,
         )
+        kind = "prefill" if num_prefill else "decode"
+        self.totals[f"{kind}_steps_s"] += t3 - t0
+        self.totals[f"{kind}_tokens"] += num_prefill if num_prefill else sched_out.total_num_scheduled_tokens
         return outputs
 
     def make_stats(self) -> SchedulerStats:
