@@ -18,16 +18,44 @@ class ProcessedPrompt:
     cache_salt: Optional[str] = None
 
 
+def max_chars_per_token(tokenizer) -> Optional[int]:
+    """The longest vocabulary entry, in characters: no token covers more characters of a text.
+
+    Byte-level BPE entries spell one character per byte, SentencePiece entries one per character,
+    and byte-fallback entries (``<0xAB>``) more than they cover, so this is an upper bound.
+    """
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    try:
+        return max((len(piece) for piece in get_vocab()), default=None)
+    except Exception:  # noqa: BLE001 - a tokenizer without a usable vocabulary gets no cheap bound
+        return None
+
+
 class InputProcessor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        # Tokenizing runs on the engine thread: an 8 MiB prompt takes seconds and stalls every
+        # stream, only to be refused as too long afterwards. Text that cannot fit the context
+        # (twice over, for normalizers that merge characters) is refused before tokenizing.
+        chars = max_chars_per_token(tokenizer)
+        self.max_prompt_chars: Optional[int] = 2 * max_model_len * chars if chars else None
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt is {num_chars} characters long, more than a context of {self.max_model_len} tokens "
+                f"can hold (at most {self.max_prompt_chars} characters are accepted)"
+            )
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(text).__name__}")
+        self.check_prompt_chars(len(text))
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except Exception as e:  # noqa: BLE001 - tokenizer internals raise anything on odd input

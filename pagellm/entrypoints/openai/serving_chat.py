@@ -54,8 +54,12 @@ def make_chat_prompt(
     chat_template_kwargs: Optional[dict[str, Any]],
     add_special_tokens: bool,
     cache_salt: Optional[str],
+    input_processor: Any = None,
 ) -> dict[str, Any]:
-    """Renders and tokenizes a conversation (runs on the engine thread); template errors -> ValueError."""
+    """Renders and tokenizes a conversation (runs on the engine thread); template errors -> ValueError.
+
+    With ``input_processor``, a rendering too long for the context is refused before tokenizing.
+    """
     from pagellm.tokenizer import render_chat
 
     kwargs = dict(chat_template_kwargs or {})
@@ -67,6 +71,8 @@ def make_chat_prompt(
         raise
     except Exception as e:  # noqa: BLE001 - jinja and template errors are the request's fault
         raise ValueError(f"could not apply the chat template: {type(e).__name__}: {e}") from None
+    if input_processor is not None and hasattr(input_processor, "check_prompt_chars"):
+        input_processor.check_prompt_chars(len(text))
     try:
         token_ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except Exception as e:  # noqa: BLE001 - e.g. lone surrogates in the messages
@@ -103,6 +109,7 @@ class OpenAIServingChat(OpenAIServing):
                 request.chat_template_kwargs,
                 request.add_special_tokens,
                 request.cache_salt,
+                self.async_llm.engine.input_processor,
             )
 
         role = "assistant" if request.add_generation_prompt else messages[-1]["role"]

@@ -28,6 +28,7 @@ class OpenAIServingTokenization(OpenAIServing):
                     request.chat_template_kwargs,
                     add_special,
                     None,
+                    engine.input_processor,
                 )["prompt_token_ids"]
             else:
                 add_special = True if request.add_special_tokens is None else request.add_special_tokens
