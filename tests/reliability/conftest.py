@@ -1,0 +1,45 @@
+"""Servers shared by the reliability tests, and the check that runs after every one of them:
+each live server's block pool is whole again (nothing leaked, nothing left referenced)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# The server launcher and API key live with the other end-to-end server tests.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "entrypoints"))
+
+from reliability_utils import CACHED_SERVER_ARGS, LIVE_SERVERS, MAIN_SERVER_ARGS, start_server  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def main_server():
+    """Prefix caching off, a small KV pool, unbounded waiting queue, API key required."""
+    server = start_server(MAIN_SERVER_ARGS)
+    yield server
+    code = server.terminate()
+    log = server.read_log()
+    server.cleanup()
+    assert code == 0, log
+
+
+@pytest.fixture(scope="session")
+def cached_server():
+    """Prefix caching on and a bounded waiting queue (16); started without --host (the default bind)."""
+    server = start_server(CACHED_SERVER_ARGS, host_args=[])
+    yield server
+    code = server.terminate()
+    log = server.read_log()
+    server.cleanup()
+    assert code == 0, log
+
+
+@pytest.fixture(autouse=True)
+def pool_is_whole_after_each_test():
+    yield
+    for server in list(LIVE_SERVERS):
+        if not server.alive():
+            LIVE_SERVERS.remove(server)
+            continue
+        server.assert_pool_whole()
