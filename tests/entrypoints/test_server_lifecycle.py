@@ -19,7 +19,7 @@ def small_server():
     srv = RemoteServer(
         [
             "--max-model-len", "4096",
-            "--kv-cache-memory", "96MiB",
+            "--kv-cache-memory", "192MiB",  # holds the whole 4096-token context
             "--max-num-seqs", "2",
             "--max-waiting-requests", "1",
             "--shutdown-timeout", "4",
