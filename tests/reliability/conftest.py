@@ -35,6 +35,13 @@ def cached_server():
     assert code == 0, log
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_server_outlives_the_session():
+    yield
+    for server in LIVE_SERVERS:
+        server.cleanup()  # kills any a failed test left running
+
+
 @pytest.fixture(autouse=True)
 def pool_is_whole_after_each_test():
     yield

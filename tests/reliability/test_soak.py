@@ -36,14 +36,20 @@ def test_soak_refuses_non_loopback_servers():
 def test_one_minute_soak_serves_everything_and_leaks_nothing():
     soak = load_soak_module()
     server = start_server(soak.DEFAULT_SERVER_ARGS + ["--api-key", API_KEY])
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "soak.json")
-        cmd = [sys.executable, SOAK, "--url", server.url, "--server-pid", str(server.pid), "--api-key", API_KEY,
-               "--duration-s", "60", "--max-requests", "3000", "--warmup-s", "15", "--json-out", out]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert os.path.exists(out), proc.stdout[-3000:] + proc.stderr[-3000:]
-        with open(out) as f:
-            report = json.load(f)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "soak.json")
+            cmd = [sys.executable, SOAK, "--url", server.url, "--server-pid", str(server.pid), "--api-key", API_KEY,
+                   "--duration-s", "60", "--max-requests", "3000", "--warmup-s", "15", "--json-out", out]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            assert os.path.exists(out), proc.stdout[-3000:] + proc.stderr[-3000:]
+            with open(out) as f:
+                report = json.load(f)
+        server.assert_pool_whole()
+        code = server.terminate()
+        assert code == 0, server.read_log()
+    finally:
+        server.cleanup()
     assert proc.returncode == 0 and report["ok"], report
     assert report["errors"] == 0 and report["greedy_mismatches"] == 0, report["error_samples"]
     assert report["requests_served"] >= 50 and report["outcomes"].get("disconnected", 0) > 0, report
