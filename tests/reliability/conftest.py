@@ -15,8 +15,8 @@ from reliability_utils import CACHED_SERVER_ARGS, LIVE_SERVERS, MAIN_SERVER_ARGS
 
 @pytest.fixture(scope="session")
 def main_server():
-    """Prefix caching off, a small KV pool, unbounded waiting queue, API key required."""
-    server = start_server(MAIN_SERVER_ARGS)
+    """Prefix caching off, a small KV pool, unbounded waiting queue, API key required, fault hooks on."""
+    server = start_server(MAIN_SERVER_ARGS, faults=True)
     yield server
     code = server.terminate()
     log = server.read_log()

@@ -5,13 +5,16 @@ Everything the real server does is unchanged; this wrapper only adds, before ``m
 * ``GET /debug/engine``: runs the block pool's and the KV manager's integrity checks *on the engine
   thread* (between steps, where the books must balance) and reports what the engine still holds:
   blocks in use, cached free blocks, requests in the scheduler, the output processor and AsyncLLM.
-* Fault injection keyed on the request's ``seed`` (a field every route accepts and passes through):
-  ``FAIL_SEED`` makes that request's sampling raise, ``CRASH_SEED`` makes the engine step itself raise.
+* With ``PAGELLM_TEST_FAULTS=1`` in the environment, fault injection keyed on the request's ``seed``
+  (a field every route accepts and passes through): ``FAIL_SEED`` makes that request's sampling
+  raise, ``CRASH_SEED`` makes the engine step itself raise. Off otherwise, so that fuzzers and the
+  soak cannot trip them by chance.
 
 Nothing here is importable by the package: the faults exist only in processes started from tests.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 FAIL_SEED = 424242  # sampling raises for this request only
@@ -81,7 +84,8 @@ def _install_debug_route() -> None:
 
 
 def main() -> int:
-    _install_faults()
+    if os.environ.get("PAGELLM_TEST_FAULTS") == "1":
+        _install_faults()
     _install_debug_route()
     from pagellm.entrypoints.openai import api_server
 

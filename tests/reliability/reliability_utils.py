@@ -23,13 +23,16 @@ MODEL = "SmolLM2-135M-Instruct"
 class InstrumentedServer:
     """``instrumented_server.py`` (the real server plus /debug/engine and fault hooks) in a child process."""
 
-    def __init__(self, args: list[str], startup_timeout_s: float = 240.0, host_args: Optional[list[str]] = None) -> None:
+    def __init__(
+        self, args: list[str], startup_timeout_s: float = 240.0, host_args: Optional[list[str]] = None, faults: bool = False
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-reliability-", suffix=".log", delete=False)
         host_args = ["--host", "127.0.0.1"] if host_args is None else host_args
         cmd = [sys.executable, os.path.join(HERE, "instrumented_server.py"), *host_args, "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "PAGELLM_TEST_FAULTS": "1" if faults else "0"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy(startup_timeout_s)
 
     @property

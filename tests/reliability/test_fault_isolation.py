@@ -104,7 +104,7 @@ def test_offline_llm_isolates_a_sampling_failure(monkeypatch):
 
 
 def test_engine_crash_fails_in_flight_requests_and_exits_nonzero():
-    server = start_server([a for a in MAIN_SERVER_ARGS if a != "--no-enable-prefix-caching"])
+    server = start_server([a for a in MAIN_SERVER_ARGS if a != "--no-enable-prefix-caching"], faults=True)
     url = server.url
     health: list[int] = []
     stop = threading.Event()
