@@ -38,7 +38,9 @@ class RemoteServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-server-", suffix=".log", delete=False)
         entry = ["-m", "pagellm.cli", "serve"] if use_cli else ["-m", "pagellm.entrypoints.openai.api_server"]
-        cmd = [sys.executable, *entry, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self._launch([sys.executable, *entry, "--host", "127.0.0.1", "--port", str(self.port), *args], env, startup_timeout_s)
+
+    def _launch(self, cmd: list[str], env: Optional[dict], startup_timeout_s: float) -> None:
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self._wait_healthy(startup_timeout_s)

@@ -5,7 +5,6 @@ import asyncio
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -13,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import httpx
-from openai_server_utils import API_KEY, free_port
+from openai_server_utils import API_KEY, RemoteServer, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "SmolLM2-135M-Instruct"
 
 
-class InstrumentedServer:
+class InstrumentedServer(RemoteServer):
     """``instrumented_server.py`` (the real server plus /debug/engine and fault hooks) in a child process."""
 
     def __init__(
@@ -31,34 +30,14 @@ class InstrumentedServer:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-reliability-", suffix=".log", delete=False)
         host_args = ["--host", "127.0.0.1"] if host_args is None else host_args
         cmd = [sys.executable, os.path.join(HERE, "instrumented_server.py"), *host_args, "--port", str(self.port), *args]
-        env = {**os.environ, "PAGELLM_TEST_FAULTS": "1" if faults else "0"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy(startup_timeout_s)
+        self._launch(cmd, {"PAGELLM_TEST_FAULTS": "1" if faults else "0"}, startup_timeout_s)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.read_log()}")
-
     def alive(self) -> bool:
         return self.proc.poll() is None
-
-    def read_log(self) -> str:
-        with open(self.log.name) as f:
-            return f.read()
 
     def debug(self) -> dict[str, Any]:
         resp = httpx.get(f"{self.url}/debug/engine", timeout=30)
@@ -88,20 +67,6 @@ class InstrumentedServer:
         assert metric_value(text, "pagellm:num_requests_running") == 0.0
         assert metric_value(text, "pagellm:num_requests_waiting") == 0.0
         return snap
-
-    def terminate(self, timeout_s: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
     def cleanup(self) -> None:
         self.kill()
