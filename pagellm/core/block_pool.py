@@ -85,6 +85,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # Kept as a count (checked by check_integrity) so metrics read it each step without a scan.
+        self.num_cached_free_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,10 +96,6 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.free_queue.num_free_blocks
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.cached_blocks.values() if b.ref_cnt == 0)
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
@@ -116,17 +114,23 @@ class BlockPool:
             new_blocks.append(block)
         return new_blocks
 
+    def _is_indexed(self, block: KVCacheBlock) -> bool:
+        return block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block
+
     def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            if self.cached_blocks.get(block.block_hash) is block:
-                del self.cached_blocks[block.block_hash]
-            block.block_hash = None
+        """Drops a free block from the prefix-cache index as it is handed out again."""
+        if self._is_indexed(block):
+            del self.cached_blocks[block.block_hash]
+            self.num_cached_free_blocks -= 1
+        block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes a reference on blocks found in the prefix cache, reviving free ones."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if self._is_indexed(block):
+                    self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int) -> None:
@@ -149,7 +153,9 @@ class BlockPool:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is not block:
+                if self._is_indexed(block):
+                    self.num_cached_free_blocks += 1
+                else:
                     block.block_hash = None  # a duplicate nobody can find: plain free block
                 self.free_queue.append(block)
 
@@ -160,6 +166,7 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        self.num_cached_free_blocks = 0
         return True
 
     def check_integrity(self) -> None:
@@ -175,3 +182,6 @@ class BlockPool:
         for block_hash, block in self.cached_blocks.items():
             if block.block_hash != block_hash:
                 raise RuntimeError(f"block {block.block_id} is indexed under a hash it does not carry")
+        num_cached_free = sum(1 for b in self.cached_blocks.values() if b.ref_cnt == 0)
+        if num_cached_free != self.num_cached_free_blocks:
+            raise RuntimeError(f"{self.num_cached_free_blocks} cached free blocks counted, {num_cached_free} found")
