@@ -49,6 +49,9 @@ class AttentionBackend(ABC):
     """Writes the new keys/values into the paged cache, then attends over each sequence's context."""
 
     name: str = "base"
+    # Whether forward takes q/k/v whose tokens are strided (views into one fused q/k/v projection
+    # output, each token's heads contiguous); otherwise callers pass contiguous tensors.
+    accepts_strided_qkv: bool = False
 
     @abstractmethod
     def forward(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv_cache
-from pagellm.attention.build import load_paged_attention
+from pagellm.kernels.build import load_kernels
 from pagellm.attention.torch_sdpa import torch_attention
 from pagellm.attention.validation import check_attention_inputs
 
@@ -17,16 +17,17 @@ SUPPORTED_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256})
 
 def kernel_available() -> bool:
     """Whether the C++ kernel is (or can be) built and loaded in this process."""
-    return load_paged_attention()
+    return load_kernels()
 
 
 class CpuPagedBackend(AttentionBackend):
     """C++ kernel for float32 on CPU; the torch path for what it does not cover."""
 
     name = "cpu_paged"
+    accepts_strided_qkv = True
 
     def __init__(self) -> None:
-        if not load_paged_attention():
+        if not load_kernels():
             raise RuntimeError("the C++ paged attention kernel could not be built; use get_attn_backend() to fall back")
         self._attention_op = torch.ops.pagellm_attn.paged_attention
         self._write_op = torch.ops.pagellm_attn.write_kv_cache
@@ -52,7 +53,7 @@ class CpuPagedBackend(AttentionBackend):
         check_attention_inputs(query, key, value, kv_cache, metadata)
         if not self.supports(query, kv_cache):
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-            return torch_attention(query, kv_cache, metadata, scale)
+            return torch_attention(query.contiguous(), kv_cache, metadata, scale)
         self._write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
             query = query.contiguous()

@@ -1,9 +1,11 @@
 """The engine core: schedule a step, run it, hand the results back. Token ids only, no text."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -98,6 +100,11 @@ class EngineCore:
         self.last_step: Optional[StepStats] = None
         # Running totals for benchmarks: steps that carried prompt tokens vs decode-only steps.
         self.totals = {"prefill_steps_s": 0.0, "prefill_tokens": 0, "decode_steps_s": 0.0, "decode_tokens": 0}
+        # PAGELLM_STEP_TRACE=path appends one JSON line per step (its StepStats plus the time since
+        # the previous step ended), to see where a real run's time goes without a profiler.
+        trace_path = os.environ.get("PAGELLM_STEP_TRACE")
+        self._trace = open(trace_path, "a", buffering=1) if trace_path else None
+        self._last_step_end: Optional[float] = None
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)",
             self.num_blocks,
@@ -151,6 +158,10 @@ class EngineCore:
         kind = "prefill" if num_prefill else "decode"
         self.totals[f"{kind}_steps_s"] += t3 - t0
         self.totals[f"{kind}_tokens"] += num_prefill if num_prefill else sched_out.total_num_scheduled_tokens
+        if self._trace is not None:
+            gap = t0 - self._last_step_end if self._last_step_end is not None else 0.0
+            self._trace.write(json.dumps({"t": t0, "gap_s": gap, **asdict(self.last_step)}) + "\n")
+        self._last_step_end = t3
         return outputs
 
     def make_stats(self) -> SchedulerStats:

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a flat token batch and a paged KV cache.
 
 Q/K/V and gate/up are each one fused Linear, stacked from the Hugging Face weights at load time,
-so a layer does four matmuls instead of seven. Module names otherwise follow Hugging Face, so
+so a layer does four matmuls instead of seven; the elementwise work between them goes through the
+fused layers of ``pagellm.models.layers``. Module names otherwise follow Hugging Face, so
 ``model.layers.3.self_attn.o_proj.weight`` loads straight into the parameter of the same name.
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.models.rope import RotaryEmbedding, apply_rotary, head_dim_of
+from pagellm.models.layers import RMSNorm, rotate_in_place, silu_and_mul, use_cpu_kernels
+from pagellm.models.rope import RotaryArgs, RotaryEmbedding, apply_rotary, head_dim_of
 
 # (fused parameter, checkpoint projection, shard) for the projections we stack at load time.
 _STACKED_PROJECTIONS = (
@@ -26,19 +28,6 @@ _STACKED_PROJECTIONS = (
 )
 # Buffers some checkpoints carry that we compute ourselves instead.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 as transformers does, so half-precision models do not lose range.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -72,20 +61,20 @@ class LlamaAttention(nn.Module):
             shard
         ]
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: RotaryArgs, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # Rotation makes q and k contiguous; v is copied so backends may assume contiguous inputs.
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.contiguous().view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        if rope.fused:
+            # q and k are rotated where they lie: all three stay views of one buffer, no copies.
+            rotate_in_place(qkv, rope.positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if not rope.fused:
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+        if not self.attn_backend.accepts_strided_qkv:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -105,10 +94,7 @@ class LlamaMLP(nn.Module):
         return {"gate": (0, self.intermediate_size), "up": (self.intermediate_size, self.intermediate_size)}[shard]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        h = F.silu(gate_up[:, : self.intermediate_size])
-        h.mul_(gate_up[:, self.intermediate_size :])
-        return self.down_proj(h)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -130,14 +116,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryArgs,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        # The sublayer outputs are fresh tensors, so the residual adds can reuse them in place.
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata).add_(hidden)
-        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it is added), so the next
+        norm can fold that add in. ``residual`` is None for the first layer."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -161,11 +154,12 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        # One gather for all layers: every layer rotates by the same positions.
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        # Prepared once for all layers: every layer rotates by the same positions.
+        rope = self.rotary_emb.prepare(positions, hidden.dtype, fused=use_cpu_kernels(hidden))
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

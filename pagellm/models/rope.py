@@ -5,6 +5,7 @@ we accept produces exactly the frequencies transformers would use for the same c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,6 +83,18 @@ def check_rope_config(hf_config: PretrainedConfig) -> None:
         raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported.")
 
 
+@dataclass
+class RotaryArgs:
+    """One forward pass's rotation inputs, prepared once and shared by every layer."""
+
+    positions: torch.Tensor  # int64 [T]
+    # fused: the whole tables [max_positions, head_dim // 2], gathered inside the kernel;
+    # otherwise this step's rows [T, 1, head_dim // 2], ready to broadcast over heads.
+    cos: torch.Tensor
+    sin: torch.Tensor
+    fused: bool
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves), as Llama, Mistral and Qwen2 use.
 
@@ -108,12 +121,21 @@ class RotaryEmbedding(nn.Module):
         self._sin = freqs.sin() * attention_scaling
         return self._cos, self._sin
 
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables, ``[max_positions, head_dim // 2]`` float32, on ``device``."""
+        if self._cos is None or self._sin is None or self._cos.device != device:
+            return self._build(device)
+        return self._cos, self._sin
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> RotaryArgs:
+        """The rotation inputs for this step: whole tables for the fused kernel, else gathered rows."""
+        if fused:
+            return RotaryArgs(positions, *self.tables(positions.device), fused=True)
+        return RotaryArgs(positions, *self.cos_sin(positions, dtype), fused=False)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, ``[T, 1, head_dim // 2]`` each, ready to broadcast over heads."""
-        if self._cos is None or self._sin is None or self._cos.device != positions.device:
-            cos_table, sin_table = self._build(positions.device)
-        else:
-            cos_table, sin_table = self._cos, self._sin
+        cos_table, sin_table = self.tables(positions.device)
         cos = cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin

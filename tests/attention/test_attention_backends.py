@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from pagellm.attention.selector import get_attn_backend
 from pagellm.attention.synthetic import SyntheticBatch, make_batch
 
-from pagellm.attention.build import load_paged_attention
+from pagellm.kernels.build import load_kernels
 
 # The C++ backend is tested wherever it builds; torch_sdpa always.
-BACKENDS = ["torch_sdpa"] + (["cpu_paged"] if load_paged_attention() else [])
+BACKENDS = ["torch_sdpa"] + (["cpu_paged"] if load_kernels() else [])
 
 # (q_len, seq_len) per sequence.
 SCENARIOS = {

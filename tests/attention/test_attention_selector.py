@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.attention.build import load_paged_attention
+from pagellm.kernels.build import load_kernels
 from pagellm.attention.selector import BACKEND_NAMES, get_attn_backend
 
 
@@ -17,7 +17,7 @@ def test_named_backends(name: str) -> None:
 
 
 def test_default_on_cpu_is_the_fastest_available() -> None:
-    expected = "cpu_paged" if load_paged_attention() else "torch_sdpa"
+    expected = "cpu_paged" if load_kernels() else "torch_sdpa"
     assert get_attn_backend(None, "cpu").name == expected
 
 

@@ -1,9 +1,10 @@
-"""Build and load the C++ paged-attention kernel, caching the result per source, flags and CPU.
+"""Build and load pagellm's C++ CPU kernels, caching the result per source, flags and CPU.
 
-The library is compiled once with ``-O3 -march=native -fopenmp`` into
+One library holds them all: paged attention (``torch.ops.pagellm_attn``) and the fused layer ops
+(``torch.ops.pagellm_ops``). It is compiled once with ``-O3 -march=native -fopenmp`` into
 ``$PAGELLM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pagellm`` or ``~/.cache/pagellm``), in a folder
 named by a hash of everything that shapes the binary, so a later start just loads the ``.so``.
-``python -m pagellm.attention.build`` compiles it ahead of time (setup scripts) and checks it;
+``python -m pagellm.kernels.build`` compiles it ahead of time (setup scripts) and checks it;
 ``--clean`` also deletes builds of older source versions.
 """
 from __future__ import annotations
@@ -23,8 +24,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-LIB_NAME = "pagellm_paged_attention"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp")
+HEADERS = (CSRC / "vec.h",)
+LIB_NAME = "pagellm_cpu_kernels"
 # Tried in order: the first is the fast one; the second survives compilers without -march=native.
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
@@ -58,7 +61,7 @@ def _cpu_identity() -> str:
 
 def _build_tag(flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
+    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(flags).encode(), torch.__version__.encode(),
                  sys.version.encode(), _cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -75,7 +78,7 @@ def _compile(flags: tuple[str, ...], build_dir: Path, verbose: bool) -> Path:
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=LIB_NAME,
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=list(flags),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -86,8 +89,8 @@ def _compile(flags: tuple[str, ...], build_dir: Path, verbose: bool) -> Path:
     return _library_path(build_dir)
 
 
-def load_paged_attention(verbose: bool = False) -> bool:
-    """Make ``torch.ops.pagellm_attn.paged_attention`` available; False (with one warning) if it cannot be built."""
+def load_kernels(verbose: bool = False) -> bool:
+    """Make ``torch.ops.pagellm_attn`` and ``torch.ops.pagellm_ops`` available; False (with one warning) if they cannot be built."""
     global _loaded, _load_error
     if _loaded is not None:
         return _loaded
@@ -112,7 +115,7 @@ def load_paged_attention(verbose: bool = False) -> bool:
             lines = str(exc).strip().splitlines() or [""]
             errors.append(f"[{' '.join(flags)}] {type(exc).__name__}: {lines[-1]}")
     _load_error = "; ".join(errors)
-    warnings.warn(f"pagellm: C++ paged attention unavailable, using the torch fallback ({_load_error})", stacklevel=2)
+    warnings.warn(f"pagellm: C++ kernels unavailable, using the torch fallback ({_load_error})", stacklevel=2)
     _loaded = False
     return False
 
@@ -139,7 +142,7 @@ def remove_stale_builds() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Pre-build the pagellm C++ attention kernel and check it.")
+    parser = argparse.ArgumentParser(description="Pre-build pagellm's C++ CPU kernels and check them.")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     parser.add_argument("--clean", action="store_true", help="first delete cached builds of other versions")
     args = parser.parse_args(argv)
@@ -147,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         for path in remove_stale_builds():
             print(f"removed {path}")
     start = time.perf_counter()
-    if not load_paged_attention(verbose=args.verbose):
+    if not load_kernels(verbose=args.verbose):
         print(f"build failed: {_load_error}", file=sys.stderr)
         return 1
-    print(f"paged attention kernel ready under {cache_dir()} ({time.perf_counter() - start:.1f}s)")
+    print(f"CPU kernels ready under {cache_dir()} ({time.perf_counter() - start:.1f}s)")
     from pagellm.attention.selfcheck import run_selfcheck
 
     max_err = run_selfcheck()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagellm.attention import build
+from pagellm.kernels import build
 
 
 def test_cache_dir_follows_environment(monkeypatch, tmp_path: Path) -> None:
@@ -30,20 +30,20 @@ def test_compile_failure_falls_back_with_one_warning(monkeypatch, tmp_path: Path
     monkeypatch.setattr(build, "FLAG_SETS", (("-O3", "--no-such-compiler-flag"),))
     monkeypatch.setattr(build, "_loaded", None)
     with pytest.warns(UserWarning, match="torch fallback"):
-        assert build.load_paged_attention() is False
+        assert build.load_kernels() is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the failure is remembered: no second warning
-        assert build.load_paged_attention() is False
+        assert build.load_kernels() is False
     assert "no-such-compiler-flag" in (build.load_error() or "")
 
 
-@pytest.mark.skipif(not build.load_paged_attention(), reason="C++ kernel unavailable")
+@pytest.mark.skipif(not build.load_kernels(), reason="C++ kernel unavailable")
 def test_second_start_loads_from_cache() -> None:
     # The library was built by now; a fresh interpreter must load it without compiling.
     code = (
         "import time, torch; t = time.perf_counter();"
-        "from pagellm.attention.build import load_paged_attention;"
-        "assert load_paged_attention(); print(time.perf_counter() - t)"
+        "from pagellm.kernels.build import load_kernels;"
+        "assert load_kernels(); print(time.perf_counter() - t)"
     )
     seconds = float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
     assert seconds < 3.0

@@ -1,0 +1,102 @@
+"""The fused C++ layer ops against their torch paths (which follow transformers' arithmetic)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.kernels.build import load_kernels
+from pagellm.models.layers import RMSNorm, rotate_in_place, silu_and_mul, use_cpu_kernels
+from pagellm.models.rope import apply_rotary
+
+pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
+
+ROWS = [1, 3, 32, 300]  # one decode, odd, a decode batch, a prefill chunk split across threads
+
+
+def _norm(hidden: int = 576) -> RMSNorm:
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden) + 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [576, 70])  # 70: a tail past the last full vector
+def test_rms_norm_matches_torch_path(rows: int, hidden: int) -> None:
+    torch.manual_seed(rows)
+    norm = _norm(hidden)
+    x = torch.randn(rows, hidden) * 3
+    assert use_cpu_kernels(x)
+    fused = norm(x.clone())
+    expected = norm._reference(x)
+    torch.testing.assert_close(fused, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_fused_add_rms_norm_updates_both_in_place(rows: int) -> None:
+    torch.manual_seed(rows)
+    norm = _norm()
+    x, residual = torch.randn(rows, 576), torch.randn(rows, 576)
+    x_in, residual_in = x.clone(), residual.clone()
+    normed, stream = norm(x, residual)
+    assert normed.data_ptr() == x.data_ptr() and stream.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(stream, x_in + residual_in, rtol=0, atol=0)  # the add is exact
+    torch.testing.assert_close(normed, norm._reference(x_in + residual_in), rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_reads_strided_rows() -> None:
+    norm = _norm(64)
+    wide = torch.randn(5, 100)
+    x = wide[:, :64]  # rows of 64 floats, 100 apart
+    torch.testing.assert_close(norm(x), norm._reference(x.contiguous()), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul_matches_torch(rows: int) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2 * 1536) * 4
+    x[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 20.0, -20.0])
+    expected = torch.nn.functional.silu(x[:, :1536]) * x[:, 1536:]
+    torch.testing.assert_close(silu_and_mul(x), expected, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_rotary_in_place_matches_apply_rotary(rows: int) -> None:
+    torch.manual_seed(rows)
+    num_heads, num_kv_heads, head_dim, max_pos = 9, 3, 64, 4096
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), torch.rand(head_dim // 2))
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, max_pos, (rows,))
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim)
+    q = qkv[:, : num_heads * head_dim].reshape(rows, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].reshape(rows, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected_q, expected_k = apply_rotary(q, c, s), apply_rotary(k, c, s)
+    rotate_in_place(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim)
+    torch.testing.assert_close(qkv[:, : num_heads * head_dim].view(rows, num_heads, head_dim), expected_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(rows, num_kv_heads, head_dim),
+        expected_k,
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v)  # v is left alone
+
+
+def test_rotary_rejects_positions_outside_the_table() -> None:
+    cos = sin = torch.ones(16, 32)
+    qkv = torch.zeros(2, 64 * 3)
+    with pytest.raises(ValueError, match="position 16 outside"):
+        rotate_in_place(qkv, torch.tensor([0, 16]), cos, sin, 2, 64)
+    with pytest.raises(ValueError, match="too short"):
+        rotate_in_place(qkv, torch.tensor([0, 1]), cos, sin, 4, 64)
+
+
+def test_other_dtypes_take_the_torch_path() -> None:
+    norm = _norm(64).to(torch.float64)
+    x = torch.randn(3, 64, dtype=torch.float64)
+    assert not use_cpu_kernels(x)
+    torch.testing.assert_close(norm(x), norm._reference(x))
+    gate_up = torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :4]) * gate_up[:, 4:])
