@@ -13,7 +13,7 @@ import argparse
 import random
 import time
 
-_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "pagellm_gemm::linear_packed"}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

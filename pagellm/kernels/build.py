@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "gemm.cpp")
 HEADERS = (CSRC / "vec.h",)
 LIB_NAME = "pagellm_cpu_kernels"
 # Tried in order: the first is the fast one; the second survives compilers without -march=native.

@@ -1,10 +1,11 @@
-"""The elementwise layers of a Llama block: RMSNorm, SiLU-and-multiply, rotary embedding.
+"""The layers of a Llama block: linear projections, RMSNorm, SiLU-and-multiply, rotary embedding.
 
-Each has two paths with the same arithmetic: the fused C++ kernel (``torch.ops.pagellm_ops``)
-for float32 tensors on CPU, and plain torch for everything else (other devices and dtypes, or
-when the kernels could not be built). In eager torch these layers are a dozen small ops per
-block, each a dispatch, an allocation and a pass over memory: at a decode batch of 32 they cost
-about as much as attention, at a 1,024-token prefill step a sixth of the step.
+Each has two paths with the same arithmetic: a C++ kernel (``torch.ops.pagellm_ops`` and
+``pagellm_gemm``) for float32 tensors on CPU, and plain torch for everything else (other devices
+and dtypes, or when the kernels could not be built). In eager torch the elementwise layers are a
+dozen small ops per block, each a dispatch, an allocation and a pass over memory: at a decode
+batch of 32 they cost about as much as attention, at a 1,024-token prefill step a sixth of the
+step. Linear layers keep BLAS for large batches and use pre-packed weights for small ones.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional, overload
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from pagellm.kernels.build import load_kernels
 
@@ -19,6 +21,45 @@ from pagellm.kernels.build import load_kernels
 def use_cpu_kernels(x: torch.Tensor) -> bool:
     """Whether ``x`` goes through the fused C++ kernels (float32 on CPU, and the kernels built)."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and load_kernels()
+
+
+# Up to this many rows a packed-weight product beats BLAS on the CPU (1.3x at 32 rows, even at 128;
+# `python -m pagellm.bench.gemm_bench`); beyond it BLAS's blocking wins.
+PACKED_MAX_ROWS = 96
+
+
+def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """``weight`` ``[N, K]`` in the packed-panel layout of the small-batch kernel, or None where
+    that kernel does not apply (not float32 on CPU, or no kernels)."""
+    if not use_cpu_kernels(weight):
+        return None
+    return torch.ops.pagellm_gemm.pack_weight(weight.detach())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ weight.T + bias``; small batches go through ``packed`` (from :func:`pack_weight`) when given."""
+    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and use_cpu_kernels(x) and x.stride(-1) == 1:
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        torch.ops.pagellm_gemm.linear_packed(out, x, packed, bias)
+        return out
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that, after :meth:`pack`, runs small batches on a packed copy of its weight.
+
+    The copy doubles the layer's memory; large batches still use the original through BLAS.
+    """
+
+    packed: Optional[torch.Tensor] = None
+
+    def pack(self) -> int:
+        """Packs the current weight (call again after changing it); returns the bytes added."""
+        self.packed = pack_weight(self.weight)
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):

@@ -10,12 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.models.layers import RMSNorm, rotate_in_place, silu_and_mul, use_cpu_kernels
+from pagellm.models.layers import Linear, RMSNorm, linear, pack_weight, rotate_in_place, silu_and_mul, use_cpu_kernels
 from pagellm.models.rope import RotaryArgs, RotaryEmbedding, apply_rotary, head_dim_of
 
 # (fused parameter, checkpoint projection, shard) for the projections we stack at load time.
@@ -52,8 +51,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
 
     def shard_range(self, shard: str) -> tuple[int, int]:
         """(row offset, rows) of one checkpoint projection inside ``qkv_proj``."""
@@ -86,8 +85,8 @@ class LlamaMLP(nn.Module):
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; Llama-family models here use 'silu'.")
         self.intermediate_size = hf_config.intermediate_size
-        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
 
     def shard_range(self, shard: str) -> tuple[int, int]:
         """(row offset, rows) of one checkpoint projection inside ``gate_up_proj``."""
@@ -172,7 +171,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias, mlp_bias = self.bias_flags(hf_config)
         self.model = LlamaModel(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias)
         # Tied models reuse the embedding matrix directly rather than carrying an alias module.
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self._packed_tied_head: torch.Tensor | None = None
 
     @staticmethod
     def bias_flags(hf_config: PretrainedConfig) -> tuple[bool, bool, bool]:
@@ -198,8 +198,33 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[N, vocab]`` in float32 for the rows of ``hidden`` that need them."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.model.embed_tokens.weight, None, self._packed_tied_head).float()
+
+    def pack_weights(self, max_extra_bytes: int) -> int:
+        """Packs projection weights for the small-batch CPU kernel, the vocabulary head first (the
+        largest gain per byte), then layer by layer, while the copies fit in ``max_extra_bytes``.
+        Returns the bytes used; 0 off the CPU or for dtypes other than float32."""
+        used = 0
+
+        def fits(weight: torch.Tensor) -> bool:
+            return used + weight.numel() * weight.element_size() <= max_extra_bytes
+
+        if self.lm_head is None and fits(self.model.embed_tokens.weight):
+            self._packed_tied_head = pack_weight(self.model.embed_tokens.weight)
+            if self._packed_tied_head is None:
+                return 0
+            used += self._packed_tied_head.numel() * self._packed_tied_head.element_size()
+        heads = [self.lm_head] if self.lm_head is not None else []
+        for module in heads + [m for m in self.model.modules() if isinstance(m, Linear)]:
+            if not fits(module.weight):
+                break
+            added = module.pack()
+            if added == 0:
+                break
+            used += added
+        return used
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this model, stacking the fused projections.

