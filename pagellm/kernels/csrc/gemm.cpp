@@ -32,11 +32,13 @@ constexpr int KC = 576;    // k per slice: 576 x 32 floats (72 KiB, in L2); 128 
 
 // acc[r] = (first ? bias or 0 : c[r]) + sum over k of a[k, r] * b[k, :], for R rows and one panel
 // slice; a is a packed row block, k-major with MR rows per k, so both inputs stream in order.
-// `ahead`, when not null, is the next panel slice: the first row block pulls it towards L2 while it
-// works, since the weights come from DRAM and the hardware prefetcher stops at page boundaries.
+// `ahead` is this tile's share (`ahead_rows` k-rows) of the next panel slice, pulled towards L2
+// evenly over the tile's k loop: the weights come from DRAM, the hardware prefetcher stops at page
+// boundaries, and spreading the requests over all row blocks keeps each core's stream at the rate
+// it consumes rather than in bursts that overflow its queue of outstanding misses.
 template <int R>
 void micro_tile(const float* a, const float* b, int kc, float* c, int64_t ldc, int ncols, bool first, const float* bias,
-                const float* ahead) {
+                const float* ahead, int ahead_rows) {
   vfloat acc0[R], acc1[R];
   float edge[NR];
   for (int r = 0; r < R; ++r) {
@@ -59,10 +61,12 @@ void micro_tile(const float* a, const float* b, int kc, float* c, int64_t ldc, i
       acc1[r] = vload(edge + W);
     }
   }
-  if (ahead != nullptr) {
+  if (ahead_rows > 0) {
+    const int step = (ahead_rows << 16) / kc;  // 16.16 fixed point: which ahead row goes with k
     for (int k = 0; k < kc; ++k) {
-      __builtin_prefetch(ahead + k * NR, 0, 2);
-      __builtin_prefetch(ahead + k * NR + W, 0, 2);
+      const float* row = ahead + ((k * step) >> 16) * NR;
+      __builtin_prefetch(row, 0, 2);
+      __builtin_prefetch(row + W, 0, 2);
       const vfloat b0 = vload(b + k * NR), b1 = vload(b + k * NR + W);
       for (int r = 0; r < R; ++r) {
         const vfloat x = vsplat(a[k * MR + r]);
@@ -92,7 +96,7 @@ void micro_tile(const float* a, const float* b, int kc, float* c, int64_t ldc, i
   }
 }
 
-using MicroTile = void (*)(const float*, const float*, int, float*, int64_t, int, bool, const float*, const float*);
+using MicroTile = void (*)(const float*, const float*, int, float*, int64_t, int, bool, const float*, const float*, int);
 
 template <size_t... I>
 constexpr auto make_tiles(std::index_sequence<I...>) {
@@ -161,11 +165,16 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
       const float* panel = b + p * k * NR;
       for (int64_t k0 = 0; k0 < k; k0 += KC) {
         const int kc = static_cast<int>(std::min<int64_t>(KC, k - k0));
-        for (int64_t m0 = 0; m0 < m; m0 += MR) {
+        // The weights are one contiguous stream, so the next slice (maybe the next panel's
+        // first) starts right after this one; past the end, prefetches are harmless no-ops.
+        const float* next = panel + (k0 + kc) * NR;
+        for (int64_t j = 0; j < blocks; ++j) {
+          const int64_t m0 = j * MR;
           const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
-          kTiles[rows - 1](a + (m0 / MR) * k * MR + k0 * MR, panel + k0 * NR, kc, c + m0 * ldc + p * NR, ldc, ncols,
-                           k0 == 0, bias_ptr == nullptr ? nullptr : bias_ptr + p * NR,
-                           m0 == 0 ? panel + (k0 + kc) * NR : nullptr);
+          const int share_begin = static_cast<int>(j * kc / blocks), share_end = static_cast<int>((j + 1) * kc / blocks);
+          kTiles[rows - 1](a + j * k * MR + k0 * MR, panel + k0 * NR, kc, c + m0 * ldc + p * NR, ldc, ncols, k0 == 0,
+                           bias_ptr == nullptr ? nullptr : bias_ptr + p * NR, next + share_begin * NR,
+                           share_end - share_begin);
         }
       }
     }
