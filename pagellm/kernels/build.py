@@ -1,7 +1,8 @@
 """Build and load pagellm's C++ CPU kernels, caching the result per source, flags and CPU.
 
-One library holds them all: paged attention (``torch.ops.pagellm_attn``) and the fused layer ops
-(``torch.ops.pagellm_ops``). It is compiled once with ``-O3 -march=native -fopenmp`` into
+One library holds them all: paged attention (``torch.ops.pagellm_attn``), the fused layer ops
+(``pagellm_ops``), the packed small-batch matmul (``pagellm_gemm``) and sampling from logits
+(``pagellm_sample``). It is compiled once with ``-O3 -march=native -fopenmp`` into
 ``$PAGELLM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pagellm`` or ``~/.cache/pagellm``), in a folder
 named by a hash of everything that shapes the binary, so a later start just loads the ``.so``.
 ``python -m pagellm.kernels.build`` compiles it ahead of time (setup scripts) and checks it;
@@ -25,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "gemm.cpp")
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "sampling.cpp"))
 HEADERS = (CSRC / "vec.h",)
 LIB_NAME = "pagellm_cpu_kernels"
 # Tried in order: the first is the fast one; the second survives compilers without -march=native.

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from pagellm.kernels.build import load_kernels
 from pagellm.sample.logprobs import gather_logprobs
 from pagellm.sample.metadata import SamplerOutput, SamplingMetadata
 from pagellm.sample.penalties import apply_bad_token_ids, apply_logit_bias, apply_penalties
@@ -50,7 +51,12 @@ class Sampler:
         if metadata.temperature.shape != (num_rows,) or metadata.greedy_mask.shape != (num_rows,):
             raise ValueError(f"sampling metadata does not describe {num_rows} rows.")
         # Our own float32 copy: every later step works in place without touching the caller's.
-        logits = logits.to(torch.float32, copy=True)
+        # The torch path below edits logits in place; the caller's tensor must survive (it retries
+        # row by row if this raises), so it gets a copy unless nothing edits it: no bias, bans or
+        # penalties, and random rows going through the C++ kernel (which only reads).
+        edits_in_place = bool(metadata.logit_bias or metadata.bad_token_ids) or not metadata.no_penalties
+        fused = _use_sampling_kernel(logits)
+        logits = logits.to(torch.float32, copy=edits_in_place or not fused)
         raw_logprobs: Optional[torch.Tensor] = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -85,41 +91,89 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _random_sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Samples every row as random (greedy rows' results are discarded by the caller)."""
+        """Samples every row as random (greedy rows' results are discarded by the caller).
+
+        Rows without top-k, top-p or min-p go through the C++ kernel on CPU, the others (and all
+        rows elsewhere) through torch; which path a row takes depends only on its own settings,
+        so a seeded row samples the same whatever shares its batch.
+        """
+        u = self._uniforms(logits.shape[0], metadata.seeds, logits.device, logits.dtype)
         temperature = metadata.temperature.to(device=logits.device, dtype=logits.dtype)
-        # Greedy rows may carry temperature 0; keep their arithmetic finite.
+        if not _use_sampling_kernel(logits):
+            return self._torch_sample(logits, temperature, metadata.top_k, metadata.top_p, metadata.min_p, u)
+        filtered = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        if metadata.top_k is not None:
+            filtered |= metadata.top_k > 0
+        if metadata.top_p is not None:
+            filtered |= metadata.top_p < 1.0
+        if metadata.min_p is not None:
+            filtered |= metadata.min_p > 0.0
+        sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        if not bool(filtered.any()):
+            torch.ops.pagellm_sample.sample_from_logits(sampled, logits, temperature.contiguous(), u.view(-1).contiguous())
+            return sampled
+        plain = (~filtered).nonzero().squeeze(1)
+        rows = filtered.nonzero().squeeze(1)
+        if plain.numel():
+            out = torch.empty(plain.numel(), dtype=torch.int64, device=logits.device)
+            torch.ops.pagellm_sample.sample_from_logits(out, logits[plain], temperature[plain], u[plain].view(-1))
+            sampled[plain] = out
+        # Indexing copies, so the torch path's in-place edits never reach the caller's logits.
+        sampled[rows] = self._torch_sample(
+            logits[rows],
+            temperature[rows],
+            None if metadata.top_k is None else metadata.top_k[rows],
+            None if metadata.top_p is None else metadata.top_p[rows],
+            None if metadata.min_p is None else metadata.min_p[rows],
+            u[rows],
+        )
+        return sampled
+
+    def _torch_sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: Optional[torch.Tensor],
+        top_p: Optional[torch.Tensor],
+        min_p: Optional[torch.Tensor],
+        u: torch.Tensor,
+    ) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, softmax and the inverse-CDF draw at ``u``; edits ``logits``."""
         temperature = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature)
         logits.div_(temperature.unsqueeze(1))
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        if metadata.min_p is not None:
-            logits = apply_min_p(logits, metadata.min_p)
-        probs = logits.softmax(dim=-1)
-        return self._inverse_cdf_sample(probs, metadata.seeds)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+        if min_p is not None:
+            logits = apply_min_p(logits, min_p)
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+        targets = u * cdf[:, -1:]
+        sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        return sampled.clamp_max_(logits.shape[1] - 1)
 
-    def _inverse_cdf_sample(self, probs: torch.Tensor, seeds: dict[int, tuple[int, int]]) -> torch.Tensor:
-        """Draws one token per row by inverting its CDF at a uniform draw: one random number
-        per row (an exponential race needs one per vocabulary entry, ~10x slower on a CPU).
+    def _uniforms(
+        self, num_rows: int, seeds: dict[int, tuple[int, int]], device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """One uniform draw per row, ``[num_rows, 1]``: the point at which its CDF is inverted
+        (one random number per row; an exponential race needs one per vocabulary entry, ~10x
+        slower on a CPU).
 
-        Seeded rows draw their uniform from a generator seeded by (seed, step) alone, so their
-        samples do not depend on the other rows of the batch nor on the row's position in it.
+        Seeded rows draw theirs from a generator seeded by (seed, step) alone, so their samples
+        do not depend on the other rows of the batch nor on the row's position in it.
         """
-        num_rows = probs.shape[0]
-        u = torch.rand(num_rows, 1, device=probs.device, dtype=probs.dtype)
+        u = torch.rand(num_rows, 1, device=device, dtype=dtype)
         for i, (row, (seed, step)) in enumerate(seeds.items()):
             if not 0 <= row < num_rows:
                 raise ValueError(f"seeded row {row} is outside the batch of {num_rows} rows.")
-            generator = self._generator(probs.device, i)
+            generator = self._generator(device, i)
             generator.manual_seed(derive_step_seed(seed, step))
-            u[row] = torch.rand(1, device=probs.device, dtype=probs.dtype, generator=generator)
-        cdf = probs.cumsum_(dim=-1)
-        # Scale to the row's total so rounding in the cumsum never leaves u past the end;
-        # masked tokens add no mass, so the first index where the CDF exceeds u has p > 0.
-        targets = u * cdf[:, -1:]
-        sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-        return sampled.clamp_max_(probs.shape[1] - 1)
+            u[row] = torch.rand(1, device=device, dtype=dtype, generator=generator)
+        return u
 
     def _generator(self, device: torch.device, index: int) -> torch.Generator:
         pool = self._generators.setdefault(device, [])
         while len(pool) <= index:
             pool.append(torch.Generator(device=device))
         return pool[index]
+
+
+def _use_sampling_kernel(logits: torch.Tensor) -> bool:
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and load_kernels()
