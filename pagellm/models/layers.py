@@ -114,14 +114,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rotate_in_place(
     qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int
-) -> bool:
-    """Rotates the first ``num_heads`` heads of each row of ``qkv`` in place; False if this
-    tensor needs the torch path (:func:`apply_rotary`) instead.
-
-    ``cos``/``sin`` are whole tables ``[max_positions, head_dim // 2]``, gathered by position
-    inside the kernel.
-    """
-    if not (use_cpu_kernels(qkv) and qkv.dim() == 2 and qkv.stride(-1) == 1):
-        return False
+) -> None:
+    """Rotates the first ``num_heads`` heads of each row of ``qkv`` (float32 on CPU, rows
+    contiguous) in place; ``cos``/``sin`` are whole tables ``[max_positions, head_dim // 2]``,
+    gathered by position inside the kernel. Other tensors use :func:`apply_rotary` instead."""
     torch.ops.pagellm_ops.rotary_embedding(qkv, positions, cos, sin, num_heads, head_dim)
-    return True
