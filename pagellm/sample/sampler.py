@@ -50,11 +50,11 @@ class Sampler:
         num_rows = logits.shape[0]
         if metadata.temperature.shape != (num_rows,) or metadata.greedy_mask.shape != (num_rows,):
             raise ValueError(f"sampling metadata does not describe {num_rows} rows.")
-        # Our own float32 copy: every later step works in place without touching the caller's.
         # The torch path below edits logits in place; the caller's tensor must survive (it retries
         # row by row if this raises), so it gets a copy unless nothing edits it: no bias, bans or
         # penalties, and random rows going through the C++ kernel (which only reads).
-        edits_in_place = bool(metadata.logit_bias or metadata.bad_token_ids) or not metadata.no_penalties
+        penalties = (metadata.presence_penalties, metadata.frequency_penalties, metadata.repetition_penalties)
+        edits_in_place = bool(metadata.logit_bias or metadata.bad_token_ids) or any(p is not None for p in penalties)
         fused = _use_sampling_kernel(logits)
         logits = logits.to(torch.float32, copy=edits_in_place or not fused)
         raw_logprobs: Optional[torch.Tensor] = None
@@ -63,11 +63,7 @@ class Sampler:
 
         apply_logit_bias(logits, metadata.logit_bias)
         apply_bad_token_ids(logits, metadata.bad_token_ids)
-        if (
-            metadata.presence_penalties is not None
-            or metadata.frequency_penalties is not None
-            or metadata.repetition_penalties is not None
-        ):
+        if any(p is not None for p in penalties):
             logits = apply_penalties(
                 logits,
                 metadata.prompt_token_ids,
