@@ -98,12 +98,15 @@ def test_sigterm_drains_in_flight_then_exits_zero(small_server):
     short_started, long_started = threading.Event(), threading.Event()
     body = {"prompt": "Count with me: 1, 2, 3,", "ignore_eos": True, "temperature": 0}
     threads = [
-        threading.Thread(target=stream_completion, args=(url, {**body, "max_tokens": 3}, short, short_started)),
         threading.Thread(target=stream_completion, args=(url, {**body, "max_tokens": 3000}, long, long_started)),
+        threading.Thread(target=stream_completion, args=(url, {**body, "max_tokens": 3}, short, short_started)),
     ]
-    for t in threads:
-        t.start()
-    assert short_started.wait(60) and long_started.wait(60)
+    # One after the other: with --max-waiting-requests 1, two requests sent together race, and the
+    # second is refused (503) whenever it arrives before the engine has taken the first one.
+    threads[0].start()
+    assert long_started.wait(60)
+    threads[1].start()
+    assert short_started.wait(60)
     t0 = time.monotonic()
     small_server.proc.send_signal(15)
     time.sleep(0.5)
