@@ -7,10 +7,10 @@
 // columns, k-major: [ceil(N / NR), K, NR]. A product then streams each panel exactly once, in
 // order, while a micro-tile of up to MR rows keeps 2 x MR accumulators in registers: per k, two
 // panel loads and MR broadcasts of x feed 2 x MR fused multiply-adds. K is walked in slices of
-// KC so that a panel slice stays in cache while every row block of x passes over it, and the
-// first row block prefetches the next slice. Measured on 2 cores (`python -m
-// pagellm.bench.gemm_bench`): 1.3x MKL at 32 rows, 2x at 8, even at 128, behind from 256 on, so
-// large batches stay with BLAS.
+// KC so that a panel slice stays in cache while every row block of x passes over it, and each
+// row block prefetches its share of the next slice. Measured on 2 AVX-512 cores (`python -m
+// pagellm.bench.gemm_bench`): 1.2-1.5x MKL at 32 rows, 1.5-2x at 8-16, even at 96-128, behind from
+// 256 rows on, so large batches stay with BLAS.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,7 +27,13 @@ namespace pagellm {
 namespace {
 
 constexpr int NR = 2 * W;  // output columns per panel
-constexpr int MR = 12;     // rows per micro-tile: 2 x 12 accumulators + 2 panel vectors fit 32 registers
+// Rows per micro-tile: 2 x MR accumulators, 2 panel vectors and a broadcast fit the vector
+// registers (32 with AVX-512, 16 otherwise).
+#if defined(__AVX512F__)
+constexpr int MR = 12;
+#else
+constexpr int MR = 6;
+#endif
 constexpr int KC = 576;    // k per slice: 576 x 32 floats (72 KiB, in L2); 128 and 256 measured no better at 32 rows, worse at 64-128
 
 // acc[r] = (first ? bias or 0 : c[r]) + sum over k of a[k, r] * b[k, :], for R rows and one panel
