@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv_cache
-from pagellm.kernels.build import load_kernels
 from pagellm.attention.torch_sdpa import torch_attention
 from pagellm.attention.validation import check_attention_inputs
+from pagellm.kernels.build import load_kernels
 
 SUPPORTED_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256})
 
