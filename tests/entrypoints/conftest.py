@@ -1,8 +1,6 @@
 """Fixtures for the end-to-end server tests: one real server shared by the whole session."""
 from __future__ import annotations
 
-import os
-
 import pytest
 from openai_server_utils import API_KEY, SERVER_ARGS, RemoteServer
 
@@ -13,7 +11,7 @@ def server():
     yield srv
     exit_code = srv.terminate()
     log = srv.read_log()
-    os.unlink(srv.log.name)
+    srv.cleanup()
     assert exit_code == 0, log
 
 

@@ -87,3 +87,11 @@ class RemoteServer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+    def cleanup(self) -> None:
+        """Kills the server if still running and removes its log."""
+        self.kill()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass

@@ -68,13 +68,6 @@ class InstrumentedServer(RemoteServer):
         assert metric_value(text, "pagellm:num_requests_waiting") == 0.0
         return snap
 
-    def cleanup(self) -> None:
-        self.kill()
-        try:
-            os.unlink(self.log.name)
-        except OSError:
-            pass
-
 
 # Prompts of ~32 tokens and 16 new tokens take 3 blocks of 16 at the end: 256 such requests need
 # ~770 blocks; 80 blocks hold about a tenth of them, so the scheduler must queue and preempt.

@@ -46,25 +46,18 @@ struct XorMask {
   }
 };
 
-// Butterfly reductions: every lane ends up holding the total.
-template <int Step = W / 2>
-inline vfloat allsum(vfloat v) {
+// Butterfly reduction with `combine` (sum, max): every lane ends up holding the result.
+template <int Step = W / 2, typename Combine>
+inline vfloat butterfly(vfloat v, Combine combine) {
   if constexpr (Step == 0) {
     return v;
   } else {
     constexpr vint mask = XorMask<Step>::make();
-    return allsum<Step / 2>(v + __builtin_shuffle(v, mask));
+    return butterfly<Step / 2>(combine(v, __builtin_shuffle(v, mask)), combine);
   }
 }
-template <int Step = W / 2>
-inline vfloat allmax(vfloat v) {
-  if constexpr (Step == 0) {
-    return v;
-  } else {
-    constexpr vint mask = XorMask<Step>::make();
-    return allmax<Step / 2>(vmax(v, __builtin_shuffle(v, mask)));
-  }
-}
+inline vfloat allsum(vfloat v) { return butterfly(v, [](vfloat a, vfloat b) { return a + b; }); }
+inline vfloat allmax(vfloat v) { return butterfly(v, [](vfloat a, vfloat b) { return vmax(a, b); }); }
 inline float hsum(vfloat v) { return allsum(v)[0]; }
 inline float hmax(vfloat v) { return allmax(v)[0]; }
 
