@@ -26,8 +26,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from concurrent.futures import ThreadPoolExecutor
-
     from torch.profiler import ProfilerActivity, profile
 
     from pagellm import LLM, SamplingParams
@@ -41,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     for i in range(args.batch_size):
         prompt = [rng.randrange(100, engine.shape.vocab_size - 100) for _ in range(args.input_len)]
         engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params, RequestOutputKind.DELTA)
-    worker = ThreadPoolExecutor(1)  # steps run off the main thread, as in the engine's front ends
+    worker = llm._step_thread  # the thread that built the engine steps it, as in the front ends
 
     def step():
         return worker.submit(engine.step).result()

@@ -7,6 +7,9 @@ and event loop into per-request ``asyncio.Queue``s. Tokenization, chat templatin
 detokenization all happen on the engine thread: torch releases the GIL inside its ops, and the
 event loop stays free to serve HTTP.
 
+Given a factory rather than an engine, the thread builds the engine itself (``from_config``), so
+that one thread runs all of torch's parallel work: see ``pagellm.engine.compute_thread``.
+
 When no request is in flight the thread sleeps on a condition variable (no polling). If a step
 raises, the engine is dead: every in-flight request ends with ``EngineDeadError``, new ones are
 refused, and ``is_dead`` tells the server to report 503 and exit.
@@ -18,6 +21,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from typing import Any, AsyncIterator, Callable, Optional, Protocol, TypeVar, Union
 
 from pagellm.config import EngineConfig
@@ -92,14 +96,12 @@ class RequestStream:
 class AsyncLLM:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: Union[LLMEngine, Callable[[], LLMEngine]],
         max_waiting_requests: Optional[int] = None,
         stat_logger: Optional[StatLogger] = None,
     ) -> None:
-        self.engine = engine
-        self.max_waiting_requests = (
-            max_waiting_requests if max_waiting_requests is not None else getattr(engine.config, "max_waiting_requests", None)
-        )
+        """``engine`` is an engine, or a factory the engine thread calls to build one (its errors
+        are raised here)."""
         self.stat_logger = stat_logger
         self._cond = threading.Condition()
         self._commands: list[_Command] = []
@@ -110,12 +112,21 @@ class AsyncLLM:
         # Read from the asyncio side without a lock: plain ints, each written by one thread.
         self._num_waiting = 0
         self._num_pending_adds = 0
-        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+        factory = engine if callable(engine) else (lambda: engine)
+        built: Future[LLMEngine] = Future()
+        self._thread = threading.Thread(target=self._run, args=(factory, built), name="pagellm-engine", daemon=True)
         self._thread.start()
+        self.engine = built.result()  # raises what building it raised
+        self.max_waiting_requests = (
+            max_waiting_requests
+            if max_waiting_requests is not None
+            else getattr(self.engine.config, "max_waiting_requests", None)
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig, stat_logger: Optional[StatLogger] = None) -> "AsyncLLM":
-        return cls(LLMEngine(config), config.max_waiting_requests, stat_logger)
+        """Builds the engine on the engine thread, which then steps it."""
+        return cls(lambda: LLMEngine(config), config.max_waiting_requests, stat_logger)
 
     # -- properties the server reads ---------------------------------------------------------------
 
@@ -256,8 +267,13 @@ class AsyncLLM:
 
     # -- engine thread ------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        engine = self.engine
+    def _run(self, factory: Callable[[], LLMEngine], built: Future[LLMEngine]) -> None:
+        try:
+            engine = factory()
+        except BaseException as e:  # noqa: BLE001 - handed to __init__, which raises it
+            built.set_exception(e)
+            return
+        built.set_result(engine)
         try:
             while True:
                 with self._cond:

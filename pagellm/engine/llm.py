@@ -27,11 +27,14 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        # Steps run on one dedicated thread, as in the server. Measured on this 2-core machine
-        # under load: torch's OpenMP kernels ran 2x (matmul) to 7x (whole decode steps) slower
-        # when driven from the main thread than from a worker thread.
+        # One dedicated thread builds the engine and runs every step, as in the server, so that a
+        # single thread drives torch's OpenMP workers: a second driving thread (say, loading on the
+        # main thread) gives libgomp a second worker pool, more workers than cores, and then it
+        # stops workers spinning between parallel regions; each of a decode step's ~300 regions
+        # then waits for a sleeping worker (decode steps 88-91 ms instead of 71-72 ms,
+        # `pagellm bench profile` at batch 32, both ways back to back).
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-engine")
+        self.llm_engine = self._step_thread.submit(LLMEngine, EngineConfig(model=model, **kwargs)).result()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -100,9 +100,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def start_engine(args: argparse.Namespace) -> AsyncLLM:
     from pagellm.cli import engine_kwargs
     from pagellm.config import EngineConfig
-    from pagellm.engine.llm_engine import LLMEngine
 
-    return AsyncLLM(LLMEngine(EngineConfig(**engine_kwargs(args))))
+    return AsyncLLM.from_config(EngineConfig(**engine_kwargs(args)))
 
 
 def run(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> int:

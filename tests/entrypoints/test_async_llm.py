@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -60,6 +61,31 @@ def test_generate_streams_deltas_on_the_engine_thread(make_llm):
     assert llm.engine.step_threads == {"pagellm-engine"}
     assert len(stats.outputs) == 4 and len(stats.itls) == 3 and all(x >= 0 for x in stats.itls)
     assert llm.num_in_flight == 0
+
+
+def test_a_factory_builds_the_engine_on_the_thread_that_steps_it():
+    # One thread for all of torch's parallel work keeps libgomp's workers spinning (see pagellm/__init__).
+    built_on = []
+
+    def factory() -> FakeEngine:
+        built_on.append(threading.current_thread().name)
+        return FakeEngine()
+
+    llm = AsyncLLM(factory)
+    try:
+        outputs = asyncio.run(collect(llm, "hi", SamplingParams(max_tokens=2), "r1"))
+        assert "".join(o.outputs[0].text for o in outputs) == "t0 t1 "
+        assert built_on == ["pagellm-engine"] and llm.engine.step_threads == {"pagellm-engine"}
+    finally:
+        llm.shutdown()
+
+
+def test_an_error_building_the_engine_is_raised_by_the_constructor():
+    def factory() -> FakeEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLM(factory)
 
 
 def test_concurrent_requests_all_complete(make_llm):

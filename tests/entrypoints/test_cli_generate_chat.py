@@ -9,7 +9,7 @@ import time
 import pytest
 from fake_engine import FakeEngine
 
-import pagellm.engine.llm_engine as llm_engine
+import pagellm.engine.async_llm as async_llm
 from pagellm.cli import main
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.cli_chat import ChatSession, repl
@@ -26,7 +26,7 @@ def fake_engines(monkeypatch):
         made.append(engine)
         return engine
 
-    monkeypatch.setattr(llm_engine, "LLMEngine", make)
+    monkeypatch.setattr(async_llm, "LLMEngine", make)  # AsyncLLM.from_config builds through it
     return made
 
 

@@ -308,14 +308,14 @@ def run_server(args: argparse.Namespace) -> int:
     """Loads the engine, serves until drained or the engine dies; returns the exit code."""
     from pagellm.cli import engine_kwargs
     from pagellm.config import EngineConfig
-    from pagellm.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
     api_key = args.api_key if args.api_key is not None else os.environ.get("PAGELLM_API_KEY") or None
     config = EngineConfig(**engine_kwargs(args), max_waiting_requests=args.max_waiting_requests)
-    engine = LLMEngine(config)
+    async_llm = AsyncLLM.from_config(config)
+    engine = async_llm.engine
     metrics = EngineMetrics(engine.model_name)
-    async_llm = AsyncLLM(engine, config.max_waiting_requests, metrics)
+    async_llm.stat_logger = metrics  # before any request: the engine thread reads it per step
     app = build_app(
         async_llm, metrics, api_key, args.max_request_body_bytes, engine.model_path, args.trust_request_chat_template
     )
