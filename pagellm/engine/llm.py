@@ -34,7 +34,11 @@ class LLM:
         # then waits for a sleeping worker (decode steps 88-91 ms instead of 71-72 ms,
         # `pagellm bench profile` at batch 32, both ways back to back).
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-engine")
-        self.llm_engine = self._step_thread.submit(LLMEngine, EngineConfig(model=model, **kwargs)).result()
+        try:
+            self.llm_engine = self._step_thread.submit(LLMEngine, EngineConfig(model=model, **kwargs)).result()
+        except BaseException:
+            self._step_thread.shutdown(wait=False)
+            raise
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
