@@ -7,8 +7,9 @@ and event loop into per-request ``asyncio.Queue``s. Tokenization, chat templatin
 detokenization all happen on the engine thread: torch releases the GIL inside its ops, and the
 event loop stays free to serve HTTP.
 
-Given a factory rather than an engine, the thread builds the engine itself (``from_config``), so
-that one thread runs all of torch's parallel work: see ``pagellm.engine.compute_thread``.
+Given a factory rather than an engine (``from_config``), the thread builds the engine itself, so
+that one thread runs all of torch's parallel work and libgomp keeps a single pool of spinning
+workers (see ``pagellm/__init__.py``).
 
 When no request is in flight the thread sleeps on a condition variable (no polling). If a step
 raises, the engine is dead: every in-flight request ends with ``EngineDeadError``, new ones are
