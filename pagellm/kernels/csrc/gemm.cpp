@@ -67,28 +67,20 @@ void micro_tile(const float* a, const float* b, int kc, float* c, int64_t ldc, i
       acc1[r] = vload(edge + W);
     }
   }
-  if (ahead_rows > 0) {
-    const int step = (ahead_rows << 16) / kc;  // 16.16 fixed point: which ahead row goes with k
-    for (int k = 0; k < kc; ++k) {
+  const int step = (ahead_rows << 16) / kc;  // 16.16 fixed point: which ahead row goes with k
+  for (int k = 0; k < kc; ++k) {
+    // Loop-invariant test: -O3 unswitches it into a loop with and one without the prefetches.
+    if (ahead_rows > 0) {
       const float* row = ahead + ((k * step) >> 16) * NR;
       __builtin_prefetch(row, 0, 2);
       __builtin_prefetch(row + W, 0, 2);
-      const vfloat b0 = vload(b + k * NR), b1 = vload(b + k * NR + W);
-      for (int r = 0; r < R; ++r) {
-        const vfloat x = vsplat(a[k * MR + r]);
-        acc0[r] += x * b0;
-        acc1[r] += x * b1;
-      }
     }
-  } else {
-  for (int k = 0; k < kc; ++k) {
     const vfloat b0 = vload(b + k * NR), b1 = vload(b + k * NR + W);
     for (int r = 0; r < R; ++r) {
       const vfloat x = vsplat(a[k * MR + r]);
       acc0[r] += x * b0;
       acc1[r] += x * b1;
     }
-  }
   }
   for (int r = 0; r < R; ++r) {
     if (ncols == NR) {
