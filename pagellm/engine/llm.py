@@ -28,11 +28,8 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         # One dedicated thread builds the engine and runs every step, as in the server, so that a
-        # single thread drives torch's OpenMP workers: a second driving thread (say, loading on the
-        # main thread) gives libgomp a second worker pool, more workers than cores, and then it
-        # stops workers spinning between parallel regions; each of a decode step's ~300 regions
-        # then waits for a sleeping worker (decode steps 88-91 ms instead of 71-72 ms,
-        # `pagellm bench profile` at batch 32, both ways back to back).
+        # single thread drives torch's OpenMP workers and libgomp keeps them spinning between
+        # parallel regions (why it matters: pagellm/__init__.py).
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-engine")
         try:
             self.llm_engine = self._step_thread.submit(LLMEngine, EngineConfig(model=model, **kwargs)).result()
