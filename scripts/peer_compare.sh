@@ -8,7 +8,14 @@
 # Needs the peers set up first (see ../shared/peers/README.md: the model as an HF directory in
 # /tmp/models/smollm2-135m-instruct and vLLM in /tmp/peers/vllm-venv).
 # Usage: scripts/peer_compare.sh OUTDIR [skip-vllm]
+#
+# AVX2_ONLY=1 measures this machine as one without AVX-512 (the issue's reference class): torch,
+# MKL and oneDNN are held to AVX2 and pagellm's kernels are built for x86-64-v3, so the servers
+# and the matmul peak in mfu.txt all run on AVX2 and FMA only (vLLM's own C++ kernels excepted).
 set -euo pipefail
+if [ "${AVX2_ONLY:-0}" = 1 ]; then
+  export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 PAGELLM_CPU_ARCH=x86-64-v3
+fi
 cd "$(dirname "$0")/.."
 out=${1:?usage: peer_compare.sh OUTDIR [skip-vllm]}
 mkdir -p "$out"

@@ -2,9 +2,10 @@
 
 One library holds them all: paged attention (``torch.ops.pagellm_attn``), the fused layer ops
 (``pagellm_ops``), the packed small-batch matmul (``pagellm_gemm``) and sampling from logits
-(``pagellm_sample``). It is compiled once with ``-O3 -march=native -fopenmp`` into
-``$PAGELLM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pagellm`` or ``~/.cache/pagellm``), in a folder
-named by a hash of everything that shapes the binary, so a later start just loads the ``.so``.
+(``pagellm_sample``). It is compiled once with ``-O3 -march=native -fopenmp``
+(``$PAGELLM_CPU_ARCH`` replaces ``native``) into ``$PAGELLM_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/pagellm`` or ``~/.cache/pagellm``), in a folder named by a hash of everything
+that shapes the binary, so a later start just loads the ``.so``.
 ``python -m pagellm.kernels.build`` compiles it ahead of time (setup scripts) and checks it;
 ``--clean`` also deletes builds of older source versions.
 """
@@ -29,9 +30,12 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "sampling.cpp"))
 HEADERS = (CSRC / "vec.h",)
 LIB_NAME = "pagellm_cpu_kernels"
-# Tried in order: the first is the fast one; the second survives compilers without -march=native.
+# The instruction set to compile for: this CPU's by default; PAGELLM_CPU_ARCH names another
+# (e.g. x86-64-v3: AVX2 and FMA without AVX-512, to build for or measure as an older machine).
+CPU_ARCH = os.environ.get("PAGELLM_CPU_ARCH") or "native"
+# Tried in order: the first is the fast one; the second survives compilers without that -march.
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
-    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", f"-march={CPU_ARCH}", "-fopenmp"),
     ("-O3", "-fopenmp"),
 )
 

@@ -25,6 +25,13 @@ def test_build_tag_depends_on_flags() -> None:
     assert build._build_tag(build.FLAG_SETS[0]) == build._build_tag(build.FLAG_SETS[0])
 
 
+def test_cpu_arch_from_environment() -> None:
+    code = "from pagellm.kernels import build; print(' '.join(build.FLAG_SETS[0]))"
+    env = {"PATH": "/usr/bin:/bin", "PAGELLM_CPU_ARCH": "x86-64-v3"}
+    flags = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags
+
+
 def test_compile_failure_falls_back_with_one_warning(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(build, "FLAG_SETS", (("-O3", "--no-such-compiler-flag"),))
