@@ -4,9 +4,11 @@
 
 Runs the four projections of every SmolLM2-135M layer (q/k/v, o, gate/up, down) with 30 layers'
 worth of distinct weights, so that, as in the model, the weights stream from memory rather than
-sitting in cache. For each batch size (rows) both paths run in turns; the table shows the fastest
-pass over all layers for each, the ratio and the packed path's GFLOP/s. The vocabulary head
-(576 -> 49,152) is timed separately.
+sitting in cache. The weights are random but of the shipped GGUF's form (4-bit blocks for the
+layers, 8-bit for the vocabulary head, see ``kernels/csrc/quant_blocks.h``), so the packed kernel
+runs on float32 panels and on block panels of the same values. For each batch size (rows) the
+paths run in turns; the table shows the fastest pass over all layers for each, the packed paths'
+speed-up over BLAS and GFLOP/s. The vocabulary head (576 -> 49,152) is timed separately.
 """
 from __future__ import annotations
 
@@ -34,9 +36,28 @@ class GemmRow:
     case: str
     rows: int
     blas_ms: float
-    packed_ms: float
-    speedup: float
+    packed_ms: float  # float32 panels
+    blocks_ms: float  # block panels (4- or 8-bit), same values
+    speedup: float  # BLAS / float32 panels
+    blocks_speedup: float  # BLAS / block panels
     packed_gflops: float
+    blocks_gflops: float
+
+
+def block_quantized(rows: int, cols: int, bits: int, generator: torch.Generator) -> torch.Tensor:
+    """Random float32 ``[rows, cols]`` whose every 32 inputs are GGUF blocks: 4-bit ``d * q + m``
+    (Q4_1) or 8-bit ``d * q`` (Q8_0), half-precision ``d`` and ``m``, as a dequantized model holds.
+    As llama.cpp's quantizers do, each block spans its whole range (q = 0 and 15; |q| = 127)."""
+    blocks = (rows, cols // 32, 1)
+    d = (torch.rand(blocks, generator=generator) * 0.004 + 0.001).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (rows, cols // 32, 32), generator=generator).float()
+        q[..., 0], q[..., 1] = 0, 15
+        m = (-8 * d - torch.rand(blocks, generator=generator) * 0.001).half().float()
+        return (d * q + m).reshape(rows, cols)
+    q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=generator).float()
+    q[..., 0] = 127
+    return (d * q).reshape(rows, cols)
 
 
 def _best_of(fn: Callable[[], None], reps: int) -> float:
@@ -50,7 +71,10 @@ def _best_of(fn: Callable[[], None], reps: int) -> float:
 
 
 def _compare(case: str, shapes: list[tuple[int, int]], weights: list[torch.Tensor], rows: int, reps: int) -> GemmRow:
-    packed = [pack_weight(w) for w in weights]
+    packed = [torch.ops.pagellm_gemm.pack_weight(w, False) for w in weights]
+    blocks = [pack_weight(w) for w in weights]
+    if any(b.dtype != torch.uint8 for b in blocks):
+        raise RuntimeError("the block-form weights were not packed as blocks")
     inputs = [torch.randn(rows, shapes[i % len(shapes)][0]) for i in range(len(shapes))]
     outputs = [torch.empty(rows, w.shape[0]) for w in weights]
 
@@ -58,16 +82,21 @@ def _compare(case: str, shapes: list[tuple[int, int]], weights: list[torch.Tenso
         for i, w in enumerate(weights):
             F.linear(inputs[i % len(inputs)], w)
 
-    def packed_path() -> None:
-        for i, p in enumerate(packed):
-            torch.ops.pagellm_gemm.linear_packed(outputs[i], inputs[i % len(inputs)], p, None)
+    def run_packed(panels: list[torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            for i, p in enumerate(panels):
+                torch.ops.pagellm_gemm.linear_packed(outputs[i], inputs[i % len(inputs)], p, None)
 
-    blas_s = packed_s = float("inf")
-    for _ in range(2):  # alternate, so drift on a shared machine hits both
+        return run
+
+    blas_s = packed_s = blocks_s = float("inf")
+    for _ in range(2):  # alternate, so drift on a shared machine hits all three
         blas_s = min(blas_s, _best_of(blas, reps))
-        packed_s = min(packed_s, _best_of(packed_path, reps))
+        packed_s = min(packed_s, _best_of(run_packed(packed), reps))
+        blocks_s = min(blocks_s, _best_of(run_packed(blocks), reps))
     flops = 2 * rows * sum(w.numel() for w in weights)
-    return GemmRow(case, rows, blas_s * 1e3, packed_s * 1e3, blas_s / packed_s, flops / packed_s / 1e9)
+    return GemmRow(case, rows, blas_s * 1e3, packed_s * 1e3, blocks_s * 1e3, blas_s / packed_s, blas_s / blocks_s,
+                   flops / packed_s / 1e9, flops / blocks_s / 1e9)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,16 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     if not load_kernels():
         print("the C++ kernels are unavailable; nothing to compare")
         return 1
-    torch.manual_seed(0)
-    layer_weights = [torch.randn(n, k) * 0.05 for _ in range(NUM_LAYERS) for k, n in LAYER_SHAPES]
-    vocab_weight = [torch.randn(VOCAB_SHAPE[1], VOCAB_SHAPE[0]) * 0.05]
+    generator = torch.Generator().manual_seed(0)
+    layer_weights = [block_quantized(n, k, 4, generator) for _ in range(NUM_LAYERS) for k, n in LAYER_SHAPES]
+    vocab_weight = [block_quantized(VOCAB_SHAPE[1], VOCAB_SHAPE[0], 8, generator)]
     results = []
-    print(f"{'case':<12}{'rows':>6}{'BLAS ms':>10}{'packed ms':>11}{'speed-up':>10}{'GFLOP/s':>9}")
+    print(f"{'':<18}{'BLAS':>8}{'float32 panels':>25}{'block panels':>25}")
+    print(f"{'case':<12}{'rows':>6}{'ms':>8}{'ms':>9}{'speed-up':>9}{'GFLOP/s':>8}{'ms':>9}{'speed-up':>9}{'GFLOP/s':>8}")
     for rows in [int(r) for r in args.rows.split(",")]:
         for case, shapes, weights in (("30 layers", LAYER_SHAPES, layer_weights), ("vocab head", [VOCAB_SHAPE], vocab_weight)):
             row = _compare(case, shapes, weights, rows, args.reps)
             results.append(row)
-            print(f"{row.case:<12}{row.rows:>6}{row.blas_ms:>10.1f}{row.packed_ms:>11.1f}{row.speedup:>9.2f}x{row.packed_gflops:>9.0f}")
+            print(f"{row.case:<12}{row.rows:>6}{row.blas_ms:>8.1f}{row.packed_ms:>9.1f}{row.speedup:>8.2f}x"
+                  f"{row.packed_gflops:>8.0f}{row.blocks_ms:>9.1f}{row.blocks_speedup:>8.2f}x{row.blocks_gflops:>8.0f}")
     if args.save_result:
         with open(args.save_result, "w", encoding="utf-8") as f:
             json.dump({"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),

@@ -30,7 +30,9 @@ PACKED_MAX_ROWS = 96
 
 def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """``weight`` ``[N, K]`` in the packed-panel layout of the small-batch kernel, or None where
-    that kernel does not apply (not float32 on CPU, or no kernels)."""
+    that kernel does not apply (not float32 on CPU, or no kernels). Weights whose every 32 inputs
+    are exactly 4- or 8-bit GGUF blocks are packed as such (uint8, 0.75 or 1.125 bytes a weight);
+    the kernel expands them back to the same float32 values, so the results are bit for bit equal."""
     if not use_cpu_kernels(weight):
         return None
     return torch.ops.pagellm_gemm.pack_weight(weight.detach())
@@ -48,7 +50,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
 class Linear(nn.Linear):
     """``nn.Linear`` that, after :meth:`pack`, runs small batches on a packed copy of its weight.
 
-    The copy doubles the layer's memory; large batches still use the original through BLAS.
+    The copy costs as much memory as the weight, or a fifth of it for a weight that is exactly
+    4-bit blocks (a GGUF model's, kept in that form); large batches still use the original
+    through BLAS.
     """
 
     packed: Optional[torch.Tensor] = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagellm.bench.gemm_bench import block_quantized
 from pagellm.kernels.build import load_kernels
 from pagellm.models.layers import PACKED_MAX_ROWS, Linear, linear, pack_weight
 
@@ -54,3 +55,50 @@ def test_other_dtypes_are_not_packed() -> None:
     assert pack_weight(weight) is None
     x = torch.randn(2, 16, dtype=torch.float64)
     torch.testing.assert_close(linear(x, weight, None, None), x @ weight.T)
+
+
+def _packed_both_ways(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.pagellm_gemm.pack_weight(weight, True), torch.ops.pagellm_gemm.pack_weight(weight, False)
+
+
+@pytest.mark.parametrize("bits,bytes_per_weight", [(4, 0.75), (8, 1.125)])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 64), (576, 1536)])
+def test_gguf_block_weights_pack_as_blocks_with_bit_identical_results(
+    bits: int, bytes_per_weight: float, out_features: int, in_features: int
+) -> None:
+    weight = block_quantized(out_features, in_features, bits, torch.Generator().manual_seed(bits + out_features))
+    blocks, floats = _packed_both_ways(weight)
+    assert blocks.dtype == torch.uint8 and floats.dtype == torch.float32
+    panels = floats.shape[0]  # output columns rounded up to whole panels
+    assert blocks.numel() == panels * floats.shape[2] * in_features * bytes_per_weight
+    assert pack_weight(weight).dtype == torch.uint8  # the model's entry point compresses too
+    bias = torch.randn(out_features)
+    for rows in (1, 5, 12, 13, 32, 96):  # below, at and past a micro-tile, and the largest packed batch
+        x = torch.randn(rows, in_features)
+        got, want = torch.empty(rows, out_features), torch.empty(rows, out_features)
+        torch.ops.pagellm_gemm.linear_packed(got, x, blocks, bias)
+        torch.ops.pagellm_gemm.linear_packed(want, x, floats, bias)
+        assert torch.equal(got, want), rows
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-3)
+
+
+def test_weights_that_are_not_exactly_blocks_stay_float32() -> None:
+    gen = torch.Generator().manual_seed(0)
+    almost = block_quantized(64, 128, 4, gen)
+    almost[17, 40] = torch.nextafter(almost[17, 40], torch.tensor(1.0))  # one value off by one ulp
+    nan = block_quantized(64, 128, 8, gen)
+    nan[3, 3] = float("nan")
+    ragged = block_quantized(64, 128, 4, gen)[:, :100].contiguous()  # inputs not a multiple of 32
+    for weight in (almost, nan, ragged, torch.randn(64, 128)):
+        assert pack_weight(weight).dtype == torch.float32
+    x = torch.randn(3, 128)
+    out = torch.empty(3, 64)
+    torch.ops.pagellm_gemm.linear_packed(out, x, pack_weight(almost), None)
+    torch.testing.assert_close(out, x @ almost.T, rtol=1e-5, atol=1e-5)
+
+
+def test_block_packed_input_width_is_checked() -> None:
+    blocks = pack_weight(block_quantized(40, 64, 4, torch.Generator().manual_seed(1)))
+    assert blocks.dtype == torch.uint8
+    with pytest.raises(ValueError, match="input width"):
+        torch.ops.pagellm_gemm.linear_packed(torch.empty(2, 40), torch.randn(2, 96), blocks, None)
