@@ -73,6 +73,27 @@ def test_long_decode_few_sequences(name, num_threads, seqs, reference) -> None:
 
 
 @pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("seqs", [[(1, 100)] * 12, [(1, 90), (1, 300), (20, 120), (1, 40)] * 3, [(1, 1500), (1, 1600)]])
+def test_sequences_sharing_prefix_blocks(name, num_threads, seqs, reference) -> None:
+    # Prefix caching: sequences' tables point at the same physical blocks for their common prefix
+    # (two prefixes here, 2 blocks each); the C++ kernel runs such sequences back to back.
+    block_size, shared = 16, 2
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        batch = make_batch(seqs, 9, 3, 64, block_size=block_size, seed=23)
+        table = batch.metadata.block_table
+        for i in range(2, len(seqs)):
+            table[i, :shared] = table[i % 2, :shared]  # only cached positions: new tokens go past them
+        got, expected, cache, ref_cache = run_both(batch, name, reference)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache, ref_cache, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 def test_query_view_of_fused_projection(name, reference) -> None:
     # Models slice q out of a fused qkv projection: token rows are strided, heads contiguous.
     batch = make_batch(SCENARIOS["mixed"], 9, 3, 64, block_size=16, seed=13)
