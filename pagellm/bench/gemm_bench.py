@@ -23,7 +23,6 @@ import torch
 from torch.nn import functional as F
 
 from pagellm.kernels.build import load_kernels
-from pagellm.models.layers import pack_weight
 
 # (in, out) of SmolLM2-135M's fused projections, and its depth and vocabulary head.
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
@@ -71,9 +70,9 @@ def _best_of(fn: Callable[[], None], reps: int) -> float:
 
 
 def _compare(case: str, shapes: list[tuple[int, int]], weights: list[torch.Tensor], rows: int, reps: int) -> GemmRow:
-    packed = [torch.ops.pagellm_gemm.pack_weight(w, False) for w in weights]
-    blocks = [pack_weight(w) for w in weights]
-    if any(b.dtype != torch.uint8 for b in blocks):
+    packed = [torch.ops.pagellm_gemm.pack_weight(w) for w in weights]
+    blocks = [torch.ops.pagellm_gemm.pack_weight_blocks(w) for w in weights]
+    if any(b is None for b in blocks):
         raise RuntimeError("the block-form weights were not packed as blocks")
     inputs = [torch.randn(rows, shapes[i % len(shapes)][0]) for i in range(len(shapes))]
     outputs = [torch.empty(rows, w.shape[0]) for w in weights]

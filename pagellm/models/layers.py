@@ -9,6 +9,8 @@ step. Linear layers keep BLAS for large batches and use pre-packed weights for s
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Optional, overload
 
 import torch
@@ -28,21 +30,43 @@ def use_cpu_kernels(x: torch.Tensor) -> bool:
 PACKED_MAX_ROWS = 96
 
 
-def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """``weight`` ``[N, K]`` in the packed-panel layout of the small-batch kernel, or None where
-    that kernel does not apply (not float32 on CPU, or no kernels). Weights whose every 32 inputs
-    are exactly 4- or 8-bit GGUF blocks are packed as such (uint8, 0.75 or 1.125 bytes a weight);
-    the kernel expands them back to the same float32 values, so the results are bit for bit equal."""
+@dataclass
+class PackedWeight:
+    """A weight ``[N, K]`` laid out for the small-batch CPU kernel (``torch.ops.pagellm_gemm``)."""
+
+    panels: torch.Tensor  # float32 panels
+    # The weight's own 4- or 8-bit GGUF blocks when it is exactly that (a GGUF model's projections):
+    # 0.75 or 1.125 bytes a weight, expanded by the kernel to the same float32 values, so the
+    # results are bit for bit the panels'. Faster up to `blocks_max_rows()` rows.
+    blocks: Optional[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.panels, self.blocks) if t is not None)
+
+
+@functools.cache
+def blocks_max_rows() -> int:
+    """Up to this many rows block panels beat float32 ones (32 with AVX-512, 8 with AVX2)."""
+    return torch.ops.pagellm_gemm.blocks_max_rows()
+
+
+def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
+    """``weight`` ``[N, K]`` packed for the small-batch kernel, or None where that kernel does not
+    apply (not float32 on CPU, or no kernels)."""
     if not use_cpu_kernels(weight):
         return None
-    return torch.ops.pagellm_gemm.pack_weight(weight.detach())
+    weight = weight.detach()
+    return PackedWeight(torch.ops.pagellm_gemm.pack_weight(weight), torch.ops.pagellm_gemm.pack_weight_blocks(weight))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]) -> torch.Tensor:
     """``x @ weight.T + bias``; small batches go through ``packed`` (from :func:`pack_weight`) when given."""
-    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and use_cpu_kernels(x) and x.stride(-1) == 1:
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        torch.ops.pagellm_gemm.linear_packed(out, x, packed, bias)
+    rows = x.shape[0]
+    if packed is not None and x.dim() == 2 and rows <= PACKED_MAX_ROWS and use_cpu_kernels(x) and x.stride(-1) == 1:
+        panels = packed.blocks if packed.blocks is not None and rows <= blocks_max_rows() else packed.panels
+        out = torch.empty((rows, weight.shape[0]), dtype=x.dtype, device=x.device)
+        torch.ops.pagellm_gemm.linear_packed(out, x, panels, bias)
         return out
     return F.linear(x, weight, bias)
 
@@ -50,17 +74,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
 class Linear(nn.Linear):
     """``nn.Linear`` that, after :meth:`pack`, runs small batches on a packed copy of its weight.
 
-    The copy costs as much memory as the weight, or a fifth of it for a weight that is exactly
-    4-bit blocks (a GGUF model's, kept in that form); large batches still use the original
-    through BLAS.
+    The copy costs as much memory as the weight (a fifth more for a GGUF model's 4-bit blocks);
+    large batches still use the original through BLAS.
     """
 
-    packed: Optional[torch.Tensor] = None
+    packed: Optional[PackedWeight] = None
 
     def pack(self) -> int:
         """Packs the current weight (call again after changing it); returns the bytes added."""
         self.packed = pack_weight(self.weight)
-        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+        return 0 if self.packed is None else self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)

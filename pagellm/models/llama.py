@@ -14,7 +14,16 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.models.layers import Linear, RMSNorm, linear, pack_weight, rotate_in_place, silu_and_mul, use_cpu_kernels
+from pagellm.models.layers import (
+    Linear,
+    PackedWeight,
+    RMSNorm,
+    linear,
+    pack_weight,
+    rotate_in_place,
+    silu_and_mul,
+    use_cpu_kernels,
+)
 from pagellm.models.rope import RotaryArgs, RotaryEmbedding, apply_rotary, head_dim_of
 
 # (fused parameter, checkpoint projection, shard) for the projections we stack at load time.
@@ -172,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias)
         # Tied models reuse the embedding matrix directly rather than carrying an alias module.
         self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        self._packed_tied_head: torch.Tensor | None = None
+        self._packed_tied_head: PackedWeight | None = None
 
     @staticmethod
     def bias_flags(hf_config: PretrainedConfig) -> tuple[bool, bool, bool]:
@@ -205,16 +214,14 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, max_extra_bytes: int) -> int:
         """Packs projection weights for the small-batch CPU kernel, the vocabulary head first (the
         largest gain per byte), then layer by layer, while the copies fit in ``max_extra_bytes``.
-        Returns the bytes used; 0 off the CPU or for dtypes other than float32. A GGUF model's
-        copies are its quantized blocks (see ``kernels/csrc/quant_blocks.h``), a fifth of float32."""
+        Returns the bytes used; 0 off the CPU or for dtypes other than float32."""
         used = 0
         if self.lm_head is None:
             packed = pack_weight(self.model.embed_tokens.weight)
             if packed is None:
                 return 0
-            size = packed.numel() * packed.element_size()
-            if size <= max_extra_bytes:
-                self._packed_tied_head, used = packed, size
+            if packed.nbytes <= max_extra_bytes:
+                self._packed_tied_head, used = packed, packed.nbytes
         heads = [self.lm_head] if self.lm_head is not None else []
         for module in heads + [m for m in self.model.modules() if isinstance(m, Linear)]:
             added = module.pack()

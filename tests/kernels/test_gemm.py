@@ -6,7 +6,7 @@ import torch
 
 from pagellm.bench.gemm_bench import block_quantized
 from pagellm.kernels.build import load_kernels
-from pagellm.models.layers import PACKED_MAX_ROWS, Linear, linear, pack_weight
+from pagellm.models.layers import PACKED_MAX_ROWS, Linear, blocks_max_rows, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
 
@@ -20,13 +20,13 @@ def test_linear_packed_matches_torch(rows: int, out_features: int, in_features: 
     bias = torch.randn(out_features) if with_bias else None
     x = torch.randn(rows, in_features)
     out = torch.empty(rows, out_features)
-    torch.ops.pagellm_gemm.linear_packed(out, x, pack_weight(weight), bias)
+    torch.ops.pagellm_gemm.linear_packed(out, x, torch.ops.pagellm_gemm.pack_weight(weight), bias)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=2e-5)
 
 
 def test_linear_packed_reads_strided_rows_and_rejects_mismatches() -> None:
     weight = torch.randn(40, 64)
-    packed = pack_weight(weight)
+    packed = torch.ops.pagellm_gemm.pack_weight(weight)
     x = torch.randn(6, 100)[:, :64]
     out = torch.empty(6, 40)
     torch.ops.pagellm_gemm.linear_packed(out, x, packed, None)
@@ -39,7 +39,7 @@ def test_linear_packed_reads_strided_rows_and_rejects_mismatches() -> None:
 
 def test_linear_module_uses_the_packed_copy_only_for_small_batches(monkeypatch) -> None:
     layer = Linear(64, 48, bias=True)
-    assert layer.pack() == pack_weight(layer.weight).numel() * 4
+    assert layer.pack() == torch.ops.pagellm_gemm.pack_weight(layer.weight).numel() * 4  # random weights: no blocks
     calls = []
     real = torch.ops.pagellm_gemm.linear_packed
     monkeypatch.setattr(torch.ops.pagellm_gemm, "linear_packed", lambda *a: (calls.append(a[1].shape[0]), real(*a)))
@@ -57,21 +57,18 @@ def test_other_dtypes_are_not_packed() -> None:
     torch.testing.assert_close(linear(x, weight, None, None), x @ weight.T)
 
 
-def _packed_both_ways(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.pagellm_gemm.pack_weight(weight, True), torch.ops.pagellm_gemm.pack_weight(weight, False)
-
-
 @pytest.mark.parametrize("bits,bytes_per_weight", [(4, 0.75), (8, 1.125)])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 64), (576, 1536)])
 def test_gguf_block_weights_pack_as_blocks_with_bit_identical_results(
     bits: int, bytes_per_weight: float, out_features: int, in_features: int
 ) -> None:
     weight = block_quantized(out_features, in_features, bits, torch.Generator().manual_seed(bits + out_features))
-    blocks, floats = _packed_both_ways(weight)
-    assert blocks.dtype == torch.uint8 and floats.dtype == torch.float32
+    packed = pack_weight(weight)
+    floats, blocks = packed.panels, packed.blocks
+    assert blocks is not None and blocks.dtype == torch.uint8 and floats.dtype == torch.float32
     panels = floats.shape[0]  # output columns rounded up to whole panels
     assert blocks.numel() == panels * floats.shape[2] * in_features * bytes_per_weight
-    assert pack_weight(weight).dtype == torch.uint8  # the model's entry point compresses too
+    assert packed.nbytes == floats.numel() * 4 + blocks.numel()
     bias = torch.randn(out_features)
     for rows in (1, 5, 12, 13, 32, 96):  # below, at and past a micro-tile, and the largest packed batch
         x = torch.randn(rows, in_features)
@@ -82,7 +79,7 @@ def test_gguf_block_weights_pack_as_blocks_with_bit_identical_results(
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-3)
 
 
-def test_weights_that_are_not_exactly_blocks_stay_float32() -> None:
+def test_weights_that_are_not_exactly_blocks_have_no_block_copy() -> None:
     gen = torch.Generator().manual_seed(0)
     almost = block_quantized(64, 128, 4, gen)
     almost[17, 40] = torch.nextafter(almost[17, 40], torch.tensor(1.0))  # one value off by one ulp
@@ -90,15 +87,26 @@ def test_weights_that_are_not_exactly_blocks_stay_float32() -> None:
     nan[3, 3] = float("nan")
     ragged = block_quantized(64, 128, 4, gen)[:, :100].contiguous()  # inputs not a multiple of 32
     for weight in (almost, nan, ragged, torch.randn(64, 128)):
-        assert pack_weight(weight).dtype == torch.float32
-    x = torch.randn(3, 128)
-    out = torch.empty(3, 64)
-    torch.ops.pagellm_gemm.linear_packed(out, x, pack_weight(almost), None)
-    torch.testing.assert_close(out, x @ almost.T, rtol=1e-5, atol=1e-5)
+        packed = pack_weight(weight)
+        assert packed.blocks is None and packed.panels.dtype == torch.float32
+
+
+def test_linear_takes_blocks_up_to_their_row_limit(monkeypatch) -> None:
+    weight = block_quantized(48, 64, 4, torch.Generator().manual_seed(2))
+    packed = pack_weight(weight)
+    used = []
+    real = torch.ops.pagellm_gemm.linear_packed
+    monkeypatch.setattr(torch.ops.pagellm_gemm, "linear_packed", lambda *a: (used.append((a[1].shape[0], a[2].dtype)), real(*a)))
+    limit = blocks_max_rows()
+    assert limit in (8, 32)
+    for rows in (1, limit, limit + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert used == [(1, torch.uint8), (limit, torch.uint8), (limit + 1, torch.float32), (PACKED_MAX_ROWS, torch.float32)]
 
 
 def test_block_packed_input_width_is_checked() -> None:
-    blocks = pack_weight(block_quantized(40, 64, 4, torch.Generator().manual_seed(1)))
-    assert blocks.dtype == torch.uint8
+    blocks = torch.ops.pagellm_gemm.pack_weight_blocks(block_quantized(40, 64, 4, torch.Generator().manual_seed(1)))
+    assert blocks is not None and blocks.dtype == torch.uint8
     with pytest.raises(ValueError, match="input width"):
         torch.ops.pagellm_gemm.linear_packed(torch.empty(2, 40), torch.randn(2, 96), blocks, None)

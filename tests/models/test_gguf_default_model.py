@@ -81,22 +81,23 @@ def test_loaded_model_matches_transformers_logits(gguf_path: str, hf_model: torc
 
 @pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
 def test_default_model_packs_its_quantized_blocks(gguf_path: str) -> None:
-    # Q4_1 projections and the Q8_0 embedding (the tied head) are kept as blocks, 0.75 and 1.125
-    # bytes a weight, and compute exactly what float32 panels of the same weights compute.
+    # Q4_1 projections and the Q8_0 embedding (the tied head) get a copy in their own blocks, 0.75 and
+    # 1.125 bytes a weight, that computes exactly what the float32 panels of the same weights do.
     model = load_model(gguf_path, load_hf_config(gguf_path), torch.float32, torch.device("cpu"), TorchReferenceBackend())
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 30
-    assert all(m.packed is not None and m.packed.dtype == torch.uint8 for m in linears)
-    assert sum(m.packed.numel() for m in linears) == 0.75 * sum(m.weight.numel() for m in linears)
+    assert all(m.packed is not None and m.packed.blocks is not None for m in linears)
+    assert sum(m.packed.blocks.numel() for m in linears) == 0.75 * sum(m.weight.numel() for m in linears)
     head = model._packed_tied_head
-    assert head is not None and head.dtype == torch.uint8 and head.numel() == 1.125 * 49152 * 576
+    assert head is not None and head.blocks is not None and head.blocks.numel() == 1.125 * 49152 * 576
     x = torch.randn(32, 576)
-    for weight, blocks in ((model.model.layers[5].mlp.gate_up_proj.weight, model.model.layers[5].mlp.gate_up_proj.packed),
+    for weight, packed in ((model.model.layers[5].mlp.gate_up_proj.weight, model.model.layers[5].mlp.gate_up_proj.packed),
                            (model.model.embed_tokens.weight, head)):
         got, want = torch.empty(32, weight.shape[0]), torch.empty(32, weight.shape[0])
-        torch.ops.pagellm_gemm.linear_packed(got, x, blocks, None)
-        torch.ops.pagellm_gemm.linear_packed(want, x, torch.ops.pagellm_gemm.pack_weight(weight, False), None)
+        torch.ops.pagellm_gemm.linear_packed(got, x, packed.blocks, None)
+        torch.ops.pagellm_gemm.linear_packed(want, x, packed.panels, None)
         assert torch.equal(got, want)
+        torch.testing.assert_close(got, x @ weight.T, rtol=1e-4, atol=1e-4)
 
 
 def test_eos_token_ids_from_gguf(gguf_path: str) -> None:

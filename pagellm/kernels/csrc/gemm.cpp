@@ -12,10 +12,11 @@
 // pagellm.bench.gemm_bench`): 1.2-1.5x MKL at 32 rows, 1.5-2x at 8-16, even at 96-128, behind from
 // 256 rows on, so large batches stay with BLAS.
 //
-// Weights that are exactly GGUF-style blocks of 4- or 8-bit integers (quant_blocks.h) are packed
-// in that form, 5.3x / 3.6x smaller, and each panel slice is expanded back into float32 in a
-// per-thread buffer just before the row blocks pass over it: the results are bit for bit those of
-// the float32 panels, with a fraction of the memory traffic.
+// Weights that are exactly GGUF-style blocks of 4- or 8-bit integers (quant_blocks.h) can also be
+// packed in that form, 5.3x / 3.6x smaller; each panel slice is expanded back into float32 in a
+// per-thread buffer just before the row blocks pass over it. The results are bit for bit those of
+// the float32 panels, with a fraction of the memory traffic, which pays at few rows (see
+// blocks_max_rows); linear_packed takes either form.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -172,15 +173,33 @@ at::Tensor pack_blocks(const at::Tensor& w) {
   return exact ? packed : at::Tensor();
 }
 
-at::Tensor pack_weight(const at::Tensor& weight, bool compress) {
+at::Tensor pack_weight(const at::Tensor& weight) {
   TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
                     "pack_weight: weight must be a 2-D float32 CPU tensor");
+  return pack_f32(weight.contiguous());
+}
+
+// The weight as 4-bit blocks, else as 8-bit blocks, else nothing (not exactly either).
+c10::optional<at::Tensor> pack_weight_blocks(const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+                    "pack_weight_blocks: weight must be a 2-D float32 CPU tensor");
   const at::Tensor w = weight.contiguous();
-  if (compress && w.size(1) % QK == 0) {
-    if (at::Tensor q4 = pack_blocks<true>(w); q4.defined()) return q4;
-    if (at::Tensor q8 = pack_blocks<false>(w); q8.defined()) return q8;
-  }
-  return pack_f32(w);
+  if (w.size(1) % QK != 0) return c10::nullopt;
+  if (at::Tensor q4 = pack_blocks<true>(w); q4.defined()) return q4;
+  if (at::Tensor q8 = pack_blocks<false>(w); q8.defined()) return q8;
+  return c10::nullopt;
+}
+
+// Up to this many rows block panels beat float32 panels of the same weight; past it, expanding
+// the blocks costs more than the memory traffic it saves. `python -m pagellm.bench.gemm_bench`,
+// 30 layers (vocabulary head): AVX-512 2.1x (2.3x) at 1 row, 1.3x (1.3x) at 16, 1.1x (1.0x) at
+// 24, 1.0x (0.9x) at 32, 0.95x at 64; AVX2 (x86-64-v3) 1.75x at 1, 1.13x at 8, 0.95x at 16.
+int64_t blocks_max_rows() {
+#if defined(__AVX512F__)
+  return 32;
+#else
+  return 8;
+#endif
 }
 
 void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
@@ -270,11 +289,14 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 }  // namespace pagellm
 
 TORCH_LIBRARY(pagellm_gemm, m) {
-  m.def("pack_weight(Tensor weight, bool compress=True) -> Tensor");
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def("pack_weight_blocks(Tensor weight) -> Tensor?");
+  m.def("blocks_max_rows() -> int", &pagellm::blocks_max_rows);  // no tensors to dispatch on
   m.def("linear_packed(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_gemm, CPU, m) {
   m.impl("pack_weight", &pagellm::pack_weight);
+  m.impl("pack_weight_blocks", &pagellm::pack_weight_blocks);
   m.impl("linear_packed", &pagellm::linear_packed);
 }
