@@ -3,7 +3,7 @@
 # client (../shared/peers/peer_bench.sh): workloads R (64 x 256 in / 128 out), P (4 shared
 # 512-token prefixes + 64 unique, 64 out) and V (256 in/out spread 10%..190%), 32 in flight.
 # Then pagellm's own `bench serve` on the same server, and the MFU of every run against the
-# fp32 matmul peak measured right after.
+# fp32 matmul peak (the higher of one measured before pagellm's runs and one right after).
 #
 # Needs the peers set up first (see ../shared/peers/README.md: the model as an HF directory in
 # /tmp/models/smollm2-135m-instruct and vLLM in /tmp/peers/vllm-venv).
@@ -38,6 +38,9 @@ if [ "${2:-}" != skip-vllm ]; then
   kill -TERM $vpid; wait $vpid || true
 fi
 
+# The peak now and again after the runs; MFU is rated against the higher (the machine drifts).
+.venv/bin/pagellm bench mfu | tee "$out/peak-before.txt"
+peak_before=$(sed -n 's/.*: \([0-9.]*\) GFLOP\/s$/\1/p' "$out/peak-before.txt")
 .venv/bin/pagellm serve --port 8000 > "$out/pagellm-server.log" 2>&1 &
 ppid=$!
 echo "pagellm ready after $(wait_ready 8000 $ppid) s" | tee "$out/pagellm-ready.txt"
@@ -47,4 +50,4 @@ WITH_V=1 bash "$peers/peer_bench.sh" pagellm 8000 "$out"
   --save-result --result-dir "$out" --result-filename pagellm-own-random.json > "$out/pagellm-own-random.log"
 kill -TERM $ppid; wait $ppid || true
 
-.venv/bin/pagellm bench mfu --result "$out"/*-random.json "$out"/*-prefix.json "$out"/*-variable.json | tee "$out/mfu.txt"
+.venv/bin/pagellm bench mfu --peak-floor "$peak_before" --result "$out"/*-random.json "$out"/*-prefix.json "$out"/*-variable.json | tee "$out/mfu.txt"

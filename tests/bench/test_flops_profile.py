@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from pagellm.bench.flops import DEFAULT_MODEL_PARAMS, measure_matmul_peak, model_flop_utilization
@@ -28,3 +30,18 @@ def test_profile_and_prefix_cache_commands_run(capsys):
                  "--prefix-len", "32", "--suffix-len", "8", "--output-len", "2"]) == 0
     out = capsys.readouterr().out
     assert "Cache hits: 128 of ideal 128 (100.0%)" in out  # (6 - 2) requests x 32 prefix tokens
+
+
+def test_mfu_command_rates_against_the_higher_peak(tmp_path, capsys):
+    from pagellm.cli import main
+
+    result = tmp_path / "r.json"
+    # 1,000 tokens in 1 s: 269 GFLOP/s of model work.
+    result.write_text(json.dumps({"total_input_tokens": 600, "total_output_tokens": 400, "duration": 1.0}))
+    args = ["--log-level", "warning", "bench", "mfu", "--seconds", "0.2", "--result", str(result)]
+    assert main(args + ["--peak-floor", "1e6"]) == 0
+    out = capsys.readouterr().out
+    assert "rated against the higher peak given: 1000000.0 GFLOP/s" in out
+    assert "1000 tokens in 1.0 s = 269.0 GFLOP/s, MFU 0.0%" in out
+    assert main(args) == 0  # no floor: the measured peak, a real rate
+    assert "rated against" not in capsys.readouterr().out
