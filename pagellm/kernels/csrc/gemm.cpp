@@ -213,7 +213,8 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
                         ((f32 && packed.size(2) == NR && packed.size(1) == x.size(1)) ||
                          (blocks && (q4 || packed.size(2) == kQ8BlockBytes) && packed.size(1) * QK == x.size(1))),
-                    "linear_packed: packed must come from pack_weight for this input width (", NR, " columns per panel)");
+                    "linear_packed: packed must come from pack_weight or pack_weight_blocks for this input width (", NR,
+                    " columns per panel)");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = packed.size(0);
   TORCH_CHECK_VALUE(n <= panels * NR && n > (panels - 1) * NR, "linear_packed: out has ", n, " columns, packed holds ",
                     panels, " panels of ", NR);

@@ -11,7 +11,7 @@
 // Packing starts from the float32 weights and keeps a block form only where it reproduces every
 // value bit for bit; the search below finds the scale as llama.cpp's quantizers set it (Q4_1:
 // m = the block's minimum, its maximum has q = 15; Q8_0: the largest magnitude has |q| = 127).
-// One block that does not fit keeps the whole matrix in float32.
+// One block that does not fit leaves the whole matrix without a block copy.
 //
 // Layouts, per panel of NR = 2 W output columns and block of QK = 32 inputs (k):
 //   4-bit: float d[NR], float m[NR], uint8 q[QK][W]   (byte j: column j low nibble, j + W high)
