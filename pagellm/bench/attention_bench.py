@@ -1,11 +1,13 @@
 """Micro-benchmark of the attention backends on SmolLM2-135M shapes.
 
-    python -m pagellm.bench.attention_bench [--cases decode,prefill,mixed] [--save-result out.json]
+    python -m pagellm.bench.attention_bench [--cases decode,prefill,mixed] [--layers 1] [--save-result out.json]
 
 For each case every backend runs the same batch; the table shows the median and the fastest
 time per call, the median speed-up over the torch reference, the achieved rate at the median
-(KV-cache GB/s for decode, attention GFLOP/s otherwise) and the largest difference from the
-reference output.
+(KV-cache GB/s for decode, counting a shared prefix once per sequence; attention GFLOP/s
+otherwise) and the largest difference from the reference output. With ``--layers N`` a call is N
+layers, each with its own copy of the KV cache, as in a model's step: the cache then comes from
+memory rather than from the caches a single repeated call keeps it in.
 """
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ CASES: dict[str, list[tuple[int, int]]] = {
     "prefill": [(512, 512)] * 4,
     # A typical continuous-batching step: decodes plus one prefill chunk after a cached prefix.
     "mixed": [(1, 256 + 24 * i) for i in range(31)] + [(512, 1024)],
+    # Workload P's decode: 4 system prompts of 512 tokens, each the prefix of 8 sequences.
+    "decode_prefix": [(1, 608)] * 32,
 }
+# case -> (number of prefixes, prefix tokens) shared through the block tables, as prefix caching does.
+SHARED_PREFIXES: dict[str, tuple[int, int]] = {"decode_prefix": (4, 512)}
 
 
 @dataclass
@@ -58,15 +64,25 @@ def kv_bytes(seqs: list[tuple[int, int]]) -> float:
     return float(sum(seq_len for _, seq_len in seqs)) * 2 * NUM_KV_HEADS * HEAD_DIM * 4
 
 
+def share_prefixes(batch: SyntheticBatch, num_prefixes: int, prefix_tokens: int) -> None:
+    """Points sequence i's first ``prefix_tokens`` at sequence ``i % num_prefixes``'s blocks."""
+    table = batch.metadata.block_table
+    for i in range(num_prefixes, table.shape[0]):
+        table[i, : prefix_tokens // BLOCK_SIZE] = table[i % num_prefixes, : prefix_tokens // BLOCK_SIZE]
+
+
 def time_backend(
-    backend_name: str, batch: SyntheticBatch, min_seconds: float, max_repeats: int
+    backend_name: str, batch: SyntheticBatch, min_seconds: float, max_repeats: int, num_layers: int = 1
 ) -> tuple[float, float, torch.Tensor]:
-    """(median seconds, fastest seconds, output) of one backend's forward on ``batch``."""
+    """(median seconds, fastest seconds, output) of one backend's forward on ``batch``, ``num_layers``
+    times over as many copies of the KV cache."""
     backend = get_attn_backend(backend_name, batch.query.device)
-    cache = batch.kv_cache.clone()
+    caches = [batch.kv_cache.clone() for _ in range(num_layers)]
 
     def call() -> torch.Tensor:
-        return backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale)
+        for cache in caches:
+            out = backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale)
+        return out
 
     output = call()  # warm-up (and the output checked against the reference)
     times: list[float] = []
@@ -78,18 +94,22 @@ def time_backend(
     return statistics.median(times), min(times), output
 
 
-def run_case(case: str, backend_names: list[str], min_seconds: float, max_repeats: int) -> list[BenchRow]:
+def run_case(case: str, backend_names: list[str], min_seconds: float, max_repeats: int, num_layers: int = 1) -> list[BenchRow]:
     seqs = CASES[case]
     batch = make_batch(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, seed=0)
-    ref_timing = time_backend("torch_ref", batch, min_seconds, max_repeats)
+    if case in SHARED_PREFIXES:
+        share_prefixes(batch, *SHARED_PREFIXES[case])
+    ref_timing = time_backend("torch_ref", batch, min_seconds, max_repeats, num_layers)
     ref_seconds, ref_out = ref_timing[0], ref_timing[2]
     rows = []
     for name in backend_names:
-        seconds, best, out = ref_timing if name == "torch_ref" else time_backend(name, batch, min_seconds, max_repeats)
+        seconds, best, out = (
+            ref_timing if name == "torch_ref" else time_backend(name, batch, min_seconds, max_repeats, num_layers)
+        )
         if case.startswith("decode"):
-            rate, unit = kv_bytes(seqs) / seconds / 1e9, "GB/s"
+            rate, unit = num_layers * kv_bytes(seqs) / seconds / 1e9, "GB/s"
         else:
-            rate, unit = attention_flops(seqs) / seconds / 1e9, "GFLOP/s"
+            rate, unit = num_layers * attention_flops(seqs) / seconds / 1e9, "GFLOP/s"
         diff = (out - ref_out).abs().max().item()
         rows.append(BenchRow(case, name, seconds * 1e3, best * 1e3, ref_seconds / seconds, rate, unit, diff))
     return rows
@@ -102,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time each backend for at least this long")
     parser.add_argument("--max-repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before timing")
+    parser.add_argument("--layers", type=int, default=1, help="layers per call, each with its own copy of the cache")
     parser.add_argument("--save-result", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    if args.layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {args.layers}")
     if args.threads:
         torch.set_num_threads(args.threads)
     cases = [c for c in args.cases.split(",") if c]
@@ -114,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[BenchRow] = []
     header = f"{'case':<13}{'backend':<12}{'ms/call':>10}{'best ms':>10}{'vs ref':>9}{'rate':>10} {'unit':<8}{'max|diff|':>11}"
     print(f"attention micro-benchmark: heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call")
     print(header)
     print("-" * len(header))
     for case in cases:
-        for row in run_case(case, backends, args.min_seconds, args.max_repeats):
+        for row in run_case(case, backends, args.min_seconds, args.max_repeats, args.layers):
             rows.append(row)
             print(f"{row.case:<13}{row.backend:<12}{row.ms_per_call:>10.3f}{row.best_ms:>10.3f}{row.speedup_vs_ref:>8.1f}x"
                   f"{row.rate:>10.1f} {row.rate_unit:<8}{row.max_abs_diff:>11.2e}")
@@ -132,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.machine(),
             "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
             "cases": {c: CASES[c] for c in cases},
+            "layers": args.layers,
             "rows": [asdict(r) for r in rows],
             "all_agree": agree,
         }

@@ -4,7 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from pagellm.attention.synthetic import make_batch
 from pagellm.bench import attention_bench
+from pagellm.kernels.build import load_kernels
 
 
 def test_bench_writes_result(tmp_path: Path, capsys) -> None:
@@ -26,3 +30,21 @@ def test_flop_and_byte_counts() -> None:
     # One 2-token prefill from scratch: query 0 sees 1 key, query 1 sees 2.
     assert attention_bench.attention_flops([(2, 2)]) == 4.0 * 3 * attention_bench.NUM_HEADS * attention_bench.HEAD_DIM
     assert attention_bench.kv_bytes([(1, 10)]) == 10 * 2 * attention_bench.NUM_KV_HEADS * attention_bench.HEAD_DIM * 4
+
+
+def test_shared_prefix_case_over_several_layers(tmp_path: Path) -> None:
+    out = tmp_path / "attn.json"
+    backends = "torch_sdpa,torch_ref" + (",cpu_paged" if load_kernels() else "")
+    code = attention_bench.main(["--cases", "decode_prefix", "--backends", backends, "--layers", "2", "--min-seconds", "0",
+                                 "--max-repeats", "3", "--save-result", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["layers"] == 2 and result["all_agree"] is True
+
+
+def test_share_prefixes_points_tables_at_the_same_blocks() -> None:
+    batch = make_batch([(1, 64)] * 6, 9, 3, 64, attention_bench.BLOCK_SIZE, seed=0)
+    attention_bench.share_prefixes(batch, num_prefixes=2, prefix_tokens=32)
+    table = batch.metadata.block_table
+    assert torch.equal(table[4, :2], table[0, :2]) and torch.equal(table[5, :2], table[1, :2])
+    assert not torch.equal(table[0, :2], table[1, :2]) and table[4, 2] != table[0, 2]
