@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -64,11 +65,18 @@ def kv_bytes(seqs: list[tuple[int, int]]) -> float:
     return float(sum(seq_len for _, seq_len in seqs)) * 2 * NUM_KV_HEADS * HEAD_DIM * 4
 
 
-def share_prefixes(batch: SyntheticBatch, num_prefixes: int, prefix_tokens: int) -> None:
-    """Points sequence i's first ``prefix_tokens`` at sequence ``i % num_prefixes``'s blocks."""
+def share_prefixes(batch: SyntheticBatch, num_prefixes: int, prefix_tokens: int, seed: int = 0) -> None:
+    """Gives the sequences ``num_prefixes`` common prefixes of ``prefix_tokens`` (as many sequences
+    each), in a seeded random order: in a running batch, requests that share a system prompt are
+    not next to each other. Each prefix's first sequence keeps its blocks, the others point at them."""
     table = batch.metadata.block_table
-    for i in range(num_prefixes, table.shape[0]):
-        table[i, : prefix_tokens // BLOCK_SIZE] = table[i % num_prefixes, : prefix_tokens // BLOCK_SIZE]
+    num_seqs, shared_blocks = table.shape[0], prefix_tokens // BLOCK_SIZE
+    prefix_of = [i % num_prefixes for i in range(num_seqs)]
+    random.Random(seed).shuffle(prefix_of)
+    owner: dict[int, int] = {}
+    for i, prefix in enumerate(prefix_of):
+        first = owner.setdefault(prefix, i)
+        table[i, :shared_blocks] = table[first, :shared_blocks]
 
 
 def time_backend(
