@@ -64,6 +64,10 @@ def main(args: argparse.Namespace) -> int:
                 engine.step()
         return prof
 
+    # Kineto initialises itself on first use and complains ("External init callback must run in
+    # same thread as registerClient") when that first use is on another thread than the main one.
+    with profile(activities=[ProfilerActivity.CPU]):
+        pass
     prof = worker.submit(profiled_steps).result()
     matmul = attention = total = 0.0
     for evt in prof.key_averages():
