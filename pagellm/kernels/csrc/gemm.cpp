@@ -173,17 +173,18 @@ at::Tensor pack_blocks(const at::Tensor& w) {
   return exact ? packed : at::Tensor();
 }
 
-at::Tensor pack_weight(const at::Tensor& weight) {
-  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-                    "pack_weight: weight must be a 2-D float32 CPU tensor");
-  return pack_f32(weight.contiguous());
+// The weight to pack, checked and contiguous.
+at::Tensor weight_to_pack(const at::Tensor& weight, const char* op) {
+  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2, op,
+                    ": weight must be a 2-D float32 CPU tensor");
+  return weight.contiguous();
 }
+
+at::Tensor pack_weight(const at::Tensor& weight) { return pack_f32(weight_to_pack(weight, "pack_weight")); }
 
 // The weight as 4-bit blocks, else as 8-bit blocks, else nothing (not exactly either).
 c10::optional<at::Tensor> pack_weight_blocks(const at::Tensor& weight) {
-  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-                    "pack_weight_blocks: weight must be a 2-D float32 CPU tensor");
-  const at::Tensor w = weight.contiguous();
+  const at::Tensor w = weight_to_pack(weight, "pack_weight_blocks");
   if (w.size(1) % QK != 0) return c10::nullopt;
   if (at::Tensor q4 = pack_blocks<true>(w); q4.defined()) return q4;
   if (at::Tensor q8 = pack_blocks<false>(w); q8.defined()) return q8;

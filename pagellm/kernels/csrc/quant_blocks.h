@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -39,24 +40,19 @@ constexpr int NR = 2 * W;                              // output columns per pan
 constexpr int64_t kQ4BlockBytes = NR * 8 + QK * W;     // 768 with AVX-512
 constexpr int64_t kQ8BlockBytes = NR * 4 + QK * NR;    // 1,152 with AVX-512
 
-// W bytes from p, widened to W int32 lanes. Spelled out for x86: GCC turns the generic
-// __builtin_convertvector of a byte vector into a scalar loop (measured: 3x slower dequantizing).
-inline vint widen_u8(const uint8_t* p) {
+// W bytes from p (uint8_t or int8_t), widened to W int32 lanes. Spelled out for x86: GCC turns the
+// generic __builtin_convertvector of a byte vector into a scalar loop (measured: 3x slower
+// dequantizing).
+template <typename Byte>
+inline vint widen(const Byte* p) {
+  static_assert(sizeof(Byte) == 1, "bytes only");
+  constexpr bool kSigned = std::is_signed_v<Byte>;
 #if defined(__AVX512F__)
-  return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vint)(kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 #elif defined(__AVX2__)
-  return (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  vint out;
-  for (int i = 0; i < W; ++i) out[i] = p[i];
-  return out;
-#endif
-}
-inline vint widen_s8(const int8_t* p) {
-#if defined(__AVX512F__)
-  return (vint)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__AVX2__)
-  return (vint)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (vint)(kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 #else
   vint out;
   for (int i = 0; i < W; ++i) out[i] = p[i];
@@ -133,7 +129,7 @@ inline void dequant_q4_slice(const uint8_t* blocks, int num_blocks, float* out, 
     const vfloat d0 = vload(d), d1 = vload(d + W), m0 = vload(d + NR), m1 = vload(d + NR + W);
     const uint8_t* qs = block + NR * 8;
     for (int k = 0; k < QK; ++k) {
-      const vint bytes = widen_u8(qs + k * W);
+      const vint bytes = widen(qs + k * W);
       float* row = out + (b * QK + k) * NR;
       vstore(row, to_float(bytes & 0xF) * d0 + m0);
       vstore(row + W, to_float(bytes >> 4) * d1 + m1);
@@ -150,8 +146,8 @@ inline void dequant_q8_slice(const uint8_t* blocks, int num_blocks, float* out, 
     const int8_t* qs = reinterpret_cast<const int8_t*>(block + NR * 4);
     for (int k = 0; k < QK; ++k) {
       float* row = out + (b * QK + k) * NR;
-      vstore(row, to_float(widen_s8(qs + k * NR)) * d0);
-      vstore(row + W, to_float(widen_s8(qs + k * NR + W)) * d1);
+      vstore(row, to_float(widen(qs + k * NR)) * d0);
+      vstore(row + W, to_float(widen(qs + k * NR + W)) * d1);
     }
   }
 }
