@@ -36,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="KV cache element type: auto (the model's dtype), float16 or bfloat16"
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--attention-backend", default=None, help="cpu_paged, torch_sdpa or torch_ref (default: fastest)")
     parser.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
@@ -56,6 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         attention_backend=args.attention_backend,
         kv_layout=args.kv_layout,

@@ -62,6 +62,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     dtype: Union[str, torch.dtype] = "float32"
+    # The KV cache's element type; "auto" is the model's dtype (as in vLLM). float16 or bfloat16
+    # under a float32 model halves the cache's memory and the bytes decode attention reads; keys
+    # and values are rounded once, on their way into the cache, and attention still runs in float32.
+    kv_cache_dtype: Union[str, torch.dtype] = "auto"
     device: Optional[Union[str, torch.device]] = None
     attention_backend: Optional[str] = None  # None -> the fastest available
     # "paged" is pagellm; "contiguous" is the pre-PagedAttention design, kept for comparison.
@@ -72,6 +76,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
+        self.kv_cache_dtype = self.dtype if self.kv_cache_dtype == "auto" else parse_dtype(self.kv_cache_dtype)
         self.device = torch.device(self.device) if self.device is not None else default_device()
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_memory_size(self.kv_cache_memory_bytes)

@@ -1,7 +1,8 @@
 """The C++ CPU backend: attention straight out of the paged cache, OpenMP over the batch.
 
-Handles float32 on CPU with head_dim in {32, 64, 80, 96, 128, 256}; anything else (another
-dtype or head size) goes through the vectorised torch path so callers never need to care.
+Handles float32 queries on CPU with head_dim in {32, 64, 80, 96, 128, 256} over a float32,
+float16 or bfloat16 cache; anything else (another dtype or head size) goes through the
+vectorised torch path so callers never need to care.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pagellm.attention.validation import check_attention_inputs
 from pagellm.kernels.build import load_kernels
 
 SUPPORTED_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256})
+SUPPORTED_CACHE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 def kernel_available() -> bool:
@@ -36,7 +38,7 @@ class CpuPagedBackend(AttentionBackend):
         return (
             query.device.type == "cpu"
             and query.dtype == torch.float32
-            and kv_cache.dtype == torch.float32
+            and kv_cache.dtype in SUPPORTED_CACHE_DTYPES
             and query.shape[-1] in SUPPORTED_HEAD_DIMS
             and kv_cache.is_contiguous()
         )
@@ -66,10 +68,12 @@ class CpuPagedBackend(AttentionBackend):
 
     def _write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # The C++ scatter costs a third of index_copy_ for a decode batch and two thirds for a
-        # long prefill; it needs matching dtypes and per-token contiguous heads (the normal case).
+        # long prefill; it needs per-token contiguous heads (the normal case) and matching dtypes,
+        # or float32 keys/values for a half-precision cache (it converts them as it writes).
+        converts = kv_cache.dtype in (torch.float16, torch.bfloat16) and key.dtype == torch.float32
         fast = (
-            key.dtype == kv_cache.dtype
-            and value.dtype == kv_cache.dtype
+            (key.dtype == kv_cache.dtype or converts)
+            and value.dtype == key.dtype
             and key.stride(-1) == 1
             and value.stride(-1) == 1
             and key.stride(-2) == key.shape[-1]

@@ -31,6 +31,7 @@ def make_batch(
     block_size: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
     seed: int = 0,
     spare_blocks: int = 3,
     fill_unused: float = float("nan"),
@@ -38,7 +39,8 @@ def make_batch(
     """seqs[i] = (q_len, seq_len): sequence i adds q_len tokens and then holds seq_len.
 
     Unused cache slots hold ``fill_unused`` (NaN by default) so that a backend that reads past
-    a context, or into the wrong block, poisons its output instead of passing by luck.
+    a context, or into the wrong block, poisons its output instead of passing by luck. The cache
+    holds ``cache_dtype`` (default: ``dtype``, the type of queries, keys and values).
     """
     for q_len, seq_len in seqs:
         if q_len < 0 or seq_len < q_len:
@@ -51,7 +53,8 @@ def make_batch(
     block_ids = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(blocks_per_seq, default=0) + 1
     block_table = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), fill_unused, dtype=dtype)
+    cache_dtype = cache_dtype or dtype
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), fill_unused, dtype=cache_dtype)
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     slots: list[int] = []
     next_block = 0
@@ -63,7 +66,7 @@ def make_batch(
         cached = seq_slots[: seq_len - q_len]
         if cached:
             index = torch.tensor(cached)
-            flat[:, index] = torch.randn(2, len(cached), num_kv_heads, head_dim, generator=gen).to(dtype)
+            flat[:, index] = torch.randn(2, len(cached), num_kv_heads, head_dim, generator=gen).to(cache_dtype)
         slots.extend(seq_slots[seq_len - q_len:])
     num_tokens = sum(q_len for q_len, _ in seqs)
     query_start_loc = [0]

@@ -23,6 +23,7 @@ import torch
 
 from pagellm.attention.selector import BACKEND_NAMES, get_attn_backend
 from pagellm.attention.synthetic import SyntheticBatch, make_batch
+from pagellm.config import parse_dtype
 
 # SmolLM2-135M attention.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -61,8 +62,8 @@ def attention_flops(seqs: list[tuple[int, int]]) -> float:
     return flops
 
 
-def kv_bytes(seqs: list[tuple[int, int]]) -> float:
-    return float(sum(seq_len for _, seq_len in seqs)) * 2 * NUM_KV_HEADS * HEAD_DIM * 4
+def kv_bytes(seqs: list[tuple[int, int]], element_size: int = 4) -> float:
+    return float(sum(seq_len for _, seq_len in seqs)) * 2 * NUM_KV_HEADS * HEAD_DIM * element_size
 
 
 def share_prefixes(batch: SyntheticBatch, num_prefixes: int, prefix_tokens: int, seed: int = 0) -> None:
@@ -102,9 +103,16 @@ def time_backend(
     return statistics.median(times), min(times), output
 
 
-def run_case(case: str, backend_names: list[str], min_seconds: float, max_repeats: int, num_layers: int = 1) -> list[BenchRow]:
+def run_case(
+    case: str,
+    backend_names: list[str],
+    min_seconds: float,
+    max_repeats: int,
+    num_layers: int = 1,
+    cache_dtype: torch.dtype = torch.float32,
+) -> list[BenchRow]:
     seqs = CASES[case]
-    batch = make_batch(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, seed=0)
+    batch = make_batch(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, seed=0, cache_dtype=cache_dtype)
     if case in SHARED_PREFIXES:
         share_prefixes(batch, *SHARED_PREFIXES[case])
     ref_timing = time_backend("torch_ref", batch, min_seconds, max_repeats, num_layers)
@@ -115,7 +123,7 @@ def run_case(case: str, backend_names: list[str], min_seconds: float, max_repeat
             ref_timing if name == "torch_ref" else time_backend(name, batch, min_seconds, max_repeats, num_layers)
         )
         if case.startswith("decode"):
-            rate, unit = num_layers * kv_bytes(seqs) / seconds / 1e9, "GB/s"
+            rate, unit = num_layers * kv_bytes(seqs, batch.kv_cache.element_size()) / seconds / 1e9, "GB/s"
         else:
             rate, unit = num_layers * attention_flops(seqs) / seconds / 1e9, "GFLOP/s"
         diff = (out - ref_out).abs().max().item()
@@ -131,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before timing")
     parser.add_argument("--layers", type=int, default=1, help="layers per call, each with its own copy of the cache")
+    parser.add_argument("--kv-cache-dtype", default="float32", help="the cache's element type: float32, float16 or bfloat16")
     parser.add_argument("--save-result", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    cache_dtype = parse_dtype(args.kv_cache_dtype)
     if args.layers < 1:
         raise ValueError(f"--layers must be at least 1, got {args.layers}")
     if args.threads:
@@ -145,11 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[BenchRow] = []
     header = f"{'case':<13}{'backend':<12}{'ms/call':>10}{'best ms':>10}{'vs ref':>9}{'rate':>10} {'unit':<8}{'max|diff|':>11}"
     print(f"attention micro-benchmark: heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}, "
-          f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call")
+          f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call, {cache_dtype} cache")
     print(header)
     print("-" * len(header))
     for case in cases:
-        for row in run_case(case, backends, args.min_seconds, args.max_repeats, args.layers):
+        for row in run_case(case, backends, args.min_seconds, args.max_repeats, args.layers, cache_dtype):
             rows.append(row)
             print(f"{row.case:<13}{row.backend:<12}{row.ms_per_call:>10.3f}{row.best_ms:>10.3f}{row.speedup_vs_ref:>8.1f}x"
                   f"{row.rate:>10.1f} {row.rate_unit:<8}{row.max_abs_diff:>11.2e}")
@@ -164,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
             "cases": {c: CASES[c] for c in cases},
             "layers": args.layers,
+            "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
             "rows": [asdict(r) for r in rows],
             "all_agree": agree,
         }

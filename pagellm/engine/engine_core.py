@@ -61,7 +61,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, shape: ModelShape, max_model_len: int) -> None:
         self.config = config
         self.block_size = config.block_size
-        block_bytes = bytes_per_block(shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, config.dtype)
+        block_bytes = bytes_per_block(
+            shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, config.kv_cache_dtype
+        )
         self.num_blocks = determine_num_blocks(
             config.num_kv_blocks,
             config.kv_cache_memory_bytes,
@@ -83,7 +85,13 @@ class EngineCore:
             max_model_len = capacity
         self.max_model_len = max_model_len
         kv_caches = allocate_kv_caches(
-            shape.num_layers, self.num_blocks, config.block_size, shape.num_kv_heads, shape.head_dim, config.dtype, config.device
+            shape.num_layers,
+            self.num_blocks,
+            config.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            config.kv_cache_dtype,
+            config.device,
         )
         self.kv_cache_manager = self._make_kv_cache_manager()
         self.scheduler = Scheduler(
@@ -106,11 +114,12 @@ class EngineCore:
         self._trace = open(trace_path, "a", buffering=1) if trace_path else None
         self._last_step_end: Optional[float] = None
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)",
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %s)",
             self.num_blocks,
             config.block_size,
             self.kv_cache_bytes / 2**20,
             self.num_blocks * config.block_size,
+            str(config.kv_cache_dtype).removeprefix("torch."),
         )
 
     def _make_kv_cache_manager(self) -> KVCacheManager:

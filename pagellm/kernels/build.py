@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "sampling.cpp"))
-HEADERS = (CSRC / "vec.h", CSRC / "quant_blocks.h")
+HEADERS = (CSRC / "vec.h", CSRC / "quant_blocks.h", CSRC / "kv_types.h")
 LIB_NAME = "pagellm_cpu_kernels"
 # The instruction set to compile for: this CPU's by default; PAGELLM_CPU_ARCH names another
 # (e.g. x86-64-v3: AVX2 and FMA without AVX-512, to build for or measure as an older machine).

@@ -118,6 +118,45 @@ def test_bfloat16_cache(name, reference) -> None:
     torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scenario", ["decode_only", "mixed", "chunked_prefill_cached_prefix"])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_half_precision_cache_float32_queries(name, cache_dtype, scenario, num_threads, reference) -> None:
+    # --kv-cache-dtype float16/bfloat16 on a float32 model: keys and values are rounded once, as
+    # they enter the cache (as torch's .to() rounds them), and everything else is float32, so a
+    # backend agrees with the oracle reading the same cache as closely as with a float32 cache.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        batch = make_batch(SCENARIOS[scenario], 9, 3, 64, block_size=16, seed=29, cache_dtype=cache_dtype)
+        got, expected, cache, ref_cache = run_both(batch, name, reference)
+    finally:
+        torch.set_num_threads(previous)
+    assert got.dtype == torch.float32 and cache.dtype == cache_dtype
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache, ref_cache, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_write_kv_cache_rounds_like_torch(cache_dtype) -> None:
+    # The C++ scatter narrows float32 rows itself; it must round exactly as .to() does, including
+    # ties, values past float16's range (inf), subnormals and NaN.
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, heads, dim = 40, 3, 64
+    key = torch.randn(num_tokens, heads, dim, generator=gen) * torch.logspace(-9, 6, num_tokens)[:, None, None]
+    key[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 70000.0])
+    key[1, 0, :3] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8])  # float16 / bfloat16 ties
+    value = -key.flip(0)
+    cache = torch.zeros(2, 8, 16, heads, dim, dtype=cache_dtype)
+    slots = torch.randperm(8 * 16, generator=gen)[:num_tokens]
+    torch.ops.pagellm_attn.write_kv_cache(cache, key, value, slots)
+    flat = cache.view(2, -1, heads, dim)
+    torch.testing.assert_close(flat[0, slots], key.to(cache_dtype), equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(flat[1, slots], value.to(cache_dtype), equal_nan=True, atol=0, rtol=0)
+
+
 @st.composite
 def random_batches(draw):
     num_seqs = draw(st.integers(1, 6))

@@ -3,13 +3,14 @@
 One batch of varied prompts (English, Chinese, emoji, code, a prompt over 1,500 tokens, token-id
 prompts around block boundaries, chat conversations), under several engine configurations:
 block sizes 8/16/32, a KV budget so small that requests get preempted, and chunked prefill at a
-tiny token budget. Each must match transformers by vLLM's rule.
+tiny token budget, a float16 or bfloat16 KV cache. Each must match transformers by vLLM's rule.
 """
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 from hf_oracle import check_close, hf_greedy, hf_model_and_tokenizer
 
 from pagellm import LLM, SamplingParams
@@ -90,6 +91,9 @@ CONFIGS = {
     # Too small for everything at once: the long prompt alone needs ~133 of the 140 blocks.
     "preemption": dict(num_kv_blocks=140, max_num_batched_tokens=2048),
     "chunked": dict(max_num_batched_tokens=64, max_num_seqs=4),
+    # Keys and values rounded to 16 bits in the cache, everything else float32.
+    "kv_float16": dict(kv_cache_dtype="float16"),
+    "kv_bfloat16": dict(kv_cache_dtype="bfloat16"),
 }
 
 
@@ -104,6 +108,8 @@ def test_greedy_matches_transformers(name, prompts, references):
     core = llm.llm_engine.core
     if name == "preemption":
         assert core.scheduler.total_num_preemptions > 0
+    if name.startswith("kv_"):
+        assert {cache.dtype for cache in core.runner.kv_caches} == {getattr(torch, CONFIGS[name]["kv_cache_dtype"])}
     core.kv_cache_manager.check_integrity()
     assert core.kv_cache_manager.block_pool.num_used_blocks == 0
 

@@ -10,6 +10,8 @@
 //     query tile).  A tile holds ~64 (token, head) query rows, stored transposed so that
 //     scores, masking and the softmax update are vectorised across rows; keys stream in
 //     chunks of kKeyChunk.
+// The cache holds float32, float16 or bfloat16 (kv_types.h); every kernel is a template over
+// that element type and widens rows to float32 as it reads them.
 // Vector helpers (vec.h) are GCC vector extensions: one source for AVX-512, AVX2 or NEON.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "kv_types.h"
 #include "vec.h"
 
 namespace pagellm {
@@ -100,8 +103,8 @@ struct Problem {
   const float* query;
   int64_t query_token_stride;
   float* out;
-  const float* key_cache;
-  const float* value_cache;
+  const void* key_cache;  // element type: the T of the kernels below
+  const void* value_cache;
   const int32_t* block_table;
   int64_t block_table_stride;
   const int32_t* seq_lens;
@@ -127,8 +130,9 @@ struct Item {
 
 // Points key_rows/value_rows at the rows of keys [pos, pos + n) for one kv head; rows past
 // `context_len` point at a zero row so that masked-out keys never read stale cache memory.
-inline void locate_rows(const Problem& p, int seq, int kv_head, int pos, int n, int context_len,
-                        const float* zero_row, const float** key_rows, const float** value_rows) {
+template <typename T>
+inline void locate_rows(const Problem& p, int seq, int kv_head, int pos, int n, int context_len, const T* zero_row,
+                        const T** key_rows, const T** value_rows) {
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
   int block_index = pos / p.block_size;
@@ -137,8 +141,8 @@ inline void locate_rows(const Problem& p, int seq, int kv_head, int pos, int n, 
     if (pos + i < context_len) {
       const int64_t slot = static_cast<int64_t>(table[block_index]) * p.block_size + offset;
       const int64_t at = slot * row_stride + static_cast<int64_t>(kv_head) * p.head_dim;
-      key_rows[i] = p.key_cache + at;
-      value_rows[i] = p.value_cache + at;
+      key_rows[i] = static_cast<const T*>(p.key_cache) + at;
+      value_rows[i] = static_cast<const T*>(p.value_cache) + at;
     } else {
       key_rows[i] = zero_row;
       value_rows[i] = zero_row;
@@ -153,8 +157,8 @@ inline void locate_rows(const Problem& p, int seq, int kv_head, int pos, int n, 
 // ---------------------------------------------------------------------------------------------
 // Decode: one new token; its g query heads against keys [item.begin, item.end).
 // Writes normalised output, or (m, l, acc) partials for a later merge when split.
-template <int D, int G>
-void decode_item(const Problem& p, const Item& item, const float* zero_row, float* partials) {
+template <int D, int G, typename T>
+void decode_item(const Problem& p, const Item& item, const T* zero_row, float* partials) {
   constexpr int NV = D / W;
   constexpr int KV = kDecodeChunk / W;  // score vectors per chunk
   const int context_len = std::min(p.seq_lens[item.seq], item.end);
@@ -177,11 +181,12 @@ void decode_item(const Problem& p, const Item& item, const float* zero_row, floa
   // Rows of the chunks in flight: kPrefetchChunks ahead are prefetched while this one computes,
   // since blocks are scattered and hardware prefetchers cannot guess the next block.
   constexpr int kRing = kPrefetchChunks + 1;
-  const float* rows[kRing][2][kDecodeChunk];
+  const T* rows[kRing][2][kDecodeChunk];
+  constexpr int kLine = 64 / static_cast<int>(sizeof(T));  // elements per cache line
   auto fetch = [&](int chunk_start, int slot) {
     locate_rows(p, item.seq, item.kv_head, chunk_start, kDecodeChunk, context_len, zero_row, rows[slot][0], rows[slot][1]);
     for (int n = 0; n < kDecodeChunk; ++n) {
-      for (int line = 0; line < D; line += 16) {
+      for (int line = 0; line < D; line += kLine) {
         __builtin_prefetch(rows[slot][0][n] + line, 0, 3);
         __builtin_prefetch(rows[slot][1][n] + line, 0, 3);
       }
@@ -192,17 +197,17 @@ void decode_item(const Problem& p, const Item& item, const float* zero_row, floa
   int cur = 0;
   for (int k0 = item.begin; k0 < item.end; k0 += kDecodeChunk, cur = cur + 1 == kRing ? 0 : cur + 1) {
     const int n_keys = std::min(kDecodeChunk, item.end - k0);
-    const float* const* key_rows = rows[cur][0];
-    const float* const* value_rows = rows[cur][1];
+    const T* const* key_rows = rows[cur][0];
+    const T* const* value_rows = rows[cur][1];
     const int ahead = k0 + kPrefetchChunks * kDecodeChunk;
     if (ahead < item.end) fetch(ahead, cur == 0 ? kRing - 1 : cur - 1);
     vfloat scores[G][KV];
     for (int kv = 0; kv < KV; ++kv) {
       vfloat part[G][W];
       for (int n = 0; n < W; ++n) {
-        const float* k = key_rows[kv * W + n];
+        const T* k = key_rows[kv * W + n];
         vfloat kr[NV];
-        for (int v = 0; v < NV; ++v) kr[v] = vload(k + v * W);
+        for (int v = 0; v < NV; ++v) kr[v] = load_kv(k + v * W);
         for (int j = 0; j < G; ++j) {
           vfloat s = q[j][0] * kr[0];
           for (int v = 1; v < NV; ++v) s += q[j][v] * kr[v];
@@ -230,9 +235,9 @@ void decode_item(const Problem& p, const Item& item, const float* zero_row, floa
       }
     }
     for (int n = 0; n < n_keys; ++n) {
-      const float* vrow = value_rows[n];
+      const T* vrow = value_rows[n];
       vfloat vr[NV];
-      for (int v = 0; v < NV; ++v) vr[v] = vload(vrow + v * W);
+      for (int v = 0; v < NV; ++v) vr[v] = load_kv(vrow + v * W);
       for (int j = 0; j < G; ++j) {
         const vfloat pj = vsplat(scores[j][n / W][n % W]);
         for (int v = 0; v < NV; ++v) acc[j][v] += pj * vr[v];
@@ -257,17 +262,17 @@ void decode_item(const Problem& p, const Item& item, const float* zero_row, floa
   }
 }
 
-template <int D>
-void decode_dispatch(const Problem& p, const Item& item, const float* zero_row, float* partials) {
+template <int D, typename T>
+void decode_dispatch(const Problem& p, const Item& item, const T* zero_row, float* partials) {
   switch (item.num_group) {
-    case 1: return decode_item<D, 1>(p, item, zero_row, partials);
-    case 2: return decode_item<D, 2>(p, item, zero_row, partials);
-    case 3: return decode_item<D, 3>(p, item, zero_row, partials);
-    case 4: return decode_item<D, 4>(p, item, zero_row, partials);
-    case 5: return decode_item<D, 5>(p, item, zero_row, partials);
-    case 6: return decode_item<D, 6>(p, item, zero_row, partials);
-    case 7: return decode_item<D, 7>(p, item, zero_row, partials);
-    default: return decode_item<D, 8>(p, item, zero_row, partials);
+    case 1: return decode_item<D, 1, T>(p, item, zero_row, partials);
+    case 2: return decode_item<D, 2, T>(p, item, zero_row, partials);
+    case 3: return decode_item<D, 3, T>(p, item, zero_row, partials);
+    case 4: return decode_item<D, 4, T>(p, item, zero_row, partials);
+    case 5: return decode_item<D, 5, T>(p, item, zero_row, partials);
+    case 6: return decode_item<D, 6, T>(p, item, zero_row, partials);
+    case 7: return decode_item<D, 7, T>(p, item, zero_row, partials);
+    default: return decode_item<D, 8, T>(p, item, zero_row, partials);
   }
 }
 
@@ -343,8 +348,8 @@ void qk_chunk(const float* kc, int n_keys, const float* qt, int rows, float* st,
 }
 
 // o[r] = o[r] * corr[r] + sum_n p[n][r] * v_n for rows [r0, r0 + R), output vectors [c0, c0 + C).
-template <int D, int R, int C>
-inline void pv_block(const float* const* value_rows, int n_keys, const float* st, const float* corr, float* o, int r0,
+template <int D, int R, int C, typename T>
+inline void pv_block(const T* const* value_rows, int n_keys, const float* st, const float* corr, float* o, int r0,
                      int c0) {
   vfloat acc[R][C];
   for (int r = 0; r < R; ++r) {
@@ -353,7 +358,7 @@ inline void pv_block(const float* const* value_rows, int n_keys, const float* st
   }
   for (int n = 0; n < n_keys; ++n) {
     vfloat vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = vload(value_rows[n] + (c0 + c) * W);
+    for (int c = 0; c < C; ++c) vv[c] = load_kv(value_rows[n] + (c0 + c) * W);
     for (int r = 0; r < R; ++r) {
       const vfloat pr = vsplat(st[n * kTileRows + r0 + r]);
       for (int c = 0; c < C; ++c) acc[r][c] += pr * vv[c];
@@ -363,8 +368,8 @@ inline void pv_block(const float* const* value_rows, int n_keys, const float* st
     for (int c = 0; c < C; ++c) vstore(o + (r0 + r) * D + (c0 + c) * W, acc[r][c]);
 }
 
-template <int D>
-void pv_chunk(const float* const* value_rows, int n_keys, const float* st, int rows, const float* corr, float* o) {
+template <int D, typename T>
+void pv_chunk(const T* const* value_rows, int n_keys, const float* st, int rows, const float* corr, float* o) {
   constexpr int NV = D / W;
   constexpr int kTail = NV % kPvVecs;
   for (int r0 = 0; r0 < rows; r0 += kPvRows) {
@@ -374,7 +379,7 @@ void pv_chunk(const float* const* value_rows, int n_keys, const float* st, int r
   }
 }
 
-template <int D>
+template <int D, typename T>
 void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
   constexpr int NV = D / W;
   const int g = item.num_group;
@@ -417,15 +422,16 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
   }
   const int first_row_pos = first_pos + item.begin;
   const int key_end = first_pos + item.end;  // the tile's last row sees keys < key_end
-  const float* key_rows[kKeyChunk];
-  const float* value_rows[kKeyChunk];
+  const T* key_rows[kKeyChunk];
+  const T* value_rows[kKeyChunk];
+  const T* zero_row = reinterpret_cast<const T*>(s.zero_row.data());  // all-zero bytes: 0 in every type
   for (int k0 = 0; k0 < key_end; k0 += kKeyChunk) {
     const int n_keys = std::min(kKeyChunk, key_end - k0);
     // Round up to the QK block; the extra keys are zero rows and get masked below.
     const int n_keys_qk = (n_keys + kQkKeys - 1) / kQkKeys * kQkKeys;
-    locate_rows(p, item.seq, item.kv_head, k0, n_keys_qk, key_end, s.zero_row.data(), key_rows, value_rows);
+    locate_rows(p, item.seq, item.kv_head, k0, n_keys_qk, key_end, zero_row, key_rows, value_rows);
     for (int n = 0; n < n_keys_qk; ++n)
-      for (int v = 0; v < NV; ++v) vstore(kc + n * D + v * W, vload(key_rows[n] + v * W));
+      for (int v = 0; v < NV; ++v) vstore(kc + n * D + v * W, load_kv(key_rows[n] + v * W));
     for (int rv = 0; rv < rows; rv += W) vstore(s.chunk_max.data() + rv, vsplat(kNegInf));
     qk_chunk<D>(kc, n_keys_qk, qt, rows, st, s.chunk_max.data());
     // Only chunks that reach past the tile's first position need the causal mask.
@@ -508,7 +514,7 @@ inline std::vector<Run> shared_block_runs(const Problem& p, std::vector<Item>& i
   return runs;
 }
 
-template <int D>
+template <int D, typename T>
 void run(const Problem& p, int num_seqs, int num_threads) {
   const int group = p.num_heads / p.num_kv_heads;
   const int num_chunks = (group + kMaxGroup - 1) / kMaxGroup;
@@ -581,9 +587,9 @@ void run(const Problem& p, int num_seqs, int num_threads) {
       for (int i = runs[r].begin; i < runs[r].end; ++i) {
         const Item& it = items[i];
         if (p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] == 1)
-          decode_dispatch<D>(p, it, scratch.zero_row.data(), partials.data());
+          decode_dispatch<D, T>(p, it, reinterpret_cast<const T*>(scratch.zero_row.data()), partials.data());
         else
-          prefill_item<D>(p, it, scratch);
+          prefill_item<D, T>(p, it, scratch);
       }
     }
   }
@@ -617,12 +623,26 @@ void run(const Problem& p, int num_seqs, int num_threads) {
 
 bool supported_head_dim(int64_t d) { return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
 
+bool supported_cache_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+template <typename T>
+void run_for_head_dim(const Problem& p, int num_seqs, int threads) {
+  switch (p.head_dim) {
+    case 32: return run<32, T>(p, num_seqs, threads);
+    case 64: return run<64, T>(p, num_seqs, threads);
+    case 80: return run<80, T>(p, num_seqs, threads);
+    case 96: return run<96, T>(p, num_seqs, threads);
+    case 128: return run<128, T>(p, num_seqs, threads);
+    default: return run<256, T>(p, num_seqs, threads);
+  }
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
   TORCH_CHECK_VALUE(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
-  TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
-                        out.scalar_type() == at::kFloat,
-                    "paged_attention: float32 query, cache and output only");
+  TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                        supported_cache_type(kv_cache.scalar_type()),
+                    "paged_attention: float32 query and output, float32/float16/bfloat16 cache only");
   TORCH_CHECK_VALUE(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_attention: bad shapes");
   TORCH_CHECK_VALUE(kv_cache.is_contiguous() && out.is_contiguous(), "paged_attention: kv_cache and out must be contiguous");
   TORCH_CHECK_VALUE(query.stride(2) == 1 && query.stride(1) == query.size(2),
@@ -645,8 +665,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.query = query.data_ptr<float>();
   p.query_token_stride = query.stride(0);
   p.out = out.data_ptr<float>();
-  p.key_cache = kv_cache.data_ptr<float>();
-  p.value_cache = p.key_cache + kv_cache.stride(0);
+  p.key_cache = kv_cache.data_ptr();
+  p.value_cache = static_cast<const char*>(p.key_cache) + kv_cache.stride(0) * kv_cache.element_size();
   p.block_table = block_table.data_ptr<int32_t>();
   p.block_table_stride = block_table.stride(0);
   p.seq_lens = seq_lens.data_ptr<int32_t>();
@@ -674,23 +694,39 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                         " of ", num_blocks);
   }
   const int threads = at::get_num_threads();
-  switch (head_dim) {
-    case 32: return run<32>(p, static_cast<int>(num_seqs), threads);
-    case 64: return run<64>(p, static_cast<int>(num_seqs), threads);
-    case 80: return run<80>(p, static_cast<int>(num_seqs), threads);
-    case 96: return run<96>(p, static_cast<int>(num_seqs), threads);
-    case 128: return run<128>(p, static_cast<int>(num_seqs), threads);
-    default: return run<256>(p, static_cast<int>(num_seqs), threads);
+  switch (kv_cache.scalar_type()) {
+    case at::kHalf: return run_for_head_dim<c10::Half>(p, static_cast<int>(num_seqs), threads);
+    case at::kBFloat16: return run_for_head_dim<c10::BFloat16>(p, static_cast<int>(num_seqs), threads);
+    default: return run_for_head_dim<float>(p, static_cast<int>(num_seqs), threads);
   }
 }
 
 // Scatter this step's keys and values into their cache slots (what write_kv_cache does, without
-// the generic index_copy_ machinery: one memcpy per token row, spread over the threads).
+// the generic index_copy_ machinery: one memcpy per token row, spread over the threads). A
+// float16 / bfloat16 cache takes float32 rows, converted on the way in.
+template <typename T>
+void scatter_converted(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const int64_t* slots,
+                       int64_t num_tokens) {
+  T* key_cache = kv_cache.data_ptr<T>();
+  T* value_cache = key_cache + kv_cache.stride(0);
+  const float* key_src = key.data_ptr<float>();
+  const float* value_src = value.data_ptr<float>();
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4);
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      convert_row(key_cache + slots[t] * row, key_src + t * key.stride(0), row);
+      convert_row(value_cache + slots[t] * row, value_src + t * value.stride(0), row);
+    }
+  });
+}
+
 void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
                     "write_kv_cache: kv_cache must be a contiguous CPU [2, blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK_VALUE(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
-                    "write_kv_cache: key/value dtype must match the cache");
+  const at::ScalarType cache_type = kv_cache.scalar_type();
+  const bool converts = (cache_type == at::kHalf || cache_type == at::kBFloat16) && key.scalar_type() == at::kFloat;
+  TORCH_CHECK_VALUE(key.scalar_type() == value.scalar_type() && (key.scalar_type() == cache_type || converts),
+                    "write_kv_cache: key/value dtype must match the cache, or be float32 for a float16/bfloat16 cache");
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1,
                     "write_kv_cache: slot_mapping must be contiguous int64");
   const int64_t num_tokens = slot_mapping.size(0);
@@ -704,6 +740,10 @@ void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot ", slots[t], " out of ", num_slots);
+  if (converts) {
+    if (cache_type == at::kHalf) return scatter_converted<c10::Half>(kv_cache, key, value, slots, num_tokens);
+    return scatter_converted<c10::BFloat16>(kv_cache, key, value, slots, num_tokens);
+  }
   const int64_t row_bytes = num_kv_heads * head_dim * static_cast<int64_t>(kv_cache.element_size());
   char* key_cache = static_cast<char*>(kv_cache.data_ptr());
   char* value_cache = key_cache + kv_cache.stride(0) * kv_cache.element_size();

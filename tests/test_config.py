@@ -1,0 +1,47 @@
+"""EngineConfig resolves and validates what users pass, as the CLI passes it."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from pagellm.cli import add_engine_args, engine_kwargs
+from pagellm.config import EngineConfig
+from pagellm.worker.kv_cache import bytes_per_block
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "expected"),
+    [
+        ("float32", "auto", torch.float32),
+        ("bfloat16", "auto", torch.bfloat16),
+        ("float32", "float16", torch.float16),
+        ("float32", "fp16", torch.float16),
+        ("float32", "bfloat16", torch.bfloat16),
+        ("float32", torch.float16, torch.float16),
+    ],
+)
+def test_kv_cache_dtype_resolves(dtype, kv_cache_dtype, expected) -> None:
+    config = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, device="cpu")
+    assert config.kv_cache_dtype == expected
+
+
+def test_bad_kv_cache_dtype_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="unsupported dtype 'int7'"):
+        EngineConfig(kv_cache_dtype="int7", device="cpu")
+
+
+def test_cli_flag_reaches_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["kv_cache_dtype"] == "auto"
+    config = EngineConfig(**engine_kwargs(parser.parse_args(["--kv-cache-dtype", "float16", "--device", "cpu"])))
+    assert config.kv_cache_dtype == torch.float16 and config.dtype == torch.float32
+
+
+def test_half_precision_blocks_take_half_the_bytes() -> None:
+    # SmolLM2-135M: 30 layers, 3 kv heads of 64; a 16-token block is 737,280 bytes in float32.
+    assert bytes_per_block(30, 16, 3, 64, torch.float32) == 737_280
+    assert bytes_per_block(30, 16, 3, 64, torch.float16) == 368_640
+    assert bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 368_640
