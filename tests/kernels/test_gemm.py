@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavaila
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 96, 200])  # below, at and past a 12-row micro-tile
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 70), (576, 1536), (33, 1200)])
+# (2080, 96): enough panels (65 or more) that x is first packed k-major rather than read in place.
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 70), (576, 1536), (33, 1200), (2080, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_packed_matches_torch(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
     torch.manual_seed(rows * 7 + out_features)
@@ -31,6 +32,11 @@ def test_linear_packed_reads_strided_rows_and_rejects_mismatches() -> None:
     out = torch.empty(6, 40)
     torch.ops.pagellm_gemm.linear_packed(out, x, packed, None)
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
+    wide = torch.randn(2080, 64)  # enough panels that the strided rows are packed first
+    x_wide = torch.randn(30, 100)[:, :64]
+    out_wide = torch.empty(30, 2080)
+    torch.ops.pagellm_gemm.linear_packed(out_wide, x_wide, torch.ops.pagellm_gemm.pack_weight(wide), None)
+    torch.testing.assert_close(out_wide, x_wide @ wide.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="input width"):
         torch.ops.pagellm_gemm.linear_packed(out, torch.randn(6, 65), packed, None)
     with pytest.raises(ValueError, match="columns"):
@@ -58,7 +64,7 @@ def test_other_dtypes_are_not_packed() -> None:
 
 
 @pytest.mark.parametrize("bits,bytes_per_weight", [(4, 0.75), (8, 1.125)])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 64), (576, 1536)])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 64), (576, 1536), (2080, 96)])
 def test_gguf_block_weights_pack_as_blocks_with_bit_identical_results(
     bits: int, bytes_per_weight: float, out_features: int, in_features: int
 ) -> None:
