@@ -9,7 +9,6 @@ step. Linear layers keep BLAS for large batches and use pre-packed weights for s
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional, overload
 
@@ -37,18 +36,13 @@ class PackedWeight:
     panels: torch.Tensor  # float32 panels
     # The weight's own 4- or 8-bit GGUF blocks when it is exactly that (a GGUF model's projections):
     # 0.75 or 1.125 bytes a weight, expanded by the kernel to the same float32 values, so the
-    # results are bit for bit the panels'. Faster up to `blocks_max_rows()` rows.
+    # results are bit for bit the panels'. Faster up to `blocks_max_rows` rows.
     blocks: Optional[torch.Tensor]
+    blocks_max_rows: int = 0
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.panels, self.blocks) if t is not None)
-
-
-@functools.cache
-def blocks_max_rows() -> int:
-    """Up to this many rows block panels beat float32 ones (32 with AVX-512, 8 with AVX2)."""
-    return torch.ops.pagellm_gemm.blocks_max_rows()
 
 
 def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
@@ -57,14 +51,18 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
     if not use_cpu_kernels(weight):
         return None
     weight = weight.detach()
-    return PackedWeight(torch.ops.pagellm_gemm.pack_weight(weight), torch.ops.pagellm_gemm.pack_weight_blocks(weight))
+    blocks = torch.ops.pagellm_gemm.pack_weight_blocks(weight)
+    # Up to this many rows the blocks beat the float32 panels: with AVX-512 32 for 4-bit and 24 for
+    # 8-bit blocks, with AVX2 8 (gemm.cpp).
+    max_rows = torch.ops.pagellm_gemm.blocks_max_rows(blocks) if blocks is not None else 0
+    return PackedWeight(torch.ops.pagellm_gemm.pack_weight(weight), blocks, max_rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]) -> torch.Tensor:
     """``x @ weight.T + bias``; small batches go through ``packed`` (from :func:`pack_weight`) when given."""
     rows = x.shape[0]
     if packed is not None and x.dim() == 2 and rows <= PACKED_MAX_ROWS and use_cpu_kernels(x) and x.stride(-1) == 1:
-        panels = packed.blocks if packed.blocks is not None and rows <= blocks_max_rows() else packed.panels
+        panels = packed.blocks if packed.blocks is not None and rows <= packed.blocks_max_rows else packed.panels
         out = torch.empty((rows, weight.shape[0]), dtype=x.dtype, device=x.device)
         torch.ops.pagellm_gemm.linear_packed(out, x, panels, bias)
         return out

@@ -6,7 +6,7 @@ import torch
 
 from pagellm.bench.gemm_bench import block_quantized
 from pagellm.kernels.build import load_kernels
-from pagellm.models.layers import PACKED_MAX_ROWS, Linear, blocks_max_rows, linear, pack_weight
+from pagellm.models.layers import PACKED_MAX_ROWS, Linear, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
 
@@ -97,14 +97,15 @@ def test_weights_that_are_not_exactly_blocks_have_no_block_copy() -> None:
         assert packed.blocks is None and packed.panels.dtype == torch.float32
 
 
-def test_linear_takes_blocks_up_to_their_row_limit(monkeypatch) -> None:
-    weight = block_quantized(48, 64, 4, torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("bits,limits", [(4, (8, 32)), (8, (8, 24))])  # (AVX2, AVX-512)
+def test_linear_takes_blocks_up_to_their_row_limit(monkeypatch, bits: int, limits: tuple[int, int]) -> None:
+    weight = block_quantized(48, 64, bits, torch.Generator().manual_seed(2))
     packed = pack_weight(weight)
     used = []
     real = torch.ops.pagellm_gemm.linear_packed
     monkeypatch.setattr(torch.ops.pagellm_gemm, "linear_packed", lambda *a: (used.append((a[1].shape[0], a[2].dtype)), real(*a)))
-    limit = blocks_max_rows()
-    assert limit in (8, 32)
+    limit = packed.blocks_max_rows
+    assert limit in limits and limit == torch.ops.pagellm_gemm.blocks_max_rows(packed.blocks)
     for rows in (1, limit, limit + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)

@@ -201,13 +201,18 @@ c10::optional<at::Tensor> pack_weight_blocks(const at::Tensor& weight) {
   return c10::nullopt;
 }
 
-// Up to this many rows block panels beat float32 panels of the same weight; past it, expanding
-// the blocks costs more than the memory traffic it saves. `python -m pagellm.bench.gemm_bench`,
-// 30 layers (vocabulary head): AVX-512 2.1x (2.3x) at 1 row, 1.3x (1.3x) at 16, 1.1x (1.0x) at
-// 24, 1.0x (0.9x) at 32, 0.95x at 64; AVX2 (x86-64-v3) 1.75x at 1, 1.13x at 8, 0.95x at 16.
-int64_t blocks_max_rows() {
+// Up to this many rows these block panels beat float32 panels of the same weight; past it,
+// expanding the blocks costs more than the memory traffic it saves, and sooner for 8-bit blocks
+// (less traffic saved per weight expanded). `python -m pagellm.bench.gemm_bench`, 30 layers of
+// 4-bit blocks (vocabulary head, 8-bit): AVX-512 2.1x (2.3x) at 1 row, 1.3x (1.2x) at 16, 1.1x
+// (1.0x) at 24, 1.0x (0.87x) at 32, 0.95x at 64; AVX2 (x86-64-v3) 1.75x at 1, 1.13x at 8, 0.95x
+// at 16.
+int64_t blocks_max_rows(const at::Tensor& blocks) {
+  TORCH_CHECK_VALUE(blocks.scalar_type() == at::kByte && blocks.dim() == 3 &&
+                        (blocks.size(2) == kQ4BlockBytes || blocks.size(2) == kQ8BlockBytes),
+                    "blocks_max_rows: expects the output of pack_weight_blocks");
 #if defined(__AVX512F__)
-  return 32;
+  return blocks.size(2) == kQ4BlockBytes ? 32 : 24;
 #else
   return 8;
 #endif
@@ -309,12 +314,13 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 TORCH_LIBRARY(pagellm_gemm, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("pack_weight_blocks(Tensor weight) -> Tensor?");
-  m.def("blocks_max_rows() -> int", &pagellm::blocks_max_rows);  // no tensors to dispatch on
+  m.def("blocks_max_rows(Tensor blocks) -> int");
   m.def("linear_packed(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_gemm, CPU, m) {
   m.impl("pack_weight", &pagellm::pack_weight);
   m.impl("pack_weight_blocks", &pagellm::pack_weight_blocks);
+  m.impl("blocks_max_rows", &pagellm::blocks_max_rows);
   m.impl("linear_packed", &pagellm::linear_packed);
 }
