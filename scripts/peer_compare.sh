@@ -8,6 +8,7 @@
 # Needs the peers set up first (see ../shared/peers/README.md: the model as an HF directory in
 # /tmp/models/smollm2-135m-instruct and vLLM in /tmp/peers/vllm-venv).
 # Usage: scripts/peer_compare.sh OUTDIR [skip-vllm]
+# PAGELLM_SERVE_ARGS adds flags to `pagellm serve` (e.g. "--kv-cache-dtype float16").
 #
 # AVX2_ONLY=1 measures this machine as one without AVX-512 (the reference class): torch,
 # MKL and oneDNN are held to AVX2 and pagellm's kernels are built for x86-64-v3, so the servers
@@ -41,7 +42,8 @@ fi
 # The peak now and again after the runs; MFU is rated against the higher (the machine drifts).
 .venv/bin/pagellm bench mfu | tee "$out/peak-before.txt"
 peak_before=$(sed -n 's/.*: \([0-9.]*\) GFLOP\/s$/\1/p' "$out/peak-before.txt")
-.venv/bin/pagellm serve --port 8000 > "$out/pagellm-server.log" 2>&1 &
+# shellcheck disable=SC2086  # the extra flags are meant to split into words
+.venv/bin/pagellm serve --port 8000 ${PAGELLM_SERVE_ARGS:-} > "$out/pagellm-server.log" 2>&1 &
 ppid=$!
 echo "pagellm ready after $(wait_ready 8000 $ppid) s" | tee "$out/pagellm-ready.txt"
 WITH_V=1 bash "$peers/peer_bench.sh" pagellm 8000 "$out"
