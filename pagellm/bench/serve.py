@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import time
 from typing import Any, AsyncIterator, Optional, Sequence, Union
 
@@ -61,9 +62,29 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 # ---- one request --------------------------------------------------------------------------
 
 
+_SSE_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, ended as the SSE spec ends them (CRLF, LF or CR) and by nothing else.
+
+    Not ``aiter_lines()``: like ``str.splitlines()`` it also breaks at U+0085, U+2028 and U+2029,
+    which JSON leaves unescaped inside strings, so generated text holding one would cut its chunk
+    in two. Splitting the bytes is safe: no UTF-8 sequence contains a CR or LF byte.
+    """
+    pending = b""
+    async for data in response.aiter_bytes():
+        pending += data
+        *lines, pending = _SSE_LINE_END.split(pending)
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
+
+
 async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
     """The payloads of a server-sent-event stream's ``data:`` lines; comments are skipped."""
-    async for line in response.aiter_lines():
+    async for line in _sse_lines(response):
         line = line.strip()
         if not line or line.startswith(":"):
             continue

@@ -13,8 +13,9 @@ from pagellm.bench.serve import arrival_offsets, benchmark, completion_payload
 class FakeServer:
     """Streams one chunk per token, then a usage chunk, as an OpenAI completions server does."""
 
-    def __init__(self, fail_prompts=(), report_usage=True, sse_comments=False, in_band_error_prompts=()):
+    def __init__(self, fail_prompts=(), report_usage=True, sse_comments=False, in_band_error_prompts=(), token_text="t{i} "):
         self.payloads = []
+        self.token_text = token_text
         self.in_band_error_prompts = set(in_band_error_prompts)
         self.fail_prompts = set(fail_prompts)
         self.report_usage = report_usage
@@ -37,7 +38,8 @@ class FakeServer:
             if key in self.in_band_error_prompts and i == 1:
                 events.append("data: " + json.dumps({"error": {"message": "engine died", "code": 500}}) + "\n\n")
                 break
-            events.append("data: " + json.dumps({"id": "c", "choices": [{"index": 0, "text": f"t{i} "}]}) + "\n\n")
+            chunk = {"id": "c", "choices": [{"index": 0, "text": self.token_text.format(i=i)}]}
+            events.append("data: " + json.dumps(chunk, ensure_ascii=False) + "\r\n\r\n")
         if self.report_usage:
             usage = {"prompt_tokens": 3, "completion_tokens": payload["max_tokens"], "total_tokens": 3 + payload["max_tokens"]}
             events.append("data: " + json.dumps({"id": "c", "choices": [], "usage": usage}) + "\n\n")
@@ -75,6 +77,15 @@ def test_streams_every_request_with_ignore_eos_and_exact_lengths():
     assert all(t.latency >= t.ttft >= 0 for t in traces)
     m = calculate_metrics(traces, duration)
     assert (m.completed, m.failed, m.total_output, m.total_input) == (3, 0, 8, 9)
+
+
+def test_text_with_unicode_line_breaks_stays_in_its_chunk():
+    # JSON leaves U+0085 / U+2028 / U+2029 raw; only CR and LF end an event-stream line.
+    server = FakeServer(token_text="a\u2028b\x85c\u2029{i}")
+    traces, duration, _ = run(server)
+    assert [t.success for t in traces] == [True, True, True], [t.error for t in traces]
+    assert traces[1].generated_text == "a\u2028b\x85c\u20290"
+    assert calculate_metrics(traces, duration).total_output == 8
 
 
 def test_without_usage_counts_chunks_and_failures_are_reported():

@@ -36,13 +36,23 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(f"internal error: {type(exc).__name__}: {exc}", 500)
 
 
+# JSON leaves U+0085, U+2028 and U+2029 raw inside strings, and clients that split an event stream
+# with str.splitlines() or httpx's aiter_lines() break lines there; escaped, the JSON is the same.
+_LINE_BREAK_ESCAPES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(json_text: str) -> str:
+    """One server-sent event carrying ``json_text``, safe for line-splitting clients."""
+    return f"data: {json_text.translate(_LINE_BREAK_ESCAPES)}\n\n"
+
+
 def sse(chunk: BaseModel, exclude: Optional[set[str]] = None) -> str:
-    return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+    return sse_data(chunk.model_dump_json(exclude=exclude))
 
 
 def sse_error(exc: BaseException) -> str:
     err = to_api_error(exc)
-    return f"data: {json.dumps(error_body(err.message, err.status_code, err.param))}\n\n"
+    return sse_data(json.dumps(error_body(err.message, err.status_code, err.param)))
 
 
 def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
