@@ -76,7 +76,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
-        self.kv_cache_dtype = self.dtype if self.kv_cache_dtype == "auto" else parse_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype == "auto":
+            self.kv_cache_dtype = self.dtype
+        else:
+            try:
+                self.kv_cache_dtype = parse_dtype(self.kv_cache_dtype)
+            except ValueError:
+                raise ValueError(
+                    f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose auto (the model's dtype), "
+                    "float16, bfloat16 or float32"
+                ) from None
         self.device = torch.device(self.device) if self.device is not None else default_device()
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_memory_size(self.kv_cache_memory_bytes)

@@ -28,7 +28,7 @@ def test_kv_cache_dtype_resolves(dtype, kv_cache_dtype, expected) -> None:
 
 
 def test_bad_kv_cache_dtype_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match="unsupported dtype 'int7'"):
+    with pytest.raises(ValueError, match="unsupported kv_cache_dtype 'int7'; choose auto"):
         EngineConfig(kv_cache_dtype="int7", device="cpu")
 
 
