@@ -24,8 +24,9 @@ def use_cpu_kernels(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and load_kernels()
 
 
-# Up to this many rows a packed-weight product beats BLAS on the CPU (1.3x at 32 rows, even at 128;
-# `python -m pagellm.bench.gemm_bench`); beyond it BLAS's blocking wins.
+# Up to this many rows a packed-weight product beats BLAS on an Intel AVX-512 CPU (1.3x at 32 rows,
+# even at 128; `python -m pagellm.bench.gemm_bench`); beyond it BLAS's blocking wins. The default
+# until pagellm.models.linear_tuning measures the machine's own crossover.
 PACKED_MAX_ROWS = 96
 
 
@@ -39,6 +40,7 @@ class PackedWeight:
     # results are bit for bit the panels'. Faster up to `blocks_max_rows` rows.
     blocks: Optional[torch.Tensor]
     blocks_max_rows: int = 0
+    packed_max_rows: int = PACKED_MAX_ROWS  # BLAS beyond
 
     @property
     def nbytes(self) -> int:
@@ -52,8 +54,8 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
         return None
     weight = weight.detach()
     blocks = torch.ops.pagellm_gemm.pack_weight_blocks(weight)
-    # Up to this many rows the blocks beat the float32 panels: with AVX-512 32 for 4-bit and 24 for
-    # 8-bit blocks, with AVX2 8 (gemm.cpp).
+    # Up to this many rows the blocks beat the float32 panels on the CPUs gemm.cpp was measured on
+    # (with AVX-512 32 for 4-bit and 24 for 8-bit blocks, with AVX2 8); linear_tuning re-measures.
     max_rows = torch.ops.pagellm_gemm.blocks_max_rows(blocks) if blocks is not None else 0
     return PackedWeight(torch.ops.pagellm_gemm.pack_weight(weight), blocks, max_rows)
 
@@ -61,7 +63,7 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]) -> torch.Tensor:
     """``x @ weight.T + bias``; small batches go through ``packed`` (from :func:`pack_weight`) when given."""
     rows = x.shape[0]
-    if packed is not None and x.dim() == 2 and rows <= PACKED_MAX_ROWS and use_cpu_kernels(x) and x.stride(-1) == 1:
+    if packed is not None and x.dim() == 2 and rows <= packed.packed_max_rows and use_cpu_kernels(x) and x.stride(-1) == 1:
         panels = packed.blocks if packed.blocks is not None and rows <= packed.blocks_max_rows else packed.panels
         out = torch.empty((rows, weight.shape[0]), dtype=x.dtype, device=x.device)
         torch.ops.pagellm_gemm.linear_packed(out, x, panels, bias)

@@ -25,6 +25,7 @@ from pagellm.models.layers import (
     use_cpu_kernels,
 )
 from pagellm.models.rope import RotaryArgs, RotaryEmbedding, apply_rotary, head_dim_of
+from pagellm.models.linear_tuning import tune_row_limits
 
 # (fused parameter, checkpoint projection, shard) for the projections we stack at load time.
 _STACKED_PROJECTIONS = (
@@ -229,7 +230,19 @@ class LlamaForCausalLM(nn.Module):
                 module.packed = None
                 break
             used += added
+        tune_row_limits(self.packed_weights())
         return used
+
+    def packed_weights(self) -> list[tuple[torch.Tensor, PackedWeight]]:
+        """``(weight, packed copy)`` of every packed projection, the vocabulary head first."""
+        pairs = []
+        if self._packed_tied_head is not None:
+            pairs.append((self.model.embed_tokens.weight, self._packed_tied_head))
+        heads = [self.lm_head] if self.lm_head is not None else []
+        for module in heads + [m for m in self.model.modules() if isinstance(m, Linear)]:
+            if module.packed is not None:
+                pairs.append((module.weight, module.packed))
+        return pairs
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this model, stacking the fused projections.
