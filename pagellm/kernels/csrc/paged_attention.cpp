@@ -179,32 +179,44 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
   vint lane{};
   for (int i = 0; i < W; ++i) lane[i] = i;
   // Rows of the chunks in flight: kPrefetchChunks ahead are prefetched while this one computes,
-  // since blocks are scattered and hardware prefetchers cannot guess the next block.
+  // since blocks are scattered and hardware prefetchers cannot guess the next block. The
+  // prefetches go out one key row at a time, as the current chunk's rows are consumed: issued as
+  // one burst of 8 lines x 16 keys they overflowed the core's queue of outstanding misses on an
+  // AMD Zen 4 (`attention_bench`-style decode, 30 layers of 32 x 320: 37.4 / 38.0 -> 35.4 / 30.7 ms).
   constexpr int kRing = kPrefetchChunks + 1;
   const T* rows[kRing][2][kDecodeChunk];
   constexpr int kLine = 64 / static_cast<int>(sizeof(T));  // elements per cache line
-  auto fetch = [&](int chunk_start, int slot) {
-    locate_rows(p, item.seq, item.kv_head, chunk_start, kDecodeChunk, context_len, zero_row, rows[slot][0], rows[slot][1]);
-    for (int n = 0; n < kDecodeChunk; ++n) {
-      for (int line = 0; line < D; line += kLine) {
-        __builtin_prefetch(rows[slot][0][n] + line, 0, 3);
-        __builtin_prefetch(rows[slot][1][n] + line, 0, 3);
-      }
+  auto prefetch_row = [&](const T* const* slot_rows, int n) {
+    for (int line = 0; line < D; line += kLine) {
+      __builtin_prefetch(slot_rows[n] + line, 0, 3);
     }
   };
-  for (int c = 0; c < kPrefetchChunks; ++c)
-    if (item.begin + c * kDecodeChunk < item.end) fetch(item.begin + c * kDecodeChunk, c);
+  for (int c = 0; c < kPrefetchChunks; ++c) {
+    if (item.begin + c * kDecodeChunk < item.end) {
+      locate_rows(p, item.seq, item.kv_head, item.begin + c * kDecodeChunk, kDecodeChunk, context_len, zero_row, rows[c][0], rows[c][1]);
+      for (int n = 0; n < kDecodeChunk; ++n) {
+        prefetch_row(rows[c][0], n);
+        prefetch_row(rows[c][1], n);
+      }
+    }
+  }
   int cur = 0;
   for (int k0 = item.begin; k0 < item.end; k0 += kDecodeChunk, cur = cur + 1 == kRing ? 0 : cur + 1) {
     const int n_keys = std::min(kDecodeChunk, item.end - k0);
     const T* const* key_rows = rows[cur][0];
     const T* const* value_rows = rows[cur][1];
     const int ahead = k0 + kPrefetchChunks * kDecodeChunk;
-    if (ahead < item.end) fetch(ahead, cur == 0 ? kRing - 1 : cur - 1);
+    const int ahead_slot = cur == 0 ? kRing - 1 : cur - 1;
+    const bool fetch_ahead = ahead < item.end;
+    if (fetch_ahead) locate_rows(p, item.seq, item.kv_head, ahead, kDecodeChunk, context_len, zero_row, rows[ahead_slot][0], rows[ahead_slot][1]);
     vfloat scores[G][KV];
     for (int kv = 0; kv < KV; ++kv) {
       vfloat part[G][W];
       for (int n = 0; n < W; ++n) {
+        if (fetch_ahead) {
+          prefetch_row(rows[ahead_slot][0], kv * W + n);
+          prefetch_row(rows[ahead_slot][1], kv * W + n);
+        }
         const T* k = key_rows[kv * W + n];
         vfloat kr[NV];
         for (int v = 0; v < NV; ++v) kr[v] = load_kv(k + v * W);
