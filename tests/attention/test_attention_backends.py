@@ -49,9 +49,12 @@ def test_agrees_with_reference(name, scenario, block_size, num_heads, num_kv_hea
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(12, 1, 64), (16, 2, 128), (8, 8, 256), (10, 2, 80)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(12, 1, 64), (16, 2, 128), (8, 8, 256), (10, 2, 80), (10, 5, 64), (18, 2, 32)]
+)
 def test_other_head_shapes(name, num_heads, num_kv_heads, head_dim, reference) -> None:
-    # Groups above 8 split into head chunks in the C++ kernel; other head sizes use other templates.
+    # Groups above 8 split into head chunks in the C++ kernel; other head sizes use other templates;
+    # a decode item covers up to 4 kv heads (8 and 5 kv heads: items of 4 + 4 and 4 + 1).
     batch = make_batch(SCENARIOS["mixed"], num_heads, num_kv_heads, head_dim, block_size=16, seed=7)
     got, expected, _, _ = run_both(batch, name, reference)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
