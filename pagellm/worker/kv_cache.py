@@ -1,10 +1,8 @@
 """Sizing and allocating the paged KV cache tensors."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import sys
+import mmap
 from typing import Optional
 
 import torch
@@ -12,7 +10,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 * 2**20
-_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -62,31 +59,28 @@ def allocate_kv_caches(
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose memory the kernel is asked to back with 2 MiB pages.
+    """A zero CPU tensor in fresh anonymous memory that the kernel is asked to back with 2 MiB pages.
 
     Decode attention reads every sequence's blocks from scattered places in a cache of gigabytes:
     with 4 KiB pages nearly every block is a TLB miss and a page walk (a costly one in a virtual
     machine). Linux gives huge pages to regions marked MADV_HUGEPAGE when transparent huge pages
-    are set to "madvise" (a common default); the region must be 2 MiB-aligned and marked before
-    it is first touched, so the zeros are written after the advice. Elsewhere this is plain zeros.
+    are set to "madvise" (a common default). The mapping is zero by definition and its pages are
+    only faulted in (and zeroed by the kernel) when first written, as with torch.zeros, so start-up
+    does not pay for gigabytes of zeroing. Elsewhere, or for small tensors, this is torch.zeros.
     """
     numel = 1
     for dim in shape:
         numel *= dim
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES:
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE_BYTES
-    _advise_huge_pages(raw.data_ptr() + start, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
-    # The view keeps `raw` alive; element alignment holds since start is a multiple of 2 MiB.
-    return raw[start : start + nbytes].view(dtype).view(shape).zero_()
-
-
-def _advise_huge_pages(address: int, length: int) -> None:
+    # One huge page extra, so that a 2 MiB-aligned stretch of nbytes fits whatever the start.
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) != 0:
-            logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-    except OSError as exc:  # no libc to call: small pages then
-        logger.debug("no madvise: %s", exc)
+        mapping.madvise(advice)
+    except OSError as exc:  # e.g. transparent huge pages compiled out: small pages then
+        logger.debug("madvise(MADV_HUGEPAGE) failed: %s", exc)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference: the mapping lives as long
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES
+    return raw[start : start + nbytes].view(dtype).view(shape)
