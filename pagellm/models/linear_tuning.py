@@ -4,8 +4,8 @@ A linear layer on the CPU has three ways to run (pagellm.models.layers): BLAS on
 loaded, the packed float32 panels, and, for a GGUF model's projections, the 4- or 8-bit block
 panels that the kernel expands on the fly. Which is fastest at a given number of rows depends on
 the core more than on the instruction set: with AVX-512 on an Intel Xeon the blocks win up to 32
-rows and BLAS from ~128 rows, while on an AMD Zen 4, whose AVX-512 runs on 256-bit units, the
-float32 panels beat the blocks from 8 rows and beat BLAS even at 1,024 rows (`python -m
+rows and BLAS from 256 rows, while on an AMD Zen 4, whose AVX-512 runs on 256-bit units, the
+float32 panels beat the blocks from 8 rows and beat BLAS even at 1,024 rows (1.12x; `python -m
 pagellm.bench.gemm_bench` on each). A fixed table per instruction set would be wrong on one of
 them, so the crossovers are measured once per process and weight format on slices of the model's
 own weights: a few hundred milliseconds, well inside the start-up budget.

@@ -221,3 +221,19 @@ def test_empty_batch(name, reference) -> None:
     batch = make_batch([], 9, 3, 64, block_size=16)
     got, _, _, _ = run_both(batch, name, reference)
     assert got.shape == (0, 9, 64)
+
+
+@pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("to_l2", [False, True])
+@pytest.mark.parametrize("seqs", [[(1, 700)] * 6, [(1, 3000), (1, 40)], [(1, 33), (4, 50), (1, 17)]])
+def test_decode_prefetch_level_does_not_change_results(to_l2: bool, seqs, reference) -> None:
+    from pagellm.attention.cpu_paged import tune_decode_prefetch
+
+    chosen = tune_decode_prefetch()  # measured once per process; sets the kernel
+    assert torch.ops.pagellm_attn.decode_prefetch_to_l2() == chosen
+    torch.ops.pagellm_attn.set_decode_prefetch_to_l2(to_l2)
+    try:
+        got, expected, _, _ = run_both(make_batch(seqs, 9, 3, 64, 16, seed=3), "cpu_paged", reference)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.ops.pagellm_attn.set_decode_prefetch_to_l2(chosen)

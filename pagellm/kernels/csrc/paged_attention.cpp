@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -100,6 +101,13 @@ constexpr int kMaxGroup = 8;      // query heads per kv head handled in one item
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxKvPerItem = 4;  // kv heads per decode item (whole rows up to this many heads)
 
+// Whether decode prefetches the next chunk into L2 only (prefetcht1) rather than into L1 as
+// well (prefetcht0). Which is faster depends on the core: into L2, decode attention from memory
+// ran 1.6x faster on an AMD Zen 4 (30 layers of 32 x 320 keys: 29.8-32.2 -> 18.4-19.9 ms; the L1
+// fill buffers are few, and prefetches to L1 hold them), while on an Intel Xeon an earlier L2
+// variant was 20% slower. So pagellm.attention.cpu_paged measures both at start-up and sets this.
+std::atomic<bool> g_prefetch_to_l2{false};
+
 // Where everything lives for one call.
 struct Problem {
   const float* query;
@@ -173,14 +181,14 @@ struct DecodeState {
   float m[G];
 };
 
-// One chunk of keys for one kv head (`head_offset` elements into each row). `ahead_rows`, when
-// given, are the next chunk's rows: this head's part of each is prefetched one key at a time as
-// the current rows are consumed (issued as one burst of 8 lines x 16 keys, the prefetches
-// overflowed the core's queue of outstanding misses on an AMD Zen 4: 30 layers of 32 x 320 keys,
-// 37.4 / 38.0 -> 35.4 / 30.7 ms).
+// One chunk of keys for one kv head (`head_offset` elements into each row). `ahead_keys` and
+// `ahead_values`, when given, are the next chunk's rows: this head's part of each is prefetched
+// (into L2 only with `to_l2`) one key at a time as the current rows are consumed (issued as one
+// burst of 8 lines x 16 keys, the prefetches overflowed the core's queue of outstanding misses on
+// an AMD Zen 4: 30 layers of 32 x 320 keys, 37.4 / 38.0 -> 35.4 / 30.7 ms).
 template <int D, int G, typename T>
 inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const T* const* value_rows, int head_offset,
-                         int n_keys, const T* const* ahead_keys, const T* const* ahead_values) {
+                         int n_keys, const T* const* ahead_keys, const T* const* ahead_values, bool to_l2) {
   constexpr int NV = D / W;
   constexpr int KV = kDecodeChunk / W;  // score vectors per chunk
   constexpr int kLine = 64 / static_cast<int>(sizeof(T));  // elements per cache line
@@ -192,8 +200,15 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
     for (int n = 0; n < W; ++n) {
       if (ahead_keys != nullptr) {
         for (int line = 0; line < D; line += kLine) {
-          __builtin_prefetch(ahead_keys[kv * W + n] + head_offset + line, 0, 3);
-          __builtin_prefetch(ahead_values[kv * W + n] + head_offset + line, 0, 3);
+          const T* key_line = ahead_keys[kv * W + n] + head_offset + line;
+          const T* value_line = ahead_values[kv * W + n] + head_offset + line;
+          if (to_l2) {  // the same every call: a predicted branch, not worth a template
+            __builtin_prefetch(key_line, 0, 2);
+            __builtin_prefetch(value_line, 0, 2);
+          } else {
+            __builtin_prefetch(key_line, 0, 3);
+            __builtin_prefetch(value_line, 0, 3);
+          }
         }
       }
       const T* k = key_rows[kv * W + n] + head_offset;
@@ -242,6 +257,7 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
   const int context_len = std::min(p.seq_lens[item.seq], item.end);
   const int token = p.query_start_loc[item.seq];
   const int num_kv = item.num_kv;
+  const bool to_l2 = g_prefetch_to_l2.load(std::memory_order_relaxed);
   DecodeState<D, G> states[kMaxKvPerItem];
   const float* q_src = p.query + token * p.query_token_stride + static_cast<int64_t>(item.head_begin) * D;
   for (int h = 0; h < num_kv; ++h) {
@@ -282,7 +298,7 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
       locate_rows(p, item.seq, item.kv_head, ahead, kDecodeChunk, context_len, zero_row, rows[ahead_slot][0], rows[ahead_slot][1]);
     for (int h = 0; h < num_kv; ++h) {
       decode_chunk<D, G, T>(states[h], rows[cur][0], rows[cur][1], h * D, n_keys, fetch_ahead ? rows[ahead_slot][0] : nullptr,
-                            rows[ahead_slot][1]);
+                            rows[ahead_slot][1], to_l2);
     }
   }
   for (int h = 0; h < num_kv; ++h) {
@@ -825,10 +841,16 @@ void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   });
 }
 
+void set_decode_prefetch_to_l2(bool to_l2) { g_prefetch_to_l2.store(to_l2); }
+bool decode_prefetch_to_l2() { return g_prefetch_to_l2.load(); }
+
 }  // namespace
 }  // namespace pagellm
 
 TORCH_LIBRARY(pagellm_attn, m) {
+  // No tensor arguments, so catch-all kernels rather than CPU ones.
+  m.def("set_decode_prefetch_to_l2(bool to_l2) -> ()", &pagellm::set_decode_prefetch_to_l2);
+  m.def("decode_prefetch_to_l2() -> bool", &pagellm::decode_prefetch_to_l2);
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> ()");
