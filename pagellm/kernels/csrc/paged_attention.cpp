@@ -105,7 +105,8 @@ constexpr int kMaxKvPerItem = 4;  // kv heads per decode item (whole rows up to 
 // well (prefetcht0). Which is faster depends on the core: into L2, decode attention from memory
 // ran 1.6x faster on an AMD Zen 4 (30 layers of 32 x 320 keys: 29.8-32.2 -> 18.4-19.9 ms; the L1
 // fill buffers are few, and prefetches to L1 hold them), while on an Intel Xeon an earlier L2
-// variant was 27% slower (30.0 against 23.7 ms). So pagellm.attention.cpu_paged measures both at start-up and sets this.
+// variant was 27% slower (30.0 against 23.7 ms). So pagellm.attention.cpu_paged measures both at
+// start-up and sets this.
 std::atomic<bool> g_prefetch_to_l2{false};
 
 // Where everything lives for one call.
