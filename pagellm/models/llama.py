@@ -24,8 +24,8 @@ from pagellm.models.layers import (
     silu_and_mul,
     use_cpu_kernels,
 )
-from pagellm.models.rope import RotaryArgs, RotaryEmbedding, apply_rotary, head_dim_of
 from pagellm.models.linear_tuning import tune_row_limits
+from pagellm.models.rope import RotaryArgs, RotaryEmbedding, apply_rotary, head_dim_of
 
 # (fused parameter, checkpoint projection, shard) for the projections we stack at load time.
 _STACKED_PROJECTIONS = (
