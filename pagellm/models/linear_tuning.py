@@ -118,7 +118,7 @@ def _last_win(probe_rows: Sequence[int], wins: Callable[[int], bool]) -> int:
     return limit
 
 
-def measure_row_limits(probes: Sequence[Probe], default_blocks_max_rows: int, default_packed_max_rows: int) -> RowLimits:
+def measure_row_limits(probes: Sequence[Probe]) -> RowLimits:
     """Times the three paths on ``probes`` (one weight format) and returns where each stops winning."""
 
     flush = torch.ones(FLUSH_BYTES // 4)
@@ -137,8 +137,9 @@ def measure_row_limits(probes: Sequence[Probe], default_blocks_max_rows: int, de
         # peak (BLAS can only catch up, not overtake), so no upper limit.
         packed_max_rows = UNLIMITED_ROWS
     elif packed_max_rows == 0:
-        # Behind BLAS even at the first probe: keep the default, which gemm_bench put below it.
-        packed_max_rows = min(default_packed_max_rows, BLAS_PROBE_ROWS[0])
+        # Behind BLAS even at the first probe: the packed kernel keeps the rows below it, where
+        # BLAS was never timed and gemm_bench found the kernel ahead on every machine measured.
+        packed_max_rows = BLAS_PROBE_ROWS[0]
     return RowLimits(min(blocks_max_rows, packed_max_rows), packed_max_rows)
 
 
@@ -164,9 +165,8 @@ def tune_row_limits(weights: Sequence[tuple[torch.Tensor, PackedWeight]]) -> dic
             num_weights += probe.weight.numel()
         key = (torch.get_num_threads(), fmt, tuple(tuple(p.weight.shape) for p in probes))
         if key not in _measured:
-            first = members[0][1]
             start = time.perf_counter()
-            _measured[key] = measure_row_limits(probes, first.blocks_max_rows, first.packed_max_rows)
+            _measured[key] = measure_row_limits(probes)
             logger.info(
                 "packed matmul, %s weights: block panels up to %d rows, packed kernel up to %s rows (measured in %.2f s)",
                 fmt,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 from typing import Optional
 
@@ -68,10 +69,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     only faulted in (and zeroed by the kernel) when first written, as with torch.zeros, so start-up
     does not pay for gigabytes of zeroing. Elsewhere, or for small tensors, this is torch.zeros.
     """
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)

@@ -7,7 +7,7 @@ import torch
 from pagellm.bench.gemm_bench import block_quantized
 from pagellm.kernels.build import load_kernels
 from pagellm.models import linear_tuning
-from pagellm.models.layers import PACKED_MAX_ROWS, linear, pack_weight
+from pagellm.models.layers import linear, pack_weight
 from pagellm.models.linear_tuning import UNLIMITED_ROWS, RowLimits, make_probe, measure_row_limits, tune_row_limits
 
 pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
@@ -36,7 +36,7 @@ def test_limits_are_the_last_probe_won_before_the_first_loss(monkeypatch) -> Non
     # panels ahead of it below 180 rows.
     costs = {"blocks": lambda r: 2 + r, "panels": lambda r: 10 + r / 2, "blas": lambda r: 40 + r / 3}
     timed = fake_costs(monkeypatch, lambda rows, path: costs[path](rows))
-    limits = measure_row_limits([q4_probe()], 32, PACKED_MAX_ROWS)
+    limits = measure_row_limits([q4_probe()])
     assert limits == RowLimits(blocks_max_rows=8, packed_max_rows=64)
     # Stops probing at the first loss: 16 rows for the blocks, 256 for the panels.
     assert (24, "blocks") not in timed and (16, "blocks") in timed
@@ -45,7 +45,7 @@ def test_limits_are_the_last_probe_won_before_the_first_loss(monkeypatch) -> Non
 
 def test_panels_ahead_at_every_probe_means_no_limit(monkeypatch) -> None:
     fake_costs(monkeypatch, lambda rows, path: {"blocks": 1.0, "panels": 2.0, "blas": 3.0}[path] * rows)
-    limits = measure_row_limits([q4_probe()], 32, PACKED_MAX_ROWS)
+    limits = measure_row_limits([q4_probe()])
     assert limits == RowLimits(blocks_max_rows=linear_tuning.BLOCK_PROBE_ROWS[-1], packed_max_rows=UNLIMITED_ROWS)
 
 
@@ -53,12 +53,12 @@ def test_losing_at_the_first_probe(monkeypatch) -> None:
     # Blocks never pay; BLAS is ahead from the first probe: the packed kernel keeps the smaller
     # rows, where BLAS was never timed.
     fake_costs(monkeypatch, lambda rows, path: {"blocks": 3.0, "panels": 2.0, "blas": 1.0}[path] * rows)
-    assert measure_row_limits([q4_probe()], 32, PACKED_MAX_ROWS) == RowLimits(0, linear_tuning.BLAS_PROBE_ROWS[0])
+    assert measure_row_limits([q4_probe()]) == RowLimits(0, linear_tuning.BLAS_PROBE_ROWS[0])
 
 
 def test_a_tie_keeps_the_default_path(monkeypatch) -> None:
     fake_costs(monkeypatch, lambda rows, path: 1.0)  # within MIN_GAIN
-    assert measure_row_limits([q4_probe()], 32, PACKED_MAX_ROWS) == RowLimits(0, linear_tuning.BLAS_PROBE_ROWS[0])
+    assert measure_row_limits([q4_probe()]) == RowLimits(0, linear_tuning.BLAS_PROBE_ROWS[0])
 
 
 def test_probe_is_the_first_output_rows_of_the_weight(monkeypatch) -> None:
@@ -83,7 +83,7 @@ def test_tune_sets_the_measured_limits_per_format_and_linear_follows_them(monkey
     pairs = [(w, pack_weight(w)) for w in (q4, q8, plain)]
     limits_by_probe_width = {}
 
-    def measure(probes, default_blocks, default_packed):
+    def measure(probes):
         fmt = "plain" if probes[0].blocks is None else probes[0].blocks.shape[2]
         limits_by_probe_width[fmt] = RowLimits(0 if fmt == "plain" else 4, 16 if fmt == "plain" else 64)
         return limits_by_probe_width[fmt]

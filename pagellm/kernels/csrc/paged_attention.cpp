@@ -140,6 +140,9 @@ struct Item {
   int num_kv = 1;  // decode: consecutive kv heads from kv_head, num_group query heads each
 };
 
+// Whether sequence `seq` adds one token this step (decode) rather than several (prefill).
+inline bool is_decode(const Problem& p, int seq) { return p.query_start_loc[seq + 1] - p.query_start_loc[seq] == 1; }
+
 // Points key_rows/value_rows at the rows of keys [pos, pos + n) for one kv head; rows past
 // `context_len` point at a zero row so that masked-out keys never read stale cache memory.
 template <typename T>
@@ -549,8 +552,7 @@ struct Run {
 // scheduling ends with the small ones. Without shared blocks every run is one item.
 inline std::vector<Run> shared_block_runs(const Problem& p, std::vector<Item>& items, int num_threads) {
   auto first_block = [&](const Item& it) {
-    const bool decode = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] == 1;
-    const int first_key = decode ? it.begin : 0;  // a prefill tile reads the whole prefix
+    const int first_key = is_decode(p, it.seq) ? it.begin : 0;  // a prefill tile reads the whole prefix
     return p.block_table[static_cast<int64_t>(it.seq) * p.block_table_stride + first_key / p.block_size];
   };
   std::vector<std::pair<int64_t, int>> keyed(items.size());  // (shared-block key, item index)
@@ -581,12 +583,10 @@ inline void group_kv_heads(const Problem& p, std::vector<Item>& items) {
   std::vector<Item> grouped;
   grouped.reserve(items.size());
   for (const Item& it : items) {
-    const bool decode = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] == 1 && it.partial < 0;
-    if (decode && !grouped.empty()) {
-      Item& last = grouped.back();
-      const bool last_decode = p.query_start_loc[last.seq + 1] - p.query_start_loc[last.seq] == 1 && last.partial < 0;
-      if (last_decode && last.seq == it.seq && last.kv_head + last.num_kv == it.kv_head && last.num_kv < kMaxKvPerItem &&
-          last.begin == it.begin && last.end == it.end) {
+    if (is_decode(p, it.seq) && it.partial < 0 && !grouped.empty()) {
+      Item& last = grouped.back();  // of the same sequence, hence a decode item too
+      if (last.seq == it.seq && last.partial < 0 && last.kv_head + last.num_kv == it.kv_head &&
+          last.num_kv < kMaxKvPerItem && last.begin == it.begin && last.end == it.end) {
         ++last.num_kv;
         last.cost += it.cost;
         continue;
@@ -635,11 +635,10 @@ void run(const Problem& p, int num_seqs, int num_threads) {
     const int parts_wanted = (min_items + static_cast<int>(items.size()) - 1) / static_cast<int>(items.size());
     std::vector<Item> kept;
     for (const Item& it : items) {
-      const bool is_decode = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] == 1;
       const int len = it.end - it.begin;
       int part_len = (len + parts_wanted - 1) / parts_wanted;
       part_len = std::max(256, (part_len + kDecodeChunk - 1) / kDecodeChunk * kDecodeChunk);
-      if (!is_decode || part_len >= len) {
+      if (!is_decode(p, it.seq) || part_len >= len) {
         kept.push_back(it);
         continue;
       }
@@ -670,7 +669,7 @@ void run(const Problem& p, int num_seqs, int num_threads) {
     for (int r = 0; r < num_runs; ++r) {
       for (int i = runs[r].begin; i < runs[r].end; ++i) {
         const Item& it = items[i];
-        if (p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] == 1)
+        if (is_decode(p, it.seq))
           decode_dispatch<D, T>(p, it, reinterpret_cast<const T*>(scratch.zero_row.data()), partials.data());
         else
           prefill_item<D, T>(p, it, scratch);
