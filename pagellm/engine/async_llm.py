@@ -11,7 +11,8 @@ Given a factory rather than an engine (``from_config``), the thread builds the e
 that one thread runs all of torch's parallel work and libgomp keeps a single pool of spinning
 workers (see ``pagellm/__init__.py``).
 
-When no request is in flight the thread sleeps on a condition variable (no polling). If a step
+When no request is in flight the thread first faults the KV cache's memory in, a few MiB at a time
+(``KVCachePrefaulter``), then sleeps on a condition variable (no polling). If a step
 raises, the engine is dead: every in-flight request ends with ``EngineDeadError``, new ones are
 refused, and ``is_dead`` tells the server to report 503 and exit.
 """
@@ -275,15 +276,22 @@ class AsyncLLM:
             built.set_exception(e)
             return
         built.set_result(engine)
+        prefault_pending = True  # until the engine says the KV cache is all faulted in
         try:
             while True:
                 with self._cond:
-                    while not self._commands and not self._shutdown and not engine.has_unfinished_requests():
+                    idle = not self._commands and not self._shutdown and not engine.has_unfinished_requests()
+                    while idle and not prefault_pending:
                         self._cond.wait()
+                        idle = not self._commands and not self._shutdown and not engine.has_unfinished_requests()
                     if self._shutdown:
                         break
                     commands, self._commands = self._commands, []
                     self._num_pending_adds -= sum(c.is_add for c in commands)
+                if idle:
+                    # Nothing to serve: fault in a slice of the KV cache now rather than in a step.
+                    prefault_pending = engine.prefault_kv_cache()
+                    continue
                 for i, command in enumerate(commands):
                     try:
                         command.run()

@@ -16,7 +16,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.core.scheduler import Scheduler, SchedulerStats
 from pagellm.request import Request, RequestStatus
-from pagellm.worker.kv_cache import allocate_kv_caches, bytes_per_block, determine_num_blocks
+from pagellm.worker.kv_cache import KVCachePrefaulter, allocate_kv_caches, bytes_per_block, determine_num_blocks
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class EngineCore:
             config.kv_cache_dtype,
             config.device,
         )
+        self.kv_cache_prefaulter = KVCachePrefaulter(kv_caches)
         self.kv_cache_manager = self._make_kv_cache_manager()
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -172,6 +173,10 @@ class EngineCore:
             self._trace.write(json.dumps({"t": t0, "gap_s": gap, **asdict(self.last_step)}) + "\n")
         self._last_step_end = t3
         return outputs
+
+    def prefault_kv_cache(self) -> bool:
+        """Faults in one more slice of the KV cache's memory (for idle time); whether any remain."""
+        return self.kv_cache_prefaulter.prefault_next()
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -119,6 +119,10 @@ class LLMEngine:
         for request_id in request_ids:
             self.core.abort_requests(self.output_processor.abort_request(request_id))
 
+    def prefault_kv_cache(self) -> bool:
+        """Faults in one more slice of the KV cache's memory, for idle time; whether any remain."""
+        return self.core.prefault_kv_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 

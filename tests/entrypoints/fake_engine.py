@@ -71,7 +71,14 @@ class FakeInputProcessor:
 
 
 class FakeEngine:
-    def __init__(self, max_model_len: int = 64, step_delay_s: float = 0.0, max_waiting_requests: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        max_model_len: int = 64,
+        step_delay_s: float = 0.0,
+        max_waiting_requests: Optional[int] = None,
+        prefault_slices: int = 0,
+        prefault_delay_s: float = 0.0,
+    ) -> None:
         self.config = SimpleNamespace(max_waiting_requests=max_waiting_requests)
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
@@ -89,6 +96,17 @@ class FakeEngine:
         self.step_threads: set[str] = set()
         self.gate = threading.Event()  # steps only run while set (tests can hold the engine)
         self.gate.set()
+        # Idle-time KV prefaulting: slices left, and each slice's (thread, requests in flight).
+        self.prefault_slices_left = prefault_slices
+        self.prefault_delay_s = prefault_delay_s
+        self.prefault_calls: list[tuple[str, int]] = []
+
+    def prefault_kv_cache(self) -> bool:
+        self.prefault_calls.append((threading.current_thread().name, len(self.states)))
+        if self.prefault_delay_s:
+            time.sleep(self.prefault_delay_s)
+        self.prefault_slices_left = max(0, self.prefault_slices_left - 1)
+        return self.prefault_slices_left > 0
 
     def _make_stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.states), 0, 0.1 * bool(self.states), len(self.states), 0, 0, 0, 0)

@@ -200,6 +200,31 @@ def test_engine_thread_sleeps_when_idle(make_llm):
     assert outputs[-1].finished
 
 
+def test_idle_engine_thread_prefaults_the_kv_cache_then_sleeps(make_llm):
+    llm = make_llm(prefault_slices=5)
+    deadline = time.monotonic() + 5
+    while llm.engine.prefault_slices_left and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    # Five slices on the engine thread with nothing in flight, then no more calls (it sleeps).
+    assert llm.engine.prefault_calls == [("pagellm-engine", 0)] * 5
+    assert llm.engine.num_steps == 0
+
+
+def test_a_request_during_prefaulting_waits_one_slice_at_most(make_llm):
+    llm = make_llm(prefault_slices=1000, prefault_delay_s=0.01)
+    time.sleep(0.05)
+    outputs = asyncio.run(collect(llm, "hi", SamplingParams(max_tokens=3), "r"))
+    assert outputs[-1].finished
+    calls_when_served = len(llm.engine.prefault_calls)
+    assert calls_when_served < 1000  # served in between slices, not after all of them (10 s)
+    time.sleep(0.05)
+    calls = llm.engine.prefault_calls
+    # Never a slice while the request was in the engine; prefaulting went on once it finished.
+    assert all(num_in_flight == 0 for _, num_in_flight in calls)
+    assert len(calls) > calls_when_served and llm.engine.prefault_slices_left > 0
+
+
 def test_run_in_engine_returns_results_and_errors(make_llm):
     llm = make_llm()
 

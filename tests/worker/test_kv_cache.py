@@ -9,6 +9,7 @@ import torch
 
 from pagellm.worker.kv_cache import (
     HUGE_PAGE_BYTES,
+    KVCachePrefaulter,
     allocate_kv_caches,
     bytes_per_block,
     determine_num_blocks,
@@ -45,3 +46,36 @@ def test_large_cpu_caches_start_on_a_huge_page_boundary() -> None:
     assert float(cache.sum()) == cache.numel()
     small = zeros_on_huge_pages((2, 3), torch.float16)
     assert small.shape == (2, 3) and not small.any()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+def test_prefaulter_faults_the_cache_in_by_slices_and_keeps_its_contents() -> None:
+    caches = allocate_kv_caches(2, 1024, 16, 2, 64, torch.float32, torch.device("cpu"))  # 2 x 16 MiB
+    caches[0][0, 0, 0, 0, :4] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    prefaulter = KVCachePrefaulter(caches, chunk_bytes=5 * 2**20)
+    if not prefaulter.pending:
+        pytest.skip("MADV_POPULATE_WRITE is not available here (Linux 5.14+)")
+    assert prefaulter.total_bytes == sum(c.nbytes for c in caches) == 32 * 2**20
+    before = _resident_bytes()
+    num_calls = 0
+    while prefaulter.prefault_next():
+        num_calls += 1
+    num_calls += 1
+    assert num_calls == 2 * 4  # 16 MiB per layer in slices of 5 MiB: 5 + 5 + 5 + 1
+    assert prefaulter.done_bytes == prefaulter.total_bytes and not prefaulter.pending
+    assert not prefaulter.prefault_next()
+    # The pages are now resident (30 of the 32 MiB allowing for pages touched before)...
+    assert _resident_bytes() - before >= 30 * 2**20
+    # ...and what was written before is still there, the rest still zero.
+    assert caches[0][0, 0, 0, 0, :4].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert float(caches[0].abs().sum()) == 10.0 and not caches[1].any()
+
+
+def test_prefaulter_has_nothing_to_do_for_non_cpu_caches() -> None:
+    prefaulter = KVCachePrefaulter([torch.empty((2, 8, 16, 2, 64), device="meta")])
+    assert not prefaulter.pending and prefaulter.total_bytes == 0
+    assert not prefaulter.prefault_next()
