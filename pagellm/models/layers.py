@@ -41,15 +41,20 @@ class PackedWeight:
     blocks: Optional[torch.Tensor]
     blocks_max_rows: int = 0
     packed_max_rows: int = PACKED_MAX_ROWS  # BLAS beyond
+    # The panels of a gate/up projection, packed for linear_packed_silu_mul: each W gate columns
+    # next to their W up columns. They serve only :func:`linear_silu_and_mul`; the blocks keep the
+    # weight's own order.
+    silu_and_mul: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.panels, self.blocks) if t is not None)
 
 
-def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
+def pack_weight(weight: torch.Tensor, silu_and_mul: bool = False) -> Optional[PackedWeight]:
     """``weight`` ``[N, K]`` packed for the small-batch kernel, or None where that kernel does not
-    apply (not float32 on CPU, or no kernels)."""
+    apply (not float32 on CPU, or no kernels). With ``silu_and_mul`` (a gate/up projection) the
+    panels are packed for :func:`linear_silu_and_mul` where its halves split into whole vectors."""
     if not use_cpu_kernels(weight):
         return None
     weight = weight.detach()
@@ -57,18 +62,56 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
     # Up to this many rows the blocks beat the float32 panels on the CPUs gemm.cpp was measured on
     # (with AVX-512 32 for 4-bit and 24 for 8-bit blocks, with AVX2 8); linear_tuning re-measures.
     max_rows = torch.ops.pagellm_gemm.blocks_max_rows(blocks) if blocks is not None else 0
+    if silu_and_mul:
+        try:
+            return PackedWeight(torch.ops.pagellm_gemm.pack_weight_silu_mul(weight), blocks, max_rows, silu_and_mul=True)
+        except ValueError:  # half the rows is not a multiple of the vector width: separate steps then
+            pass
     return PackedWeight(torch.ops.pagellm_gemm.pack_weight(weight), blocks, max_rows)
+
+
+def _packed_operand(x: torch.Tensor, packed: Optional[PackedWeight]) -> Optional[torch.Tensor]:
+    """What ``linear_packed`` multiplies ``x`` by: the blocks, the plain panels, or None for BLAS."""
+    if packed is None or x.dim() != 2 or x.stride(-1) != 1 or not use_cpu_kernels(x):
+        return None
+    rows = x.shape[0]
+    if packed.blocks is not None and rows <= packed.blocks_max_rows:
+        return packed.blocks
+    if rows <= packed.packed_max_rows and not packed.silu_and_mul:
+        return packed.panels
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]) -> torch.Tensor:
     """``x @ weight.T + bias``; small batches go through ``packed`` (from :func:`pack_weight`) when given."""
-    rows = x.shape[0]
-    if packed is not None and x.dim() == 2 and rows <= packed.packed_max_rows and use_cpu_kernels(x) and x.stride(-1) == 1:
-        panels = packed.blocks if packed.blocks is not None and rows <= packed.blocks_max_rows else packed.panels
-        out = torch.empty((rows, weight.shape[0]), dtype=x.dtype, device=x.device)
-        torch.ops.pagellm_gemm.linear_packed(out, x, panels, bias)
+    operand = _packed_operand(x, packed)
+    if operand is None:
+        return F.linear(x, weight, bias)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    torch.ops.pagellm_gemm.linear_packed(out, x, operand, bias)
+    return out
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]
+) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` for a gate/up projection ``weight`` ``[2d, K]`` (gate rows
+    first). Where the float32 panels would serve, one kernel does both and never writes the
+    ``[T, 2d]`` product; elsewhere it is :func:`linear` then :func:`silu_and_mul`, same values."""
+    if (
+        packed is not None
+        and packed.silu_and_mul
+        and bias is None
+        and _packed_operand(x, packed) is None
+        and use_cpu_kernels(x)
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and x.shape[0] <= packed.packed_max_rows
+    ):
+        out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+        torch.ops.pagellm_gemm.linear_packed_silu_mul(out, x, packed.panels)
         return out
-    return F.linear(x, weight, bias)
+    return silu_and_mul(linear(x, weight, bias, packed))
 
 
 class Linear(nn.Linear):
@@ -87,6 +130,18 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
+
+
+class SiluAndMulLinear(Linear):
+    """A gate/up projection (weight ``[2d, K]``, gate rows first) whose forward returns
+    ``silu(gate) * up``, ``[T, d]``: the product and the activation in one pass where it can."""
+
+    def pack(self) -> int:
+        self.packed = pack_weight(self.weight, silu_and_mul=self.bias is None)
+        return 0 if self.packed is None else self.packed.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_silu_and_mul(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):

@@ -18,10 +18,10 @@ from pagellm.models.layers import (
     Linear,
     PackedWeight,
     RMSNorm,
+    SiluAndMulLinear,
     linear,
     pack_weight,
     rotate_in_place,
-    silu_and_mul,
     use_cpu_kernels,
 )
 from pagellm.models.linear_tuning import tune_row_limits
@@ -95,7 +95,8 @@ class LlamaMLP(nn.Module):
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; Llama-family models here use 'silu'.")
         self.intermediate_size = hf_config.intermediate_size
-        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        # Returns silu(gate) * up directly (the activation fused into the projection's kernel).
+        self.gate_up_proj = SiluAndMulLinear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
 
     def shard_range(self, shard: str) -> tuple[int, int]:
@@ -103,7 +104,7 @@ class LlamaMLP(nn.Module):
         return {"gate": (0, self.intermediate_size), "up": (self.intermediate_size, self.intermediate_size)}[shard]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -6,7 +6,15 @@ import torch
 
 from pagellm.bench.gemm_bench import block_quantized
 from pagellm.kernels.build import load_kernels
-from pagellm.models.layers import PACKED_MAX_ROWS, Linear, linear, pack_weight
+from pagellm.models.layers import (
+    PACKED_MAX_ROWS,
+    Linear,
+    SiluAndMulLinear,
+    linear,
+    linear_silu_and_mul,
+    pack_weight,
+    silu_and_mul,
+)
 
 pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
 
@@ -117,3 +125,80 @@ def test_block_packed_input_width_is_checked() -> None:
     assert blocks is not None and blocks.dtype == torch.uint8
     with pytest.raises(ValueError, match="input width"):
         torch.ops.pagellm_gemm.linear_packed(torch.empty(2, 40), torch.randn(2, 96), blocks, None)
+
+
+def _silu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The unfused kernels: the plain panels' product, then the separate activation."""
+    product = torch.empty(x.shape[0], weight.shape[0])
+    torch.ops.pagellm_gemm.linear_packed(product, x, torch.ops.pagellm_gemm.pack_weight(weight), None)
+    return silu_and_mul(product)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 96, 200])
+@pytest.mark.parametrize("half,in_features", [(1536, 576), (64, 1300), (32, 100)])  # 1300: three k slices
+def test_fused_silu_and_mul_equals_the_separate_kernels_bit_for_bit(rows: int, half: int, in_features: int) -> None:
+    gen = torch.Generator().manual_seed(rows + half)
+    weight = torch.randn(2 * half, in_features, generator=gen) / in_features**0.5
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = torch.ops.pagellm_gemm.pack_weight_silu_mul(weight)
+    out = torch.empty(rows, half)
+    torch.ops.pagellm_gemm.linear_packed_silu_mul(out, x, packed)
+    assert torch.equal(out, _silu_and_mul_reference(x, weight))
+    expected = torch.nn.functional.silu(x @ weight[:half].T) * (x @ weight[half:].T)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_silu_and_mul_checks_its_shapes() -> None:
+    with pytest.raises(ValueError, match="multiple of"):
+        torch.ops.pagellm_gemm.pack_weight_silu_mul(torch.randn(2 * 20, 64))  # halves of 20: not whole vectors
+    packed = torch.ops.pagellm_gemm.pack_weight_silu_mul(torch.randn(2 * 64, 64))
+    with pytest.raises(ValueError, match="gate/up panel pairs"):
+        torch.ops.pagellm_gemm.linear_packed_silu_mul(torch.empty(3, 128), torch.randn(3, 64), packed)
+    with pytest.raises(ValueError, match="input width"):
+        torch.ops.pagellm_gemm.linear_packed_silu_mul(torch.empty(3, 64), torch.randn(3, 65), packed)
+    with pytest.raises(ValueError, match="pack_weight_silu_mul"):
+        blocks = pack_weight(block_quantized(128, 64, 4, torch.Generator().manual_seed(0))).blocks
+        torch.ops.pagellm_gemm.linear_packed_silu_mul(torch.empty(3, 64), torch.randn(3, 64), blocks)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_silu_and_mul_linear_takes_blocks_fused_panels_then_blas(monkeypatch, bits: int) -> None:
+    layer = SiluAndMulLinear(64, 2 * 48, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(block_quantized(96, 64, bits, torch.Generator().manual_seed(bits)))
+    layer.pack()
+    packed = layer.packed
+    assert packed.silu_and_mul and packed.blocks is not None
+    used = []
+    for name in ("linear_packed", "linear_packed_silu_mul"):
+        real = getattr(torch.ops.pagellm_gemm, name)
+        monkeypatch.setattr(torch.ops.pagellm_gemm, name, lambda *a, name=name, real=real: (used.append((name, a[1].shape[0])), real(*a)))
+    limit = packed.blocks_max_rows
+    for rows in (1, limit, limit + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            got = layer(x)
+        torch.testing.assert_close(got, silu_and_mul(x @ layer.weight.T), rtol=1e-5, atol=1e-5)
+    assert used == [
+        ("linear_packed", 1),
+        ("linear_packed", limit),
+        ("linear_packed_silu_mul", limit + 1),
+        ("linear_packed_silu_mul", PACKED_MAX_ROWS),
+    ]  # and BLAS past the packed kernel's limit
+    # A plain product of the same weight never multiplies by the paired (reordered) panels.
+    x = torch.randn(limit + 1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, layer.weight, None, packed), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_and_mul_linear_with_bias_or_odd_halves_keeps_plain_panels() -> None:
+    biased = SiluAndMulLinear(64, 2 * 48, bias=True)
+    odd = SiluAndMulLinear(64, 2 * 20, bias=False)
+    for layer in (biased, odd):
+        layer.pack()
+        assert not layer.packed.silu_and_mul
+        x = torch.randn(7, 64)
+        with torch.no_grad():
+            expected = silu_and_mul(torch.nn.functional.linear(x, layer.weight, layer.bias))
+            torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(linear_silu_and_mul(x, layer.weight, layer.bias, None), expected, rtol=1e-5, atol=1e-5)

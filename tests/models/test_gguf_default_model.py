@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
 from pagellm.attention.torch_ref import TorchReferenceBackend
 from pagellm.kernels.build import load_kernels
-from pagellm.models.layers import Linear
+from pagellm.models.layers import Linear, silu_and_mul
 from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights
 from pagellm.models.loader import default_model_path, eos_token_ids, get_max_model_len, load_hf_config, load_model
 
@@ -91,13 +91,21 @@ def test_default_model_packs_its_quantized_blocks(gguf_path: str) -> None:
     head = model._packed_tied_head
     assert head is not None and head.blocks is not None and head.blocks.numel() == 1.125 * 49152 * 576
     x = torch.randn(32, 576)
-    for weight, packed in ((model.model.layers[5].mlp.gate_up_proj.weight, model.model.layers[5].mlp.gate_up_proj.packed),
+    for weight, packed in ((model.model.layers[5].self_attn.qkv_proj.weight, model.model.layers[5].self_attn.qkv_proj.packed),
                            (model.model.embed_tokens.weight, head)):
         got, want = torch.empty(32, weight.shape[0]), torch.empty(32, weight.shape[0])
         torch.ops.pagellm_gemm.linear_packed(got, x, packed.blocks, None)
         torch.ops.pagellm_gemm.linear_packed(want, x, packed.panels, None)
         assert torch.equal(got, want)
         torch.testing.assert_close(got, x @ weight.T, rtol=1e-4, atol=1e-4)
+    # The gate/up projection's panels pair gate and up columns for the fused activation: the same
+    # values as its blocks' product followed by the separate activation.
+    mlp = model.model.layers[5].mlp.gate_up_proj
+    assert mlp.packed.silu_and_mul
+    product, fused = torch.empty(32, 3072), torch.empty(32, 1536)
+    torch.ops.pagellm_gemm.linear_packed(product, x, mlp.packed.blocks, None)
+    torch.ops.pagellm_gemm.linear_packed_silu_mul(fused, x, mlp.packed.panels)
+    assert torch.equal(fused, silu_and_mul(product))
 
 
 def test_eos_token_ids_from_gguf(gguf_path: str) -> None:

@@ -45,22 +45,24 @@ constexpr int KC = 576;    // k per slice: 576 x 32 floats (72 KiB, in L2); 128 
 constexpr int KC_BLOCKS = 128;  // k per slice of block-packed weights: the expanded slice (16 KiB) stays in L1
 static_assert(KC % QK == 0 && KC_BLOCKS % QK == 0, "slices hold whole blocks");
 
-// acc[r] = (first ? bias or 0 : c[r]) + sum over k of a[k, r] * b[k, :], for R rows and one panel
-// slice. a is either x itself (row r at a + r * lda) or, with kPackedRows, a row block of x packed
-// k-major with MR rows per k, so that both inputs stream in order (see kPackRowsMinPanels).
+// acc[r] = (c_in ? c_in[r] : bias or 0) + sum over k of a[k, r] * b[k, :], for R rows and one
+// panel slice, stored to c_out[r]. a is either x itself (row r at a + r * lda) or, with
+// kPackedRows, a row block of x packed k-major with MR rows per k, so that both inputs stream in
+// order (see kPackRowsMinPanels). With kSiluMul the panel holds W gate columns then the W matching
+// up columns (pack_weight_silu_mul), and silu(gate) * up, W values a row, is stored instead.
 // `ahead` is this tile's share (`ahead_rows` k-rows) of the next panel slice, pulled towards L2
 // evenly over the tile's k loop: the weights come from DRAM, the hardware prefetcher stops at page
 // boundaries, and spreading the requests over all row blocks keeps each core's stream at the rate
 // it consumes rather than in bursts that overflow its queue of outstanding misses.
-template <int R, bool kPackedRows>
-void micro_tile(const float* a, int64_t lda, const float* b, int kc, float* c, int64_t ldc, int ncols, bool first,
-                const float* bias, const float* ahead, int ahead_rows) {
+template <int R, bool kPackedRows, bool kSiluMul>
+void micro_tile(const float* a, int64_t lda, const float* b, int kc, const float* c_in, int64_t ldc_in, float* c_out,
+                int64_t ldc_out, int ncols, const float* bias, const float* ahead, int ahead_rows) {
   vfloat acc0[R], acc1[R];
   float edge[NR];
   for (int r = 0; r < R; ++r) {
     const float* src = nullptr;
-    if (!first) {
-      src = c + r * ldc;
+    if (c_in != nullptr) {
+      src = c_in + r * ldc_in;
     } else if (bias != nullptr) {
       src = bias;
     }
@@ -93,26 +95,31 @@ void micro_tile(const float* a, int64_t lda, const float* b, int kc, float* c, i
     }
   }
   for (int r = 0; r < R; ++r) {
-    if (ncols == NR) {
-      vstore(c + r * ldc, acc0[r]);
-      vstore(c + r * ldc + W, acc1[r]);
+    if constexpr (kSiluMul) {  // whole panels only (checked by linear_packed_silu_mul)
+      vstore(c_out + r * ldc_out, silu(acc0[r]) * acc1[r]);
+    } else if (ncols == NR) {
+      vstore(c_out + r * ldc_out, acc0[r]);
+      vstore(c_out + r * ldc_out + W, acc1[r]);
     } else {
       vstore(edge, acc0[r]);
       vstore(edge + W, acc1[r]);
-      std::memcpy(c + r * ldc, edge, ncols * sizeof(float));
+      std::memcpy(c_out + r * ldc_out, edge, ncols * sizeof(float));
     }
   }
 }
 
-using MicroTile = void (*)(const float*, int64_t, const float*, int, float*, int64_t, int, bool, const float*, const float*,
-                           int);
+using MicroTile = void (*)(const float*, int64_t, const float*, int, const float*, int64_t, float*, int64_t, int,
+                           const float*, const float*, int);
 
-template <bool kPackedRows, size_t... I>
+template <bool kPackedRows, bool kSiluMul, size_t... I>
 constexpr auto make_tiles(std::index_sequence<I...>) {
-  return std::array<MicroTile, sizeof...(I)>{&micro_tile<static_cast<int>(I) + 1, kPackedRows>...};
+  return std::array<MicroTile, sizeof...(I)>{&micro_tile<static_cast<int>(I) + 1, kPackedRows, kSiluMul>...};
 }
-constexpr auto kTiles = make_tiles<false>(std::make_index_sequence<MR>{});
-constexpr auto kPackedTiles = make_tiles<true>(std::make_index_sequence<MR>{});
+// [packed rows][silu * up]: tiles of 1..MR rows.
+constexpr std::array<std::array<std::array<MicroTile, MR>, 2>, 2> kTiles = {{
+    {{make_tiles<false, false>(std::make_index_sequence<MR>{}), make_tiles<false, true>(std::make_index_sequence<MR>{})}},
+    {{make_tiles<true, false>(std::make_index_sequence<MR>{}), make_tiles<true, true>(std::make_index_sequence<MR>{})}},
+}};
 
 // Packing x costs one serial pass over it before the threads start (~16 us for 32 x 576) and
 // makes each k's MR broadcasts one contiguous read instead of MR rows' worth; it pays only when
@@ -218,19 +225,48 @@ int64_t blocks_max_rows(const at::Tensor& blocks) {
 #endif
 }
 
-void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-                    "linear_packed: x must be a 2-D float32 CPU tensor with contiguous rows");
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
-                    "linear_packed: out must be float32 [rows of x, N] with contiguous rows");
+// The checks both entry points share; returns whether `packed` is float32 panels.
+bool check_linear_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const char* op) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
+                    ": x must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0), op,
+                    ": out must be float32 [rows of x, N] with contiguous rows");
   const bool f32 = packed.scalar_type() == at::kFloat;
   const bool blocks = packed.scalar_type() == at::kByte;
   const bool q4 = blocks && packed.dim() == 3 && packed.size(2) == kQ4BlockBytes;
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
                         ((f32 && packed.size(2) == NR && packed.size(1) == x.size(1)) ||
                          (blocks && (q4 || packed.size(2) == kQ8BlockBytes) && packed.size(1) * QK == x.size(1))),
-                    "linear_packed: packed must come from pack_weight or pack_weight_blocks for this input width (", NR,
+                    op, ": packed must come from pack_weight or pack_weight_blocks for this input width (", NR,
                     " columns per panel)");
+  return f32;
+}
+
+// Runs `body(x_rows, tiles)` with x as the micro-tiles want it: packed k-major by row block when
+// many panels reuse it (see kPackRowsMinPanels), else in place; `tiles` are the matching kernels.
+template <bool kSiluMul, typename Body>
+void with_rows(const at::Tensor& x, int64_t panels, Body body) {
+  const int64_t m = x.size(0), k = x.size(1), row_blocks = (m + MR - 1) / MR;
+  const bool pack_rows = row_blocks > 1 && panels >= kPackRowsMinPanels;
+  if (!pack_rows) return body(x.data_ptr<float>(), kTiles[0][kSiluMul], false);
+  thread_local std::vector<float> a_packed;  // [row_blocks, k, MR]
+  a_packed.resize(row_blocks * k * MR);
+  const float* a = x.data_ptr<float>();
+  const int64_t lda = x.stride(0);
+  for (int64_t j = 0; j < row_blocks; ++j) {
+    const int rows = static_cast<int>(std::min<int64_t>(MR, m - j * MR));
+    const float* src = a + j * MR * lda;
+    float* dst = a_packed.data() + j * k * MR;
+    for (int64_t i = 0; i < k; ++i)
+      for (int r = 0; r < rows; ++r) dst[i * MR + r] = src[r * lda + i];
+  }
+  // The worker threads see their own (empty) thread_local, so they get this thread's buffer by pointer.
+  body(a_packed.data(), kTiles[1][kSiluMul], true);
+}
+
+void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const bool f32 = check_linear_inputs(out, x, packed, "linear_packed");
+  const bool q4 = !f32 && packed.size(2) == kQ4BlockBytes;
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = packed.size(0);
   TORCH_CHECK_VALUE(n <= panels * NR && n > (panels - 1) * NR, "linear_packed: out has ", n, " columns, packed holds ",
                     panels, " panels of ", NR);
@@ -241,70 +277,115 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
     bias_ptr = bias->data_ptr<float>();
   }
   const int64_t row_blocks = (m + MR - 1) / MR;
-  const float* a = x.data_ptr<float>();
   const int64_t lda = x.stride(0);
-  const bool pack_rows = row_blocks > 1 && panels >= kPackRowsMinPanels;
-  thread_local std::vector<float> a_packed;  // [row_blocks, k, MR]
-  if (pack_rows) {
-    a_packed.resize(row_blocks * k * MR);
-    for (int64_t j = 0; j < row_blocks; ++j) {
-      const int rows = static_cast<int>(std::min<int64_t>(MR, m - j * MR));
-      const float* src = a + j * MR * lda;
-      float* dst = a_packed.data() + j * k * MR;
-      for (int64_t i = 0; i < k; ++i)
-        for (int r = 0; r < rows; ++r) dst[i * MR + r] = src[r * lda + i];
-    }
-  }
-  // The worker threads see their own (empty) thread_local, so they get this thread's buffer by pointer.
-  const float* packed_rows = a_packed.data();
-  const auto& tiles = pack_rows ? kPackedTiles : kTiles;
   float* c = out.data_ptr<float>();
   const int64_t ldc = out.stride(0);
-  // One panel slice [k0, k0 + kc) against every row block; `ahead` is what to prefetch meanwhile.
-  auto slice_times_rows = [&](const float* slice, int64_t p, int64_t k0, int kc, const float* ahead, bool spread_ahead) {
-    const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
-    for (int64_t j = 0; j < row_blocks; ++j) {
-      const int64_t m0 = j * MR;
-      const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
-      const int share_begin = static_cast<int>(j * kc / row_blocks), share_end = static_cast<int>((j + 1) * kc / row_blocks);
-      const float* a_tile = pack_rows ? packed_rows + j * k * MR + k0 * MR : a + m0 * lda + k0;
-      tiles[rows - 1](a_tile, lda, slice, kc, c + m0 * ldc + p * NR, ldc, ncols, k0 == 0,
-                       bias_ptr == nullptr ? nullptr : bias_ptr + p * NR, spread_ahead ? ahead + share_begin * NR : nullptr,
-                       spread_ahead ? share_end - share_begin : 0);
+  with_rows<false>(x, panels, [&](const float* a, const std::array<MicroTile, MR>& tiles, bool pack_rows) {
+    // One panel slice [k0, k0 + kc) against every row block; `ahead` is what to prefetch meanwhile.
+    auto slice_times_rows = [&](const float* slice, int64_t p, int64_t k0, int kc, const float* ahead, bool spread_ahead) {
+      const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
+      for (int64_t j = 0; j < row_blocks; ++j) {
+        const int64_t m0 = j * MR;
+        const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
+        const int share_begin = static_cast<int>(j * kc / row_blocks), share_end = static_cast<int>((j + 1) * kc / row_blocks);
+        const float* a_tile = pack_rows ? a + j * k * MR + k0 * MR : a + m0 * lda + k0;
+        float* c_tile = c + m0 * ldc + p * NR;
+        tiles[rows - 1](a_tile, lda, slice, kc, k0 == 0 ? nullptr : c_tile, ldc, c_tile, ldc, ncols,
+                        bias_ptr == nullptr ? nullptr : bias_ptr + p * NR, spread_ahead ? ahead + share_begin * NR : nullptr,
+                        spread_ahead ? share_end - share_begin : 0);
+      }
+    };
+    if (f32) {
+      const float* b = packed.data_ptr<float>();
+      at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+          const float* panel = b + p * k * NR;
+          for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int kc = static_cast<int>(std::min<int64_t>(KC, k - k0));
+            // The weights are one contiguous stream, so the next slice (maybe the next panel's
+            // first) starts right after this one; past the end, prefetches are harmless no-ops.
+            slice_times_rows(panel + k0 * NR, p, k0, kc, panel + (k0 + kc) * NR, true);
+          }
+        }
+      });
+      return;
     }
-  };
-  if (f32) {
-    const float* b = packed.data_ptr<float>();
+    const uint8_t* b = packed.data_ptr<uint8_t>();
+    const int64_t block_bytes = packed.size(2), num_blocks = packed.size(1);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> expanded(KC_BLOCKS * NR);
+      for (int64_t p = begin; p < end; ++p) {
+        for (int64_t k0 = 0; k0 < k; k0 += KC_BLOCKS) {
+          const int kc = static_cast<int>(std::min<int64_t>(KC_BLOCKS, k - k0));
+          const uint8_t* slice = b + (p * num_blocks + k0 / QK) * block_bytes;
+          const uint8_t* ahead = slice + (kc / QK) * block_bytes;  // as above: the next slice follows
+          if (q4) {
+            dequant_q4_slice(slice, kc / QK, expanded.data(), ahead);
+          } else {
+            dequant_q8_slice(slice, kc / QK, expanded.data(), ahead);
+          }
+          slice_times_rows(expanded.data(), p, k0, kc, nullptr, false);
+        }
+      }
+    });
+  });
+}
+
+// A gate/up projection [2d, K] (gate rows first) packed for linear_packed_silu_mul: panel p holds
+// gate columns [pW, pW + W) then up columns [pW, pW + W), so a micro-tile has each output
+// column's gate and up sums side by side in registers and stores silu(gate) * up directly: the
+// [rows, 2d] product is never written, nor read back by a separate activation pass (which, at
+// decode sizes, also read half its inputs from the other core's cache: the two halves came from
+// panels of different threads).
+at::Tensor pack_weight_silu_mul(const at::Tensor& weight) {
+  const at::Tensor w = weight_to_pack(weight, "pack_weight_silu_mul");
+  const int64_t d = w.size(0) / 2, k = w.size(1);
+  TORCH_CHECK_VALUE(w.size(0) % 2 == 0 && d % W == 0, "pack_weight_silu_mul: the weight needs 2d rows with d a multiple of ",
+                    W, "; got ", w.size(0));
+  // [2, d / W, W, K] -> [d / W, 2, W, K]: each chunk of W gate rows followed by its W up rows.
+  return pack_f32(w.view({2, d / W, W, k}).transpose(0, 1).contiguous().view({2 * d, k}));
+}
+
+// out = silu(x G^T) * (x U^T) for a gate/up weight packed by pack_weight_silu_mul.
+void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK_VALUE(check_linear_inputs(out, x, packed, "linear_packed_silu_mul"),
+                    "linear_packed_silu_mul: packed must come from pack_weight_silu_mul");
+  const int64_t m = x.size(0), k = x.size(1), d = out.size(1), panels = packed.size(0);
+  TORCH_CHECK_VALUE(panels * W == d, "linear_packed_silu_mul: out has ", d, " columns, packed holds ", panels,
+                    " gate/up panel pairs of ", W);
+  const int64_t row_blocks = (m + MR - 1) / MR;
+  const int64_t lda = x.stride(0), ldc = out.stride(0);
+  float* c = out.data_ptr<float>();
+  const float* b = packed.data_ptr<float>();
+  with_rows<true>(x, panels, [&](const float* a, const std::array<MicroTile, MR>& fused, bool pack_rows) {
+    const auto& plain = kTiles[pack_rows][false];
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      // Past the first k slice, the raw gate and up sums of a panel wait here for the last one.
+      std::vector<float> partial(k > KC ? m * NR : 0);
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = b + p * k * NR;
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
           const int kc = static_cast<int>(std::min<int64_t>(KC, k - k0));
-          // The weights are one contiguous stream, so the next slice (maybe the next panel's
-          // first) starts right after this one; past the end, prefetches are harmless no-ops.
-          slice_times_rows(panel + k0 * NR, p, k0, kc, panel + (k0 + kc) * NR, true);
+          const bool last = k0 + kc == k;
+          const float* ahead = panel + (k0 + kc) * NR;
+          for (int64_t j = 0; j < row_blocks; ++j) {
+            const int64_t m0 = j * MR;
+            const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
+            const int share_begin = static_cast<int>(j * kc / row_blocks), share_end = static_cast<int>((j + 1) * kc / row_blocks);
+            const float* a_tile = pack_rows ? a + j * k * MR + k0 * MR : a + m0 * lda + k0;
+            float* part = partial.data() + m0 * NR;
+            const float* c_in = k0 == 0 ? nullptr : part;
+            if (last) {
+              fused[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, c + m0 * ldc + p * W, ldc, NR, nullptr,
+                              ahead + share_begin * NR, share_end - share_begin);
+            } else {
+              plain[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, part, NR, NR, nullptr, ahead + share_begin * NR,
+                              share_end - share_begin);
+            }
+          }
         }
       }
     });
-    return;
-  }
-  const uint8_t* b = packed.data_ptr<uint8_t>();
-  const int64_t block_bytes = packed.size(2), num_blocks = packed.size(1);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> expanded(KC_BLOCKS * NR);
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t k0 = 0; k0 < k; k0 += KC_BLOCKS) {
-        const int kc = static_cast<int>(std::min<int64_t>(KC_BLOCKS, k - k0));
-        const uint8_t* slice = b + (p * num_blocks + k0 / QK) * block_bytes;
-        const uint8_t* ahead = slice + (kc / QK) * block_bytes;  // as above: the next slice follows
-        if (q4) {
-          dequant_q4_slice(slice, kc / QK, expanded.data(), ahead);
-        } else {
-          dequant_q8_slice(slice, kc / QK, expanded.data(), ahead);
-        }
-        slice_times_rows(expanded.data(), p, k0, kc, nullptr, false);
-      }
-    }
   });
 }
 
@@ -316,6 +397,8 @@ TORCH_LIBRARY(pagellm_gemm, m) {
   m.def("pack_weight_blocks(Tensor weight) -> Tensor?");
   m.def("blocks_max_rows(Tensor blocks) -> int");
   m.def("linear_packed(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
+  m.def("pack_weight_silu_mul(Tensor weight) -> Tensor");
+  m.def("linear_packed_silu_mul(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_gemm, CPU, m) {
@@ -323,4 +406,6 @@ TORCH_LIBRARY_IMPL(pagellm_gemm, CPU, m) {
   m.impl("pack_weight_blocks", &pagellm::pack_weight_blocks);
   m.impl("blocks_max_rows", &pagellm::blocks_max_rows);
   m.impl("linear_packed", &pagellm::linear_packed);
+  m.impl("pack_weight_silu_mul", &pagellm::pack_weight_silu_mul);
+  m.impl("linear_packed_silu_mul", &pagellm::linear_packed_silu_mul);
 }

@@ -106,8 +106,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
       float* o = dst + r * os;
       int64_t i = 0;
       for (; i + W <= d; i += W) {
-        const vfloat g = vload(gate + i);
-        vstore(o + i, (g / (vsplat(1.0f) + vexp(-g))) * vload(up + i));
+        vstore(o + i, silu(vload(gate + i)) * vload(up + i));
       }
       for (; i < d; ++i) o[i] = (gate[i] / (1.0f + std::exp(-gate[i]))) * up[i];
     }

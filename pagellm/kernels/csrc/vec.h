@@ -86,5 +86,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // e^x through 2^(x log2 e); the extra rounding of the product costs ~|x| * 6e-8 relative.
 inline vfloat vexp(vfloat x) { return vexp2(x * kLog2e); }
+// silu(g) = g / (1 + e^-g): one definition, so that the fused and the separate forms agree bit for bit.
+inline vfloat silu(vfloat g) { return g / (vsplat(1.0f) + vexp(-g)); }
 
 }  // namespace pagellm
