@@ -74,9 +74,9 @@ class Sampler:
             )
 
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = _argmax(logits, fused)
         else:
-            greedy = None if metadata.all_random else logits.argmax(dim=-1)
+            greedy = None if metadata.all_random else _argmax(logits, fused)
             sampled = self._random_sample(logits, metadata)
             if greedy is not None:
                 sampled = torch.where(metadata.greedy_mask.to(logits.device), greedy, sampled)
@@ -169,6 +169,15 @@ class Sampler:
         while len(pool) <= index:
             pool.append(torch.Generator(device=device))
         return pool[index]
+
+
+def _argmax(logits: torch.Tensor, fused: bool) -> torch.Tensor:
+    """Each row's argmax, by the C++ kernel where it applies (same ties and NaN rule as torch)."""
+    if not fused or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    torch.ops.pagellm_sample.argmax_rows(out, logits)
+    return out
 
 
 def _use_sampling_kernel(logits: torch.Tensor) -> bool:

@@ -75,3 +75,33 @@ def test_sampler_leaves_caller_logits_alone_on_every_path() -> None:
     sampler(logits, make_metadata(4, top_k=[0, 5, 0, 2]))  # mixed
     sampler(logits, make_metadata(4, logit_bias={1: {3: 5.0}}))  # edits in place: copied first
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 49152, 49157])  # below, at and past whole vectors
+def test_argmax_kernel_equals_torch_argmax_with_ties_infinities_and_nan(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    rows = [
+        torch.randn(vocab, generator=gen),
+        torch.round(torch.randn(vocab, generator=gen) * 2),  # many ties: the first one wins
+        torch.full((vocab,), float("-inf")),  # nothing allowed: index 0
+        torch.full((vocab,), float("inf")),
+    ]
+    with_nan = torch.randn(vocab, generator=gen)
+    with_nan[vocab // 2] = float("nan")
+    with_nan[-1] = float("nan")  # the first NaN wins, as in torch
+    rows.append(with_nan)
+    logits = torch.stack(rows)
+    out = torch.empty(len(rows), dtype=torch.int64)
+    torch.ops.pagellm_sample.argmax_rows(out, logits)
+    assert torch.equal(out, logits.argmax(dim=-1))
+
+
+def test_greedy_rows_use_the_argmax_kernel_and_match_torch(monkeypatch) -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = torch.ops.pagellm_sample.argmax_rows
+    monkeypatch.setattr(torch.ops.pagellm_sample, "argmax_rows", lambda out, x: (calls.append(x.shape), real(out, x)))
+    metadata = make_metadata(6, temperature=0.0)
+    sampled = Sampler()(logits, metadata).sampled_token_ids
+    assert calls == [(6, 300)]
+    assert torch.equal(sampled, logits.argmax(dim=-1))
