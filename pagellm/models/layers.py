@@ -98,17 +98,18 @@ def linear_silu_and_mul(
     """``silu(x @ gate.T) * (x @ up.T)`` for a gate/up projection ``weight`` ``[2d, K]`` (gate rows
     first). Where the float32 panels would serve, one kernel does both and never writes the
     ``[T, 2d]`` product; elsewhere it is :func:`linear` then :func:`silu_and_mul`, same values."""
+    rows = x.shape[0]
     if (
         packed is not None
         and packed.silu_and_mul
         and bias is None
-        and _packed_operand(x, packed) is None
-        and use_cpu_kernels(x)
         and x.dim() == 2
         and x.stride(-1) == 1
-        and x.shape[0] <= packed.packed_max_rows
+        and use_cpu_kernels(x)
+        and not (packed.blocks is not None and rows <= packed.blocks_max_rows)  # the blocks' rows
+        and rows <= packed.packed_max_rows
     ):
-        out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+        out = torch.empty((rows, weight.shape[0] // 2), dtype=x.dtype, device=x.device)
         torch.ops.pagellm_gemm.linear_packed_silu_mul(out, x, packed.panels)
         return out
     return silu_and_mul(linear(x, weight, bias, packed))

@@ -242,8 +242,9 @@ bool check_linear_inputs(const at::Tensor& out, const at::Tensor& x, const at::T
   return f32;
 }
 
-// Runs `body(x_rows, tiles)` with x as the micro-tiles want it: packed k-major by row block when
-// many panels reuse it (see kPackRowsMinPanels), else in place; `tiles` are the matching kernels.
+// Runs `body(a, tiles, pack_rows)` with x as the micro-tiles want it: `a` is x packed k-major by
+// row block when many panels reuse it (see kPackRowsMinPanels, `pack_rows`), else x in place;
+// `tiles` are the matching kernels.
 template <bool kSiluMul, typename Body>
 void with_rows(const at::Tensor& x, int64_t panels, Body body) {
   const int64_t m = x.size(0), k = x.size(1), row_blocks = (m + MR - 1) / MR;
@@ -373,7 +374,7 @@ void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
             const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
             const int share_begin = static_cast<int>(j * kc / row_blocks), share_end = static_cast<int>((j + 1) * kc / row_blocks);
             const float* a_tile = pack_rows ? a + j * k * MR + k0 * MR : a + m0 * lda + k0;
-            float* part = partial.data() + m0 * NR;
+            float* part = partial.empty() ? nullptr : partial.data() + m0 * NR;  // used only when k > KC
             const float* c_in = k0 == 0 ? nullptr : part;
             if (last) {
               fused[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, c + m0 * ldc + p * W, ldc, NR, nullptr,
