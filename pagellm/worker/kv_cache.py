@@ -7,7 +7,7 @@ import math
 import mmap
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -96,10 +96,11 @@ class KVCachePrefaulter:
     """Faults the CPU KV cache's memory in, one slice per call, for an engine with nothing to do.
 
     The cache is mapped lazily (see ``zeros_on_huge_pages``), so each page costs a fault the first
-    time a block on it is written, and that cost lands inside a step. On a bare machine it is the
-    kernel zeroing the page (~0.1 s for 2 GiB); in a virtual machine whose host backs guest memory
-    lazily (and takes freed memory back), it is an exit to the host per page, and one such VM
-    measured ~0.5 GB/s: 4 s for a 2 GiB cache, paid inside the first minute of serving. Faulting
+    time a block on it is written, and that cost lands inside a step. Where the memory is backed it
+    is the kernel zeroing the page (0.2 s for 2 GiB on the machine below); in a virtual machine whose
+    host backs guest memory lazily (and takes freed memory back), it is also an exit to the host per
+    page, and one such VM measured ~0.5 GB/s: 4 s for a 2 GiB cache, paid inside the first minute of
+    serving. Faulting
     the pages in at start-up would delay the server's readiness by as much, so the server's engine
     thread calls ``prefault_next`` while no request is in flight instead: a slice of
     ``PREFAULT_CHUNK_BYTES`` at a time (~8 ms in that VM), so a request that arrives meanwhile waits
@@ -151,7 +152,7 @@ class KVCachePrefaulter:
         return bool(self._ranges)
 
 
-def _libc_madvise():
+def _libc_madvise() -> Optional[Callable[..., int]]:
     if not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux
         return None
     try:
