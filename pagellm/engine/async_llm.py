@@ -280,10 +280,8 @@ class AsyncLLM:
         try:
             while True:
                 with self._cond:
-                    idle = not self._commands and not self._shutdown and not engine.has_unfinished_requests()
-                    while idle and not prefault_pending:
+                    while (idle := self._idle(engine)) and not prefault_pending:
                         self._cond.wait()
-                        idle = not self._commands and not self._shutdown and not engine.has_unfinished_requests()
                     if self._shutdown:
                         break
                     commands, self._commands = self._commands, []
@@ -312,6 +310,10 @@ class AsyncLLM:
             self._fail_all(f"the engine crashed: {e!r}")
             return
         self._fail_all("the engine was shut down")
+
+    def _idle(self, engine: LLMEngine) -> bool:
+        """Nothing to do: no command, no shutdown, no request in the engine (hold ``_cond``)."""
+        return not self._commands and not self._shutdown and not engine.has_unfinished_requests()
 
     def _dispatch(self, ready: list) -> None:
         if not ready:

@@ -265,6 +265,22 @@ void with_rows(const at::Tensor& x, int64_t panels, Body body) {
   body(a_packed.data(), kTiles[1][kSiluMul], true);
 }
 
+// One panel slice [k0, k0 + kc) against every row block of x (`a` as with_rows gives it): calls
+// `tile(m0, rows, a_tile, ahead_share, ahead_rows)` per block of up to MR rows from row m0, where
+// the share is the block's part of `ahead` (the next slice, to prefetch meanwhile; none if null).
+template <typename Tile>
+inline void for_each_row_block(const float* a, bool pack_rows, int64_t m, int64_t k, int64_t lda, int64_t k0, int kc,
+                               const float* ahead, Tile tile) {
+  const int64_t row_blocks = (m + MR - 1) / MR;
+  for (int64_t j = 0; j < row_blocks; ++j) {
+    const int64_t m0 = j * MR;
+    const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
+    const int share_begin = static_cast<int>(j * kc / row_blocks), share_end = static_cast<int>((j + 1) * kc / row_blocks);
+    const float* a_tile = pack_rows ? a + j * k * MR + k0 * MR : a + m0 * lda + k0;
+    tile(m0, rows, a_tile, ahead == nullptr ? nullptr : ahead + share_begin * NR, ahead == nullptr ? 0 : share_end - share_begin);
+  }
+}
+
 void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const bool f32 = check_linear_inputs(out, x, packed, "linear_packed");
   const bool q4 = !f32 && packed.size(2) == kQ4BlockBytes;
@@ -277,24 +293,19 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
                       "linear_packed: bias must be contiguous float32 of N elements");
     bias_ptr = bias->data_ptr<float>();
   }
-  const int64_t row_blocks = (m + MR - 1) / MR;
   const int64_t lda = x.stride(0);
   float* c = out.data_ptr<float>();
   const int64_t ldc = out.stride(0);
   with_rows<false>(x, panels, [&](const float* a, const std::array<MicroTile, MR>& tiles, bool pack_rows) {
     // One panel slice [k0, k0 + kc) against every row block; `ahead` is what to prefetch meanwhile.
-    auto slice_times_rows = [&](const float* slice, int64_t p, int64_t k0, int kc, const float* ahead, bool spread_ahead) {
+    auto slice_times_rows = [&](const float* slice, int64_t p, int64_t k0, int kc, const float* ahead) {
       const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
-      for (int64_t j = 0; j < row_blocks; ++j) {
-        const int64_t m0 = j * MR;
-        const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
-        const int share_begin = static_cast<int>(j * kc / row_blocks), share_end = static_cast<int>((j + 1) * kc / row_blocks);
-        const float* a_tile = pack_rows ? a + j * k * MR + k0 * MR : a + m0 * lda + k0;
-        float* c_tile = c + m0 * ldc + p * NR;
-        tiles[rows - 1](a_tile, lda, slice, kc, k0 == 0 ? nullptr : c_tile, ldc, c_tile, ldc, ncols,
-                        bias_ptr == nullptr ? nullptr : bias_ptr + p * NR, spread_ahead ? ahead + share_begin * NR : nullptr,
-                        spread_ahead ? share_end - share_begin : 0);
-      }
+      for_each_row_block(a, pack_rows, m, k, lda, k0, kc, ahead,
+                         [&](int64_t m0, int rows, const float* a_tile, const float* ahead_share, int ahead_rows) {
+                           float* c_tile = c + m0 * ldc + p * NR;
+                           tiles[rows - 1](a_tile, lda, slice, kc, k0 == 0 ? nullptr : c_tile, ldc, c_tile, ldc, ncols,
+                                           bias_ptr == nullptr ? nullptr : bias_ptr + p * NR, ahead_share, ahead_rows);
+                         });
     };
     if (f32) {
       const float* b = packed.data_ptr<float>();
@@ -305,7 +316,7 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
             const int kc = static_cast<int>(std::min<int64_t>(KC, k - k0));
             // The weights are one contiguous stream, so the next slice (maybe the next panel's
             // first) starts right after this one; past the end, prefetches are harmless no-ops.
-            slice_times_rows(panel + k0 * NR, p, k0, kc, panel + (k0 + kc) * NR, true);
+            slice_times_rows(panel + k0 * NR, p, k0, kc, panel + (k0 + kc) * NR);
           }
         }
       });
@@ -325,7 +336,7 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
           } else {
             dequant_q8_slice(slice, kc / QK, expanded.data(), ahead);
           }
-          slice_times_rows(expanded.data(), p, k0, kc, nullptr, false);
+          slice_times_rows(expanded.data(), p, k0, kc, nullptr);
         }
       }
     });
@@ -354,7 +365,6 @@ void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
   const int64_t m = x.size(0), k = x.size(1), d = out.size(1), panels = packed.size(0);
   TORCH_CHECK_VALUE(panels * W == d, "linear_packed_silu_mul: out has ", d, " columns, packed holds ", panels,
                     " gate/up panel pairs of ", W);
-  const int64_t row_blocks = (m + MR - 1) / MR;
   const int64_t lda = x.stride(0), ldc = out.stride(0);
   float* c = out.data_ptr<float>();
   const float* b = packed.data_ptr<float>();
@@ -368,22 +378,18 @@ void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
           const int kc = static_cast<int>(std::min<int64_t>(KC, k - k0));
           const bool last = k0 + kc == k;
-          const float* ahead = panel + (k0 + kc) * NR;
-          for (int64_t j = 0; j < row_blocks; ++j) {
-            const int64_t m0 = j * MR;
-            const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
-            const int share_begin = static_cast<int>(j * kc / row_blocks), share_end = static_cast<int>((j + 1) * kc / row_blocks);
-            const float* a_tile = pack_rows ? a + j * k * MR + k0 * MR : a + m0 * lda + k0;
-            float* part = partial.empty() ? nullptr : partial.data() + m0 * NR;  // used only when k > KC
-            const float* c_in = k0 == 0 ? nullptr : part;
-            if (last) {
-              fused[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, c + m0 * ldc + p * W, ldc, NR, nullptr,
-                              ahead + share_begin * NR, share_end - share_begin);
-            } else {
-              plain[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, part, NR, NR, nullptr, ahead + share_begin * NR,
-                              share_end - share_begin);
-            }
-          }
+          for_each_row_block(a, pack_rows, m, k, lda, k0, kc, panel + (k0 + kc) * NR,
+                             [&](int64_t m0, int rows, const float* a_tile, const float* ahead_share, int ahead_rows) {
+                               float* part = partial.empty() ? nullptr : partial.data() + m0 * NR;  // only when k > KC
+                               const float* c_in = k0 == 0 ? nullptr : part;
+                               if (last) {
+                                 fused[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, c + m0 * ldc + p * W, ldc,
+                                                 NR, nullptr, ahead_share, ahead_rows);
+                               } else {
+                                 plain[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, part, NR, NR, nullptr,
+                                                 ahead_share, ahead_rows);
+                               }
+                             });
         }
       }
     });

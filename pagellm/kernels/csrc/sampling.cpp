@@ -69,14 +69,19 @@ int64_t sample_row(const float* x, int64_t vocab, float t, float u) {
   return last_allowed;
 }
 
-void sample_from_logits(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
+// The checks both row-wise ops share: float32 CPU logits with contiguous rows, one int64 out per row.
+void check_logits_and_out(const at::Tensor& out, const at::Tensor& logits, const char* op) {
   TORCH_CHECK_VALUE(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                         logits.stride(1) == 1,
-                    "sample_from_logits: logits must be a float32 CPU matrix with contiguous rows");
+                    op, ": logits must be a float32 CPU matrix with contiguous rows");
+  TORCH_CHECK_VALUE(logits.size(1) > 0, op, ": empty vocabulary");
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == logits.size(0), op,
+                    ": out must be contiguous int64 with one entry per row");
+}
+
+void sample_from_logits(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
+  check_logits_and_out(out, logits, "sample_from_logits");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK_VALUE(vocab > 0, "sample_from_logits: empty vocabulary");
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == rows,
-                    "sample_from_logits: out must be contiguous int64 with one entry per row");
   for (const at::Tensor* t : {&temperature, &u})
     TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows,
                       "sample_from_logits: temperature and u must be contiguous float32, one per row");
@@ -136,13 +141,8 @@ int64_t argmax_row(const float* x, int64_t vocab) {
 // out[r] = argmax of logits row r, for greedy rows: one pass per row, rows spread over the
 // threads (torch's argmax took 0.7 ms for a decode step's 32 x 49,152 logits).
 void argmax_rows(at::Tensor& out, const at::Tensor& logits) {
-  TORCH_CHECK_VALUE(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-                        logits.stride(1) == 1,
-                    "argmax_rows: logits must be a float32 CPU matrix with contiguous rows");
+  check_logits_and_out(out, logits, "argmax_rows");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK_VALUE(vocab > 0, "argmax_rows: empty vocabulary");
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == rows,
-                    "argmax_rows: out must be contiguous int64 with one entry per row");
   const float* x = logits.data_ptr<float>();
   int64_t* dst = out.data_ptr<int64_t>();
   const int64_t ld = logits.stride(0);
