@@ -1,0 +1,38 @@
+"""Every environment variable pagellm reads, in one place, read when asked (not at import).
+
+Flags and constructor arguments are the interface; these exist for what must be settable before
+a process starts (the kernel build, a server's secret) or from outside a launcher.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+
+def cpu_arch() -> str:
+    """PAGELLM_CPU_ARCH: the ``-march`` the C++ kernels are built for (e.g. ``x86-64-v3`` for AVX2)."""
+    return os.environ.get("PAGELLM_CPU_ARCH") or "native"
+
+
+def cache_dir() -> Path:
+    """PAGELLM_CACHE_DIR: where built kernels are kept; else ``$XDG_CACHE_HOME/pagellm`` or ``~/.cache/pagellm``."""
+    if os.environ.get("PAGELLM_CACHE_DIR"):
+        return Path(os.environ["PAGELLM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagellm"
+
+
+def api_key() -> Optional[str]:
+    """PAGELLM_API_KEY: the server's bearer token when ``--api-key`` is not given."""
+    return os.environ.get("PAGELLM_API_KEY") or None
+
+
+def set_openmp_defaults() -> None:
+    """Lets libgomp's workers spin between the many short parallel regions of a step.
+
+    Must run before torch loads its OpenMP runtime; a user's own setting of either variable wins.
+    Why spinning pays on small VMs is in docs/kernels.md.
+    """
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "100000")
