@@ -41,7 +41,6 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--attention-backend", default=None, help="cpu_paged, torch_sdpa or torch_ref (default: fastest)")
-    parser.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
 
@@ -62,7 +61,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         attention_backend=args.attention_backend,
-        kv_layout=args.kv_layout,
         num_threads=args.num_threads,
     )
     if args.max_num_seqs is not None:

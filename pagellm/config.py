@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -68,11 +68,8 @@ class EngineConfig:
     kv_cache_dtype: Union[str, torch.dtype] = "auto"
     device: Optional[Union[str, torch.device]] = None
     attention_backend: Optional[str] = None  # None -> the fastest available
-    # "paged" is pagellm; "contiguous" is the pre-PagedAttention design, kept for comparison.
-    kv_layout: str = "paged"
     max_waiting_requests: Optional[int] = None
     num_threads: Optional[int] = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -101,7 +98,5 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
-        if self.kv_layout not in ("paged", "contiguous"):
-            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")

@@ -94,6 +94,3 @@ class Request:
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
-
-    def get_finish_reason(self) -> Optional[str]:
-        return RequestStatus.finish_reason(self.status)

@@ -7,13 +7,12 @@ of blocks for its maximum length at admission (``ContiguousKVCacheManager``) and
 only starts a new batch once the previous one has fully drained (static batching).
 
 The model is loaded once; each design gets a fresh ``EngineCore`` (cache, scheduler, runner)
-around it, so no state leaks from one run into the next. After every engine step the KV cache is
-sampled (``kv_utilization``) for the utilization figures and charts.
+around it (``LLMEngine.rebuild_core``), so no state leaks from one run into the next. After
+every engine step the KV cache is sampled (``kv_utilization``) for the utilization figures and charts.
 """
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from tqdm.auto import tqdm
 
 from pagellm.bench.datasets import SampleRequest
 from pagellm.bench.kv_utilization import KVUsageSample, UtilizationSummary, sample_kv_usage, summarize
-from pagellm.core.contiguous_kv_cache_manager import RESERVE_MODES
+from pagellm.bench.baseline import RESERVE_MODES, ContiguousKVCacheManager, StaticBatchScheduler
 from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import RequestOutputKind
@@ -89,16 +88,18 @@ class DesignResult:
         return out
 
 
-def install_core(engine: LLMEngine, **overrides: Any) -> EngineCore:
-    """Gives ``engine`` a fresh core with ``overrides`` applied to its config, reusing the model."""
-    model = engine.core.runner.model
+def install_core(engine: LLMEngine, layout: str, reserve: Optional[str] = None, **overrides: Any) -> EngineCore:
+    """Gives ``engine`` a fresh core of one design with ``overrides`` applied to its config."""
     config = dataclasses.replace(engine.config, **overrides)
-    # Drop the old cache first: two full KV budgets at once may not fit in memory.
-    engine.core = None
-    gc.collect()
-    engine.core = EngineCore(config, model, engine.shape, engine.max_model_len)
-    engine.config = config
-    return engine.core
+    if layout == "paged":
+        return engine.rebuild_core(config)
+    if layout != "contiguous":
+        raise ValueError(f"layout must be 'paged' or 'contiguous', got {layout!r}")
+    if reserve not in RESERVE_MODES:
+        raise ValueError(f"reserve must be one of {RESERVE_MODES}, got {reserve!r}")
+    core = engine.rebuild_core(config, kv_cache_manager="contiguous", scheduler_cls=StaticBatchScheduler)
+    core.kv_cache_manager.reserve = reserve
+    return core
 
 
 def warm_up(engine: LLMEngine, num_requests: int = 2, prompt_len: int = 16, output_len: int = 4) -> None:
@@ -114,17 +115,13 @@ def run_workload(
     engine: LLMEngine,
     samples: Sequence[SampleRequest],
     label: str,
-    reserve: Optional[str] = None,
     use_tqdm: bool = True,
 ) -> DesignResult:
     """Sends every sample at once, steps the engine dry and measures it."""
-    core = engine.core
-    if core.config.kv_layout == "contiguous":
-        if reserve not in RESERVE_MODES:
-            raise ValueError(f"reserve must be one of {RESERVE_MODES}, got {reserve!r}")
-        core.kv_cache_manager.reserve = reserve
-    scheduler = core.scheduler
-    preemptions_before = scheduler.total_num_preemptions
+    kv_cache_manager = engine.core.kv_cache_manager
+    contiguous = isinstance(kv_cache_manager, ContiguousKVCacheManager)
+    block_size = engine.config.block_size
+    preemptions_before = engine.stats().scheduler.num_preemptions
     latencies: list[float] = []
     ttfts: list[float] = []
     usage: list[KVUsageSample] = []
@@ -144,7 +141,7 @@ def run_workload(
     prev = t0
     try:
         while engine.has_unfinished_requests():
-            for _, output in engine.step():
+            for output in engine.step():
                 if output.finished:
                     m = output.metrics
                     latencies.append(m.finished_time - m.arrival_time)
@@ -152,7 +149,7 @@ def run_workload(
                     bar.update(1)
             now = time.perf_counter()
             num_steps += 1
-            usage.append(sample_kv_usage(scheduler, now - t0))
+            usage.append(sample_kv_usage(engine.stats().scheduler, block_size, now - t0))
             # Each sample stands for the step that produced it, so means are over wall time.
             weights.append(now - prev)
             prev = now
@@ -165,10 +162,10 @@ def run_workload(
     ttft = np.asarray(ttfts) * 1000
     return DesignResult(
         label=label,
-        kv_layout=core.config.kv_layout,
-        reserve=reserve if core.config.kv_layout == "contiguous" else None,
-        block_size=core.block_size,
-        num_blocks=core.num_blocks,
+        kv_layout="contiguous" if contiguous else "paged",
+        reserve=kv_cache_manager.reserve if contiguous else None,
+        block_size=block_size,
+        num_blocks=kv_cache_manager.num_blocks,
         num_requests=len(samples),
         duration_s=duration,
         total_input_tokens=total_in,
@@ -180,7 +177,7 @@ def run_workload(
         p99_latency_ms=float(np.percentile(lat, 99)),
         mean_ttft_ms=float(ttft.mean()),
         p99_ttft_ms=float(np.percentile(ttft, 99)),
-        num_preemptions=scheduler.total_num_preemptions - preemptions_before,
+        num_preemptions=engine.stats().scheduler.num_preemptions - preemptions_before,
         num_steps=num_steps,
         utilization=summarize(usage, weights),
         samples=usage,
@@ -239,19 +236,19 @@ def run_compare(
     if budget_tokens < block_size:
         raise ValueError(f"a KV budget of {budget_tokens} tokens holds no block of {block_size}")
     designs: list[DesignResult] = []
-    install_core(engine, kv_layout="paged", block_size=block_size, num_kv_blocks=budget_tokens // block_size)
+    install_core(engine, "paged", block_size=block_size, num_kv_blocks=budget_tokens // block_size)
     warm_up(engine)
     designs.append(run_workload(engine, samples, "paged", use_tqdm=use_tqdm))
     for mode in reserve_modes if include_contiguous else ():
-        install_core(engine, kv_layout="contiguous", block_size=block_size, num_kv_blocks=budget_tokens // block_size)
+        install_core(engine, "contiguous", mode, block_size=block_size, num_kv_blocks=budget_tokens // block_size)
         label = "contiguous" if len(reserve_modes) == 1 else f"contig {_SHORT_RESERVE[mode]}"
-        designs.append(run_workload(engine, samples, label, reserve=mode, use_tqdm=use_tqdm))
+        designs.append(run_workload(engine, samples, label, use_tqdm=use_tqdm))
     sweep: list[SweepPoint] = []
     for bs in sweep_block_sizes:
         if bs == block_size:
             result = designs[0]  # already measured
         else:
-            install_core(engine, kv_layout="paged", block_size=bs, num_kv_blocks=max(1, budget_tokens // bs))
+            install_core(engine, "paged", block_size=bs, num_kv_blocks=max(1, budget_tokens // bs))
             warm_up(engine)
             result = run_workload(engine, samples, f"paged, block size {bs}", use_tqdm=use_tqdm)
         sweep.append(sweep_point(result, engine.config.max_num_seqs, engine.max_model_len))

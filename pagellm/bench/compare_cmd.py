@@ -15,7 +15,7 @@ import argparse
 
 from pagellm.bench.common import add_result_args, positive_int_list, save_result
 from pagellm.bench.datasets import add_dataset_args, check_fits, get_samples, tokenizer_token_ids
-from pagellm.core.contiguous_kv_cache_manager import RESERVE_MODES
+from pagellm.bench.baseline import RESERVE_MODES
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
@@ -67,7 +67,6 @@ def main(args: argparse.Namespace) -> int:
     if args.sweep_only and not sweep:
         raise ValueError("--sweep-only needs --block-size-sweep")
     kwargs = engine_kwargs(args)
-    kwargs["kv_layout"] = "paged"
     if kwargs["num_kv_blocks"] is None and kwargs["kv_cache_memory_bytes"] is None:
         max_len = args.max_model_len
         kwargs["num_kv_blocks"] = DEFAULT_BUDGET_SEQS * -(-max_len // args.block_size)
@@ -75,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
         # Checked up front: a bad size found after minutes of benchmarking wastes the run.
         EngineConfig(block_size=bs, device="cpu")
     engine = LLMEngine(EngineConfig(**kwargs))
-    budget_tokens = engine.core.num_blocks * engine.core.block_size
+    budget_tokens = engine.stats().scheduler.num_blocks * engine.config.block_size
     samples = get_samples(args, tokenizer_token_ids(engine.tokenizer))
     check_fits(samples, engine.max_model_len)
     print(

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.scheduler import SchedulerStats
 
 
 @dataclass
@@ -46,18 +46,16 @@ class KVUsageSample:
         return self.num_reserved_tokens - self.num_held_tokens
 
 
-def sample_kv_usage(scheduler: Scheduler, time_s: float) -> KVUsageSample:
-    """The cache's state now; call between engine steps, when every scheduled token is computed."""
-    kv = scheduler.kv_cache_manager
-    block_size = kv.block_size
+def sample_kv_usage(stats: SchedulerStats, block_size: int, time_s: float) -> KVUsageSample:
+    """The cache's state from a scheduler snapshot taken between steps, when every scheduled token is computed."""
     return KVUsageSample(
         time_s=time_s,
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
-        num_held_tokens=sum(r.num_computed_tokens for r in scheduler.running),
-        num_reserved_tokens=kv.block_pool.num_used_blocks * block_size,
-        num_capacity_tokens=kv.num_blocks * block_size,
-        num_block_table_entries=sum(len(kv.req_to_blocks.get(r.request_id, ())) for r in scheduler.running),
+        num_running=stats.num_running_reqs,
+        num_waiting=stats.num_waiting_reqs,
+        num_held_tokens=stats.num_running_tokens,
+        num_reserved_tokens=stats.num_used_blocks * block_size,
+        num_capacity_tokens=stats.num_blocks * block_size,
+        num_block_table_entries=stats.num_block_table_entries,
     )
 
 

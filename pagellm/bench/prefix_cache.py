@@ -32,9 +32,8 @@ def run_once(llm, samples) -> dict[str, Any]:
     from pagellm.engine.output_processor import RequestOutputKind
 
     engine = llm.llm_engine
-    core = engine.core
-    core.reset_prefix_cache()
-    core.make_stats()  # zero the counters
+    engine.reset_prefix_cache()
+    before = engine.stats().scheduler
     start = time.monotonic()
     for i, s in enumerate(samples):
         engine.add_request(
@@ -42,18 +41,17 @@ def run_once(llm, samples) -> dict[str, Any]:
             RequestOutputKind.FINAL_ONLY, arrival_time=start,
         )
     peak_blocks = 0
-    num_hits = num_queries = 0
     ttfts, finished = [], 0
     while engine.has_unfinished_requests():
-        for _, out in llm._step_thread.submit(engine.step).result():
+        for out in llm._step_thread.submit(engine.step).result():
             if out.finished:
                 finished += 1
                 ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
-        stats = core.make_stats()
-        num_hits += stats.prefix_cache_hits
-        num_queries += stats.prefix_cache_queries
-        peak_blocks = max(peak_blocks, stats.num_used_blocks)
+        peak_blocks = max(peak_blocks, engine.stats().scheduler.num_used_blocks)
     elapsed = time.monotonic() - start
+    after = engine.stats().scheduler
+    num_hits = after.prefix_cache_hits - before.prefix_cache_hits
+    num_queries = after.prefix_cache_queries - before.prefix_cache_queries
     num_prompt_tokens = sum(s.prompt_len for s in samples)
     return {
         "num_requests": finished,
@@ -78,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
         llm = LLM(**{**kwargs, "enable_prefix_caching": caching})
         samples = get_samples(args, tokenizer_token_ids(llm.llm_engine.tokenizer))
         results[label] = run_once(llm, samples)
-        block_size = llm.llm_engine.core.block_size
+        block_size = llm.llm_engine.config.block_size
         del llm
     ideal = (args.num_prompts - args.num_prefixes) * (args.prefix_len // block_size) * block_size
     results["ideal_prompt_tokens_from_cache"] = ideal

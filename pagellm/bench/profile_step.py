@@ -40,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
     from pagellm.engine.output_processor import RequestOutputKind
 
     llm = LLM(**engine_kwargs(args))
-    engine, core = llm.llm_engine, llm.llm_engine.core
+    engine = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.num_steps * 3 + 8, ignore_eos=True)
     for i in range(args.batch_size):
@@ -51,7 +51,10 @@ def main(args: argparse.Namespace) -> int:
     def step():
         return worker.submit(engine.step).result()
 
-    while core.last_step is None or core.last_step.num_prefill_tokens > 0 or core.last_step.num_reqs < args.batch_size:
+    def last_step():
+        return engine.stats().last_step
+
+    while (s := last_step()) is None or s.num_prefill_tokens > 0 or s.num_reqs < args.batch_size:
         step()
     for _ in range(3):  # warm-up of the pure decode shape
         step()
@@ -59,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for _ in range(args.num_steps):
         step()
-        s = core.last_step
+        s = last_step()
         for key in ("schedule", "prepare", "forward", "sample", "update"):
             phases[key] += getattr(s, f"{key}_s")
         phases["step"] += s.duration_s
@@ -86,7 +89,10 @@ def main(args: argparse.Namespace) -> int:
     n = args.num_steps
     step_ms = phases["step"] / n * 1000
     forward_ms = phases["forward"] / n * 1000
-    share = lambda ms: 100 * ms / step_ms  # noqa: E731
+
+    def share(ms: float) -> float:
+        return 100 * ms / step_ms
+
     mm_fwd = forward_ms * matmul / total if total else 0.0
     attn_fwd = forward_ms * attention / total if total else 0.0
     rows = [

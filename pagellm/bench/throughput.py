@@ -62,10 +62,10 @@ def main(args: argparse.Namespace) -> int:
         f"{result['tokens_per_second']:.2f} total tokens/s, "
         f"{result['output_tokens_per_second']:.2f} output tokens/s"
     )
-    totals = engine.core.totals
-    if totals["prefill_steps_s"] and totals["decode_steps_s"]:
-        result["prefill_tokens_per_second"] = totals["prefill_tokens"] / totals["prefill_steps_s"]
-        result["decode_tokens_per_second"] = totals["decode_tokens"] / totals["decode_steps_s"]
+    stats = engine.stats()
+    if stats.prefill_tokens_per_s and stats.decode_tokens_per_s:
+        result["prefill_tokens_per_second"] = stats.prefill_tokens_per_s
+        result["decode_tokens_per_second"] = stats.decode_tokens_per_s
         print(
             f"Prefill: {result['prefill_tokens_per_second']:.1f} prompt tokens/s over steps with prompt tokens; "
             f"decode: {result['decode_tokens_per_second']:.1f} tokens/s over decode-only steps"

@@ -1,44 +1,21 @@
 """Maps requests to their KV blocks: prefix-cache lookup, growth on demand, freeing."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-from pagellm.core.block_pool import BlockPool, KVCacheBlock
+from pagellm.core.block_pool import KVCacheBlock
+from pagellm.core.kv_cache_base import KVCacheBlocks, KVCacheManagerBase, register_kv_cache_manager
 from pagellm.request import Request
 
 
-@dataclass
-class PrefixCacheStats:
-    """Counted in tokens, as vLLM reports them; reset by whoever reads them."""
+@register_kv_cache_manager("paged")
+class KVCacheManager(KVCacheManagerBase):
+    """Blocks on demand, shared through the prefix cache when ``enable_caching``."""
 
-    num_queries: int = 0  # prompt tokens looked up
-    num_hits: int = 0  # of those, found in the cache
-    num_requests: int = 0
-
-    def record(self, num_queries: int, num_hits: int) -> None:
-        self.num_requests += 1
-        self.num_queries += num_queries
-        self.num_hits += num_hits
-
-
-class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool) -> None:
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        super().__init__(num_blocks, block_size, max_model_len, enable_caching)
         # How many of a request's leading blocks are already indexed in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
-        self.prefix_cache_stats = PrefixCacheStats()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
-
-    def usage(self) -> float:
-        return self.block_pool.usage()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of the request's leading full blocks found in the prefix cache.
@@ -70,7 +47,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Optional[list[KVCacheBlock]] = None,
-    ) -> Optional[list[KVCacheBlock]]:
+    ) -> Optional[KVCacheBlocks]:
         """Makes room for ``num_new_tokens`` more tokens of ``request``.
 
         ``new_computed_blocks`` are prefix-cache hits being adopted at admission. Returns the newly
@@ -98,28 +75,10 @@ class KVCacheManager:
             if num_full > start:
                 self.block_pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
                 self.num_cached_blocks[request.request_id] = num_full
-        return new_blocks
+        return KVCacheBlocks(tuple(new_blocks))
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         # Tail first: the end of a chain is the least likely part to be shared again.
         self.block_pool.free_blocks(reversed(blocks))
-
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
-
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
-
-    def check_integrity(self) -> None:
-        self.block_pool.check_integrity()
-        owners: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for b in blocks:
-                owners[b.block_id] = owners.get(b.block_id, 0) + 1
-        for block in self.block_pool.blocks:
-            if owners.get(block.block_id, 0) != block.ref_cnt:
-                raise RuntimeError(
-                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {owners.get(block.block_id, 0)} owners"
-                )

@@ -7,9 +7,17 @@ runner keeps the rest in its persistent batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from pagellm.sampling_params import SamplingParams
+
+
+class LogprobRow(NamedTuple):
+    """Logprobs at one position, as plain lists; column 0 is the sampled (or prompt) token."""
+
+    token_ids: list[int]  # k + 1 ids: the chosen token, then the top k
+    logprobs: list[float]
+    rank: int  # the chosen token's rank in the distribution (1 = most likely)
 
 
 @dataclass
@@ -58,10 +66,9 @@ class ModelRunnerOutput:
     """Per scheduled request: the sampled token, or nothing for a partial prefill chunk."""
 
     sampled_token_ids: dict[str, int]
-    # req_id -> (token_ids [k+1], logprobs [k+1], rank) as plain lists, column 0 the sampled token.
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
-    # req_id -> rows for the prompt positions this step covered (same layout as logprobs).
-    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    logprobs: dict[str, LogprobRow] = field(default_factory=dict)
+    # req_id -> one row per prompt position this step covered.
+    prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)
     # Requests that failed inside the runner (e.g. sampling blew up), with the error message.
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -72,8 +79,8 @@ class EngineCoreOutput:
 
     req_id: str
     new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
-    new_prompt_logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
+    new_logprobs: list[LogprobRow] = field(default_factory=list)
+    new_prompt_logprobs: list[LogprobRow] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0

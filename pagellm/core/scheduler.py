@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_cache_base import KVCacheManagerBase
 from pagellm.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -28,41 +28,42 @@ from pagellm.core.sched_output import (
 from pagellm.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerStats:
+    """A snapshot; the counters are cumulative, so any number of readers can take differences."""
+
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
+    num_blocks: int
     num_used_blocks: int
     num_cached_free_blocks: int
-    prefix_cache_queries: int  # tokens, since the last read
-    prefix_cache_hits: int
-    num_preemptions: int  # since the last read
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, found
+    num_preemptions: int
+    num_running_tokens: int  # KV tokens held by running requests
+    num_block_table_entries: int  # block ids in running requests' tables
 
 
 class Scheduler:
     def __init__(
         self,
-        kv_cache_manager: KVCacheManager,
+        kv_cache_manager: KVCacheManagerBase,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        static_batching: bool = False,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        # The pre-continuous-batching policy, kept for benchmarks: admit only into an empty batch.
-        self.static_batching = static_batching
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Left the batch since the last step; the runner drops their state.
         self._finished_req_ids: set[str] = set()
-        self._num_preemptions = 0
-        self.total_num_preemptions = 0
+        self.num_preemptions = 0
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -96,9 +97,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- one step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -129,12 +127,12 @@ class Scheduler:
             if new_blocks is None:
                 break  # the request preempted itself: nothing else can run either
             num_scheduled[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            new_block_ids[request.request_id] = new_blocks.block_ids
             token_budget -= num_new_tokens
             idx += 1
 
         # Admit waiting requests while there is budget, unless we just had to evict someone.
-        if not preempted and not (self.static_batching and self.running):
+        if not preempted and self.admits_waiting_requests():
             skipped: list[Request] = []
             pending_hashes = self._pending_prefix_hashes() if self.kv_cache_manager.enable_caching else None
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
@@ -211,6 +209,10 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += n
         return output
 
+    def admits_waiting_requests(self) -> bool:
+        """Whether waiting requests may join the batch this step; continuous batching always lets them."""
+        return True
+
     def _pending_prefix_hashes(self) -> set[bytes]:
         """Hashes of prompt blocks that running requests have yet to compute."""
         pending: set[bytes] = set()
@@ -225,8 +227,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self._num_preemptions += 1
-        self.total_num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         self._finished_req_ids.add(request.request_id)
 
@@ -276,19 +277,20 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def make_stats(self) -> SchedulerStats:
-        pool = self.kv_cache_manager.block_pool
-        cache_stats = self.kv_cache_manager.prefix_cache_stats
-        stats = SchedulerStats(
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        cache_stats = kv.prefix_cache_stats
+        return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=pool.usage(),
+            num_blocks=pool.num_blocks,
             num_used_blocks=pool.num_used_blocks,
             num_cached_free_blocks=pool.num_cached_free_blocks,
             prefix_cache_queries=cache_stats.num_queries,
             prefix_cache_hits=cache_stats.num_hits,
-            num_preemptions=self._num_preemptions,
+            num_preemptions=self.num_preemptions,
+            num_running_tokens=sum(r.num_computed_tokens for r in self.running),
+            num_block_table_entries=sum(len(kv.req_to_blocks.get(r.request_id, ())) for r in self.running),
         )
-        cache_stats.num_queries = cache_stats.num_hits = 0
-        self._num_preemptions = 0
-        return stats

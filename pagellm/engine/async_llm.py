@@ -30,7 +30,8 @@ from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import RequestOutputKind
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.engine.stats import EngineStats
+from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class EngineOverloadedError(RuntimeError):
 class StatLogger(Protocol):
     """Receives engine statistics on the engine thread (see ``pagellm.entrypoints.openai.metrics``)."""
 
-    def record_step(self, engine: LLMEngine, now: float) -> None: ...
+    def record_step(self, stats: EngineStats, now: float) -> None: ...
 
     # inter_token_latency: seconds since this request's previous tokens, None for its first ones.
     def record_output(self, output: RequestOutput, now: float, inter_token_latency: Optional[float]) -> None: ...
@@ -185,7 +186,7 @@ class AsyncLLM:
                 resolved = prompt() if callable(prompt) else prompt
                 processed = self.engine.process_prompt(resolved, params)
                 self.engine.add_request(
-                    request_id, resolved, params, RequestOutputKind.DELTA, arrival_time, sink=stream, processed=processed
+                    request_id, resolved, params, RequestOutputKind.DELTA, arrival_time, processed=processed
                 )
             except Exception as e:  # noqa: BLE001 - bad input (ValueError) or a tokenizer failure: the caller's
                 _resolve(loop, accepted, error=e)
@@ -299,10 +300,10 @@ class AsyncLLM:
                         raise
                 if engine.has_unfinished_requests():
                     self._dispatch(engine.step())
-                now = time.monotonic()
+                stats = engine.stats()
                 if self.stat_logger is not None:
-                    self.stat_logger.record_step(engine, now)
-                self._num_waiting = len(engine.core.scheduler.waiting)
+                    self.stat_logger.record_step(stats, time.monotonic())
+                self._num_waiting = stats.scheduler.num_waiting_reqs
         except BaseException as e:  # noqa: BLE001 - anything escaping a step leaves the engine unusable
             logger.exception("the engine loop crashed; failing all requests")
             with self._cond:
@@ -315,14 +316,14 @@ class AsyncLLM:
         """Nothing to do: no command, no shutdown, no request in the engine (hold ``_cond``)."""
         return not self._commands and not self._shutdown and not engine.has_unfinished_requests()
 
-    def _dispatch(self, ready: list) -> None:
+    def _dispatch(self, ready: list[RequestOutput]) -> None:
         if not ready:
             return
         now = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
-        for state, output in ready:
-            stream: Optional[RequestStream] = state.sink
-            if stream is None or self._streams.get(output.request_id) is not stream:
+        for output in ready:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
                 continue  # aborted by its caller meanwhile
             if self.stat_logger is not None:
                 self._record_output(stream, output, now)
@@ -338,8 +339,8 @@ class AsyncLLM:
             stream = self._streams.pop(request_id, None)
             if stream is None:
                 continue  # finished already, or never added
-            finals.append((stream, self._aborted_output(request_id)))
-            self.engine.abort_request([request_id])
+            aborted = self.engine.abort_request([request_id])
+            finals.append((stream, aborted[0] if aborted else RequestOutput(request_id, None, [], [], finished=True)))
         if not finals:
             return
         if self.stat_logger is not None:
@@ -350,24 +351,6 @@ class AsyncLLM:
             by_loop[stream.loop].append((stream, output))
         for loop, items in by_loop.items():
             _deliver_threadsafe(loop, items)
-
-    def _aborted_output(self, request_id: str) -> RequestOutput:
-        state = self.engine.output_processor.request_states.get(request_id)
-        if state is None:
-            return RequestOutput(request_id, None, [], [], finished=True)
-        return RequestOutput(
-            request_id=request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[
-                CompletionOutput(index=c.index, text="", token_ids=[], finish_reason="abort")
-                for c in state.children
-                if c.finish_reason is None
-            ],
-            finished=True,
-            num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics,
-        )
 
     def _record_output(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
         itl = None

@@ -95,7 +95,7 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
-                for _, output in self._step_thread.submit(engine.step).result():
+                for output in self._step_thread.submit(engine.step).result():
                     if output.finished:
                         results[output.request_id] = output
                         bar.update(1)

@@ -5,6 +5,7 @@ offline ``LLM`` drives it in a loop; the async engine drives it from a backgroun
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -13,9 +14,11 @@ from typing import Iterable, Optional
 import torch
 
 from pagellm.config import EngineConfig
+from pagellm.core.scheduler import Scheduler
 from pagellm.engine.engine_core import EngineCore, ModelShape
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState
+from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagellm.engine.stats import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -70,6 +73,7 @@ class LLMEngine:
         model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend)
         self.shape = ModelShape.from_hf_config(self.hf_config)
         self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
+        self.model = model
         self.core = EngineCore(config, model, self.shape, self.max_model_len)
         self.max_model_len = self.core.max_model_len  # may be lowered to what the KV cache holds
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids)
@@ -91,16 +95,15 @@ class LLMEngine:
         params: SamplingParams,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
         arrival_time: Optional[float] = None,
-        sink: object = None,
         processed: Optional[ProcessedPrompt] = None,
-    ) -> RequestState:
+    ) -> None:
         processed = processed or self.process_prompt(prompt, params)
         params = params.clone()  # the engine fills in stop tokens; the caller's object stays as given
         params.update_from_generation_config(self.eos_token_ids)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         children = child_params(request_id, params)
-        state = self.output_processor.add_request(
-            request_id, processed.prompt, processed.prompt_token_ids, children, output_kind, arrival_time, sink
+        self.output_processor.add_request(
+            request_id, processed.prompt, processed.prompt_token_ids, children, output_kind, arrival_time
         )
         for core_id, p in children:
             self.core.add_request(
@@ -113,11 +116,16 @@ class LLMEngine:
                     cache_salt=processed.cache_salt,
                 )
             )
-        return state
 
-    def abort_request(self, request_ids: Iterable[str]) -> None:
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Ends requests now; returns the final output (finish_reason "abort") of each one known."""
+        finals = []
         for request_id in request_ids:
-            self.core.abort_requests(self.output_processor.abort_request(request_id))
+            core_ids, final = self.output_processor.abort_request(request_id)
+            self.core.abort_requests(core_ids)
+            if final is not None:
+                finals.append(final)
+        return finals
 
     def prefault_kv_cache(self) -> bool:
         """Faults in one more slice of the KV cache's memory, for idle time; whether any remain."""
@@ -126,7 +134,30 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 
-    def step(self) -> list[tuple[RequestState, RequestOutput]]:
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block not in use; False if some are still held by requests."""
+        return self.core.reset_prefix_cache()
+
+    def rebuild_core(
+        self, config: EngineConfig, kv_cache_manager: str = "paged", scheduler_cls: type[Scheduler] = Scheduler
+    ) -> EngineCore:
+        """A fresh core (KV cache, scheduler, runner) around the same model, with no request in flight.
+
+        For benchmarks that compare designs or block sizes without loading the model again.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot rebuild the engine core while requests are in flight")
+        # Drop the old cache first: two full KV budgets at once may not fit in memory.
+        self.core = None
+        gc.collect()
+        self.core = EngineCore(config, self.model, self.shape, self.max_model_len, kv_cache_manager, scheduler_cls)
+        self.config = config
+        return self.core
+
+    def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
         ready, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:

@@ -9,14 +9,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
-from pagellm.core.sched_output import EngineCoreOutput
+from pagellm.core.sched_output import EngineCoreOutput, LogprobRow
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from pagellm.sampling_params import SamplingParams
-
-LogprobRow = tuple[list[int], list[float], int]
 
 
 class RequestOutputKind(enum.Enum):
@@ -53,8 +51,6 @@ class RequestState:
     num_sent_prompt_logprobs: int = 0
     num_cached_tokens: int = 0
     error: Optional[str] = None
-    # Opaque per-request hook for front ends (the async engine puts its output queue here).
-    sink: Any = None
 
     @property
     def finished(self) -> bool:
@@ -76,7 +72,6 @@ class OutputProcessor:
         child_params: list[tuple[str, SamplingParams]],
         output_kind: RequestOutputKind,
         arrival_time: Optional[float] = None,
-        sink: Any = None,
     ) -> RequestState:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -97,25 +92,35 @@ class OutputProcessor:
             output_kind,
             RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
             prompt_logprobs=[None] if first.prompt_logprobs is not None else None,
-            sink=sink,
         )
         self.request_states[request_id] = state
         return state
 
-    def abort_request(self, request_id: str) -> list[str]:
-        """Forgets a request; returns the core ids of its children still running."""
+    def abort_request(self, request_id: str) -> tuple[list[str], Optional[RequestOutput]]:
+        """Forgets a request: the core ids of its children still running, and its final output
+        (finish_reason "abort" for each of those children), or ([], None) if it is unknown."""
         state = self.request_states.pop(request_id, None)
         if state is None:
-            return []
+            return [], None
         for c in state.children:
             self.child_to_parent.pop(c.core_req_id, None)
-        return [c.core_req_id for c in state.children if c.finish_reason is None]
+        running = [c for c in state.children if c.finish_reason is None]
+        final = RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[CompletionOutput(index=c.index, text="", token_ids=[], finish_reason="abort") for c in running],
+            finished=True,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )
+        return [c.core_req_id for c in running], final
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
-        """Returns (state, output) pairs ready for their callers, and core ids to abort."""
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs ready for their callers, and core ids to abort."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
@@ -131,7 +136,7 @@ class OutputProcessor:
         for state in touched.values():
             output = self._make_output(state)
             if output is not None:
-                ready.append((state, output))
+                ready.append(output)
             if state.finished:
                 state.metrics.finished_time = now
                 self.abort_request(state.request_id)
@@ -155,7 +160,7 @@ class OutputProcessor:
         if child.logprobs is not None and out.new_logprobs:
             dicts = self._to_logprob_dicts(out.new_logprobs)
             child.logprobs.extend(dicts)
-            child.cumulative_logprob += sum(row[1][0] for row in out.new_logprobs)
+            child.cumulative_logprob += sum(row.logprobs[0] for row in out.new_logprobs)
         stop_str = None
         if out.new_token_ids:
             # A stop token id's own text is left out of the output, as vLLM does.

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
 from pagellm.sample.logprobs import compute_prompt_logprobs
 from pagellm.sample.metadata import LogprobsTensors, SamplingMetadata
 from pagellm.sample.sampler import Sampler
@@ -21,15 +21,12 @@ from pagellm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
-LogprobRow = tuple[list[int], list[float], int]
-
-
 def _logprob_rows(tensors: LogprobsTensors, nums: list[int]) -> list[LogprobRow]:
     """Splits batched logprobs into per-row lists, each cut to the k its request asked for."""
     token_ids = tensors.token_ids.tolist()
     logprobs = tensors.logprobs.tolist()
     ranks = tensors.ranks.tolist()
-    return [(token_ids[i][: k + 1], logprobs[i][: k + 1], ranks[i]) for i, k in enumerate(nums)]
+    return [LogprobRow(token_ids[i][: k + 1], logprobs[i][: k + 1], ranks[i]) for i, k in enumerate(nums)]
 
 
 class ModelRunner:

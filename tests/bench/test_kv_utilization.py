@@ -1,7 +1,7 @@
 import pytest
 
 from pagellm.bench.kv_utilization import KVUsageSample, sample_kv_usage, summarize
-from pagellm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
+from pagellm.bench.baseline import ContiguousKVCacheManager, StaticBatchScheduler
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ModelRunnerOutput
 from pagellm.core.scheduler import Scheduler
@@ -21,7 +21,8 @@ def step(sched: Scheduler) -> None:
 
 
 def make(kv, static: bool) -> Scheduler:
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=16, static_batching=static)
+    scheduler_cls = StaticBatchScheduler if static else Scheduler
+    sched = scheduler_cls(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=16)
     for req_id, num_prompt in (("a", 6), ("b", 3)):
         sched.add_request(Request(req_id, list(range(10, 10 + num_prompt)), SamplingParams(max_tokens=4), 4))
     return sched
@@ -30,7 +31,7 @@ def make(kv, static: bool) -> Scheduler:
 def test_paged_accounting_exact():
     sched = make(KVCacheManager(num_blocks=8, block_size=4, max_model_len=16, enable_caching=False), static=False)
     step(sched)  # prefill: a holds 6 tokens in 2 blocks, b 3 in 1
-    s = sample_kv_usage(sched, time_s=1.5)
+    s = sample_kv_usage(sched.stats(), 4, time_s=1.5)
     assert (s.num_running, s.num_waiting) == (2, 0)
     assert s.num_held_tokens == 9
     assert s.num_reserved_tokens == 12
@@ -40,7 +41,7 @@ def test_paged_accounting_exact():
     assert s.occupancy == pytest.approx(9 / 32)
     assert s.num_wasted_tokens == 3
     step(sched)  # one decode each: a 7 tokens (2 blocks), b 4 (1 block)
-    s = sample_kv_usage(sched, 2.0)
+    s = sample_kv_usage(sched.stats(), 4, 2.0)
     assert (s.num_held_tokens, s.num_reserved_tokens) == (11, 12)
 
 
@@ -48,7 +49,7 @@ def test_contiguous_accounting_exact():
     kv = ContiguousKVCacheManager(num_blocks=8, block_size=4, max_model_len=16, reserve="max_model_len")
     sched = make(kv, static=True)
     step(sched)
-    s = sample_kv_usage(sched, 0.0)
+    s = sample_kv_usage(sched.stats(), 4, 0.0)
     # Both reserved a whole max_model_len slab: 4 blocks each, the entire cache.
     assert (s.num_held_tokens, s.num_reserved_tokens, s.num_block_table_entries) == (9, 32, 8)
     assert s.utilization == pytest.approx(9 / 32)
@@ -89,7 +90,7 @@ def test_paged_beats_contiguous_on_the_same_run():
         samples = []
         while sched.has_unfinished_requests():
             step(sched)
-            samples.append(sample_kv_usage(sched, 0.0))
+            samples.append(sample_kv_usage(sched.stats(), 4, 0.0))
         return summarize(samples)
 
     paged = run(KVCacheManager(8, 4, 16, enable_caching=False), static=False)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from pagellm.core.scheduler import SchedulerStats
+from pagellm.engine.stats import EngineStats
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -49,7 +50,6 @@ class FakeState:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    sink: Any
     metrics: RequestMetrics
     children: list[_Child] = field(default_factory=list)
     num_generated: int = 0
@@ -87,9 +87,8 @@ class FakeEngine:
         self.input_processor = FakeInputProcessor(self.tokenizer, max_model_len)
         self.step_delay_s = step_delay_s
         self.states: dict[str, FakeState] = {}
-        self.output_processor = SimpleNamespace(request_states=self.states)
-        # The number of waiting requests AsyncLLM reads to enforce max_waiting_requests.
-        self.core = SimpleNamespace(scheduler=SimpleNamespace(waiting=deque()), make_stats=self._make_stats)
+        # The number of waiting requests AsyncLLM reads (through stats()) to enforce max_waiting_requests.
+        self.num_waiting = 0
         self.num_steps = 0
         self.aborted: list[str] = []
         self.crash_on_step: Optional[int] = None
@@ -108,8 +107,9 @@ class FakeEngine:
         self.prefault_slices_left = max(0, self.prefault_slices_left - 1)
         return self.prefault_slices_left > 0
 
-    def _make_stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.states), 0, 0.1 * bool(self.states), len(self.states), 0, 0, 0, 0)
+    def stats(self) -> EngineStats:
+        n = len(self.states)
+        return EngineStats(SchedulerStats(n, self.num_waiting, 0.1 * bool(n), 100, n, 0, 0, 0, 0, n, n))
 
     def process_prompt(self, prompt: Any, params: SamplingParams) -> ProcessedPrompt:
         if isinstance(prompt, dict):
@@ -123,7 +123,7 @@ class FakeEngine:
             raise ValueError(f"prompt + max_tokens exceed max_model_len={self.max_model_len}")
         return ProcessedPrompt(text, ids, max_tokens)
 
-    def add_request(self, request_id, prompt, params, output_kind, arrival_time=None, sink=None, processed=None):
+    def add_request(self, request_id, prompt, params, output_kind, arrival_time=None, processed=None):
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = processed or self.process_prompt(prompt, params)
@@ -133,22 +133,27 @@ class FakeEngine:
             processed.prompt_token_ids,
             params,
             processed.max_tokens,
-            sink,
             RequestMetrics(arrival_time or time.monotonic()),
             [_Child(i) for i in range(params.n)],
         )
         self.states[request_id] = state
-        return state
 
-    def abort_request(self, request_ids) -> None:
+    def abort_request(self, request_ids) -> list[RequestOutput]:
+        finals = []
         for request_id in request_ids:
-            if self.states.pop(request_id, None) is not None:
+            state = self.states.pop(request_id, None)
+            if state is not None:
                 self.aborted.append(request_id)
+                outputs = [CompletionOutput(c.index, "", [], finish_reason="abort") for c in state.children]
+                finals.append(
+                    RequestOutput(request_id, state.prompt, state.prompt_token_ids, outputs, True, metrics=state.metrics)
+                )
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
-    def step(self) -> list[tuple[FakeState, RequestOutput]]:
+    def step(self) -> list[RequestOutput]:
         self.gate.wait()
         self.num_steps += 1
         self.step_threads.add(threading.current_thread().name)
@@ -174,11 +179,6 @@ class FakeEngine:
                 state.metrics.finished_time = now
                 del self.states[request_id]
             ready.append(
-                (
-                    state,
-                    RequestOutput(
-                        request_id, state.prompt, state.prompt_token_ids, outputs, finished=done, metrics=state.metrics
-                    ),
-                )
+                RequestOutput(request_id, state.prompt, state.prompt_token_ids, outputs, finished=done, metrics=state.metrics)
             )
         return ready

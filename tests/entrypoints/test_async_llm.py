@@ -19,7 +19,7 @@ class RecordingStats:
         self.itls = []
         self.num_aborted = 0
 
-    def record_step(self, engine, now) -> None:
+    def record_step(self, stats, now) -> None:
         self.num_steps += 1
 
     def record_output(self, output, now, inter_token_latency) -> None:

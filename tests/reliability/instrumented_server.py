@@ -71,7 +71,7 @@ def _install_debug_route() -> None:
                 "num_running": len(engine.core.scheduler.running),
                 "num_output_states": len(engine.output_processor.request_states),
                 "num_streams": len(async_llm._streams),
-                "total_num_preemptions": engine.core.scheduler.total_num_preemptions,
+                "total_num_preemptions": engine.core.scheduler.num_preemptions,
             }
 
         @app.get("/debug/engine")

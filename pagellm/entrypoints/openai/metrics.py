@@ -13,6 +13,8 @@ from typing import Optional
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagellm.core.scheduler import SchedulerStats
+from pagellm.engine.stats import EngineStats
 from pagellm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -69,19 +71,25 @@ class EngineMetrics:
         self._interval_generation_tokens = 0
         self._interval_queries = 0
         self._interval_hits = 0
+        # The engine's counters are cumulative; the Prometheus counters advance by the difference.
+        self._seen_queries = self._seen_hits = self._seen_preemptions = 0
 
     # -- StatLogger, called on the engine thread ------------------------------------------------------
 
-    def record_step(self, engine, now: float) -> None:
-        stats = engine.core.make_stats()  # reading resets its interval counters: we are its only reader
+    def record_step(self, engine_stats: EngineStats, now: float) -> None:
+        stats = engine_stats.scheduler
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
-        self.num_preemptions.inc(stats.num_preemptions)
-        self._interval_queries += stats.prefix_cache_queries
-        self._interval_hits += stats.prefix_cache_hits
+        new_queries = stats.prefix_cache_queries - self._seen_queries
+        new_hits = stats.prefix_cache_hits - self._seen_hits
+        self.prefix_cache_queries.inc(new_queries)
+        self.prefix_cache_hits.inc(new_hits)
+        self.num_preemptions.inc(stats.num_preemptions - self._seen_preemptions)
+        self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self._seen_preemptions = stats.num_preemptions
+        self._interval_queries += new_queries
+        self._interval_hits += new_hits
         if now - self._last_log_time >= self.log_interval_s:
             busy = stats.num_running_reqs or stats.num_waiting_reqs or self._interval_generation_tokens
             if busy:
@@ -117,7 +125,7 @@ class EngineMetrics:
 
     # -------------------------------------------------------------------------------------------------
 
-    def _log(self, stats, now: float) -> None:
+    def _log(self, stats: SchedulerStats, now: float) -> None:
         elapsed = now - self._last_log_time
         hit_rate = self._interval_hits / self._interval_queries if self._interval_queries else 0.0
         logger.info(

@@ -1,7 +1,7 @@
 import pytest
 from sched_utils import FakeRunner, expected_output, run_to_completion
 
-from pagellm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
+from pagellm.bench.baseline import ContiguousKVCacheManager, StaticBatchScheduler
 from pagellm.core.scheduler import Scheduler
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
@@ -13,7 +13,7 @@ def req(req_id: str, num_prompt: int, max_tokens: int) -> Request:
 
 def admit(kv: ContiguousKVCacheManager, request: Request):
     blocks = kv.allocate_slots(request, request.num_prompt_tokens)
-    return None if blocks is None else [b.block_id for b in blocks]
+    return None if blocks is None else blocks.block_ids
 
 
 def test_reserves_prompt_plus_max_tokens_as_one_run_first_fit():
@@ -45,7 +45,7 @@ def test_running_request_never_gets_new_blocks():
     assert admit(kv, r) == [0, 1, 2]
     r.num_computed_tokens = 3
     for _ in range(8):  # decode up to the reserved 11 computed tokens
-        assert kv.allocate_slots(r, 1) == []
+        assert kv.allocate_slots(r, 1).block_ids == []
         r.num_computed_tokens += 1
     assert kv.get_block_ids("a") == [0, 1, 2]
     r.num_computed_tokens = 12
@@ -109,7 +109,7 @@ def test_no_prefix_cache():
 
 def make_static_scheduler(num_blocks: int, block_size: int = 4, max_model_len: int = 64, **kv_kwargs) -> Scheduler:
     kv = ContiguousKVCacheManager(num_blocks, block_size, max_model_len, **kv_kwargs)
-    return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=max_model_len, static_batching=True)
+    return StaticBatchScheduler(kv, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=max_model_len)
 
 
 def test_static_batches_with_contiguous_reservations_through_the_scheduler():
@@ -132,7 +132,7 @@ def test_static_batches_with_contiguous_reservations_through_the_scheduler():
         for o in sched.update_from_output(out, runner.execute(out, sched.requests)):
             outputs.setdefault(o.req_id, []).extend(o.new_token_ids)
         sched.kv_cache_manager.check_integrity()
-    assert sched.total_num_preemptions == 0
+    assert sched.num_preemptions == 0
     assert max(in_flight) == 4
     # Request 4 only starts once the first batch has fully drained, and reuses the first run.
     assert outputs["4"] == expected_output(prompts["4"], 5)
@@ -149,5 +149,5 @@ def test_variable_lengths_finish_correctly_without_preemption():
     for i, (num_prompt, max_tokens) in enumerate(specs):
         prompt = list(range(10 * i + 1, 10 * i + 1 + num_prompt))
         assert outputs[str(i)] == expected_output(prompt, max_tokens)
-    assert sched.total_num_preemptions == 0
+    assert sched.num_preemptions == 0
     assert sched.kv_cache_manager.block_pool.num_free_blocks == 24

@@ -17,8 +17,8 @@ from __future__ import annotations
 import bisect
 from typing import Optional
 
-from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.block_pool import KVCacheBlock
+from pagellm.core.kv_cache_base import KVCacheBlocks, KVCacheManagerBase, register_kv_cache_manager
 from pagellm.request import Request
 
 RESERVE_MAX_TOKENS = "max_tokens"
@@ -26,10 +26,19 @@ RESERVE_MAX_MODEL_LEN = "max_model_len"
 RESERVE_MODES = (RESERVE_MAX_TOKENS, RESERVE_MAX_MODEL_LEN)
 
 
-class ContiguousKVCacheManager(KVCacheManager):
-    """Same interface as ``KVCacheManager``; one fixed run of consecutive blocks per request."""
+@register_kv_cache_manager("contiguous")
+class ContiguousKVCacheManager(KVCacheManagerBase):
+    """One fixed run of consecutive blocks per request; no prefix sharing."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, reserve: str = RESERVE_MAX_TOKENS) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = False,
+        reserve: str = RESERVE_MAX_TOKENS,
+    ) -> None:
+        # The traditional design has no prefix cache, whatever the engine's setting.
         super().__init__(num_blocks, block_size, max_model_len, enable_caching=False)
         self.reserve = reserve  # validated where it is used, so benchmarks can switch it after construction
         # Free runs as parallel sorted lists of (start, length): the starts are kept sorted so a
@@ -48,7 +57,7 @@ class ContiguousKVCacheManager(KVCacheManager):
             return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         raise ValueError(f"reserve must be one of {RESERVE_MODES}, got {self.reserve!r}")
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed_blocks: int = 0) -> int:
+    def num_blocks_needed(self, request: Request) -> int:
         if request.request_id in self.req_to_blocks:
             return 0
         return -(-self.num_reserved_tokens(request) // self.block_size)
@@ -63,7 +72,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Optional[list[KVCacheBlock]] = None,
-    ) -> Optional[list[KVCacheBlock]]:
+    ) -> Optional[KVCacheBlocks]:
         """Reserves the request's whole run on first call; later calls only check it still fits."""
         if new_computed_blocks:
             raise ValueError("the contiguous layout has no prefix cache, so no computed blocks can be adopted")
@@ -76,8 +85,8 @@ class ContiguousKVCacheManager(KVCacheManager):
                     f"request {request.request_id} needs {needed} tokens but reserved only "
                     f"{len(blocks) * self.block_size}"
                 )
-            return []
-        num_blocks = self.num_blocks_needed(request, num_new_tokens)
+            return KVCacheBlocks()
+        num_blocks = self.num_blocks_needed(request)
         if num_blocks > self.num_blocks:
             raise ValueError(
                 f"request {request.request_id} must reserve {num_blocks} blocks of {self.block_size} tokens "
@@ -93,7 +102,7 @@ class ContiguousKVCacheManager(KVCacheManager):
             pool.free_queue.remove(block)
             block.ref_cnt = 1
         self.req_to_blocks[request.request_id] = new_blocks
-        return new_blocks
+        return KVCacheBlocks(tuple(new_blocks))
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
