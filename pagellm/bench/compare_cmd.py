@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 
+from pagellm.bench.baseline import RESERVE_MODES
 from pagellm.bench.common import add_result_args, positive_int_list, save_result
 from pagellm.bench.datasets import add_dataset_args, check_fits, get_samples, tokenizer_token_ids
-from pagellm.bench.baseline import RESERVE_MODES
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096

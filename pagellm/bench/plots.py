@@ -7,9 +7,9 @@ from typing import Sequence
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
-from pagellm.bench.compare import DesignResult, SweepPoint  # noqa: E402
+from pagellm.bench.compare import DesignResult, SweepPoint
 
 _COLORS = ["tab:blue", "tab:red", "tab:orange", "tab:purple", "tab:green"]
 

@@ -43,7 +43,9 @@ def sampling_params_from_args(args: argparse.Namespace, **overrides: Any) -> Sam
     return SamplingParams(**kwargs)
 
 
-def stream_request(llm: AsyncLLM, request_id: str, prompt: Any, params: SamplingParams, on_text: Callable[[int, str], None]) -> dict[int, str]:
+def stream_request(
+    llm: AsyncLLM, request_id: str, prompt: Any, params: SamplingParams, on_text: Callable[[int, str], None]
+) -> dict[int, str]:
     """Runs one request to completion, passing each sample's new text to ``on_text`` as it comes.
 
     The engine steps on AsyncLLM's thread, as in the server (on a busy machine torch's thread pool

@@ -1,7 +1,7 @@
 import pytest
 
-from pagellm.bench.kv_utilization import KVUsageSample, sample_kv_usage, summarize
 from pagellm.bench.baseline import ContiguousKVCacheManager, StaticBatchScheduler
+from pagellm.bench.kv_utilization import KVUsageSample, sample_kv_usage, summarize
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ModelRunnerOutput
 from pagellm.core.scheduler import Scheduler

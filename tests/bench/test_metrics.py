@@ -17,7 +17,9 @@ approx = pytest.approx
 def hand_made_traces() -> list[RequestTrace]:
     return [
         # 4 tokens (from usage) in 4 chunks: TTFT 100 ms, then gaps of 20, 30 and 50 ms.
-        RequestTrace(success=True, prompt_len=10, output_tokens=4, num_chunks=4, ttft=0.1, itl=[0.02, 0.03, 0.05], latency=0.2, start_time=0.0),
+        RequestTrace(
+            success=True, prompt_len=10, output_tokens=4, num_chunks=4, ttft=0.1, itl=[0.02, 0.03, 0.05], latency=0.2, start_time=0.0
+        ),
         # No usage reported: the 2 chunks received count as 2 tokens.
         RequestTrace(success=True, prompt_len=20, output_tokens=None, num_chunks=2, ttft=0.3, itl=[0.1], latency=0.4, start_time=0.05),
         # A single token: no TPOT, no ITL.
@@ -80,23 +82,55 @@ def test_result_keys_and_table_labels_match_vllm():
     m = calculate_metrics(traces, 2.0, [99])
     result = result_dict(m, traces, 2.0)
     for key in (
-        "completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
-        "total_input_tokens", "total_output_tokens",
-        "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms",
-        "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-        "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
-        "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
-        "input_lens", "output_lens", "ttfts", "itls", "latencies", "errors",
+        "completed",
+        "failed",
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "total_input_tokens",
+        "total_output_tokens",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "std_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+        "mean_e2el_ms",
+        "median_e2el_ms",
+        "p99_e2el_ms",
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+        "latencies",
+        "errors",
     ):
         assert key in result, key
     assert result["completed"] == 3 and result["mean_itl_ms"] == approx(50.0)
     assert result["errors"][3] == "HTTP 500"
     table = format_serving_table(m, 2.0, max_concurrency=4, request_rate=2.0)
     for label in (
-        "Successful requests:", "Failed requests:", "Maximum request concurrency:", "Request rate configured (RPS):",
-        "Benchmark duration (s):", "Total input tokens:", "Total generated tokens:", "Request throughput (req/s):",
-        "Output token throughput (tok/s):", "Total token throughput (tok/s):", "Mean TTFT (ms):", "Median TTFT (ms):",
-        "P99 TTFT (ms):", "Mean TPOT (ms):", "Mean ITL (ms):", "P99 E2EL (ms):",
+        "Successful requests:",
+        "Failed requests:",
+        "Maximum request concurrency:",
+        "Request rate configured (RPS):",
+        "Benchmark duration (s):",
+        "Total input tokens:",
+        "Total generated tokens:",
+        "Request throughput (req/s):",
+        "Output token throughput (tok/s):",
+        "Total token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "Median TTFT (ms):",
+        "P99 TTFT (ms):",
+        "Mean TPOT (ms):",
+        "Mean ITL (ms):",
+        "P99 E2EL (ms):",
     ):
         assert label in table, label
     line = next(x for x in table.splitlines() if x.startswith("Mean TTFT (ms):"))

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
 from pagellm.core.scheduler import SchedulerStats
-from pagellm.engine.stats import EngineStats
 from pagellm.engine.input_processor import ProcessedPrompt
+from pagellm.engine.stats import EngineStats
 from pagellm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
 

@@ -100,7 +100,9 @@ def test_completion_logprobs(client):
 
 
 def test_completion_echo(client):
-    resp = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello there", max_tokens=3, temperature=0, echo=True, logprobs=1)
+    resp = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Hello there", max_tokens=3, temperature=0, echo=True, logprobs=1
+    )
     choice = resp.choices[0]
     assert choice.text.startswith("Hello there")
     assert choice.logprobs.token_logprobs[0] is None
@@ -156,7 +158,11 @@ def test_version_and_health(server):
     ],
 )
 def test_errors_are_openai_shaped_and_harmless(server, client, auth_headers, body, status, match):
-    kwargs = {"content": body, "headers": {**auth_headers, "content-type": "application/json"}} if isinstance(body, bytes) else {"json": body, "headers": auth_headers}
+    kwargs = (
+        {"content": body, "headers": {**auth_headers, "content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body, "headers": auth_headers}
+    )
     resp = httpx.post(f"{server.url}/v1/completions", timeout=30, **kwargs)
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
@@ -185,7 +191,13 @@ def test_auth_and_body_limit(server, auth_headers):
 
 def test_disconnecting_streams_free_their_blocks(server, auth_headers):
     async def client_that_leaves(http: httpx.AsyncClient, i: int) -> int:
-        body = {"prompt": f"Write a long story about robot number {i}.", "max_tokens": 200, "stream": True, "temperature": 0.8, "ignore_eos": True}
+        body = {
+            "prompt": f"Write a long story about robot number {i}.",
+            "max_tokens": 200,
+            "stream": True,
+            "temperature": 0.8,
+            "ignore_eos": True,
+        }
         events = 0
         async with http.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth_headers) as resp:
             assert resp.status_code == 200

@@ -10,7 +10,7 @@ import pytest
 # The server launcher and API key live with the other end-to-end server tests.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "entrypoints"))
 
-from reliability_utils import CACHED_SERVER_ARGS, LIVE_SERVERS, MAIN_SERVER_ARGS, start_server  # noqa: E402
+from reliability_utils import CACHED_SERVER_ARGS, LIVE_SERVERS, MAIN_SERVER_ARGS, start_server
 
 
 @pytest.fixture(scope="session")

@@ -111,12 +111,21 @@ LIMIT_CASES = [
     (COMPLETIONS, b'{"prompt": "x", "temperature": 1e400}', 400, "temperature must be a finite number"),
     (COMPLETIONS, b'{"prompt": "x", "top_p": NaN}', 400, "top_p must be a finite number"),
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    (CHAT, {"messages": MESSAGES, "chat_template": "{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}"},
-     400, "--trust-request-chat-template"),
+    (
+        CHAT,
+        {"messages": MESSAGES, "chat_template": "{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}"},
+        400,
+        "--trust-request-chat-template",
+    ),
     (CHAT, {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400, "--trust-request-chat-template"),
     ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages }}"}, 400, "--trust-request-chat-template"),
     (CHAT, {"messages": []}, 400, "must not be empty"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}, 400, "only text parts"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
+        400,
+        "only text parts",
+    ),
     (COMPLETIONS, {"prompt": "x", "model": "/etc/passwd"}, 404, "does not exist"),
 ]
 
@@ -240,7 +249,9 @@ def test_offline_llm_rejects_out_of_vocabulary_logit_bias_before_queueing():
 
     llm = LLM(max_model_len=64, num_kv_blocks=16)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        llm.generate(["Hello", "World"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, logit_bias={VOCAB: 5.0})], use_tqdm=False)
+        llm.generate(
+            ["Hello", "World"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, logit_bias={VOCAB: 5.0})], use_tqdm=False
+        )
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0, logit_bias={VOCAB - 1: 1.0}), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
@@ -290,7 +301,9 @@ def json_values(max_leaves: int = 6):
         st.sampled_from(["", "\udcff", "\x00", "<|im_end|>", "<|endoftext|>", "{{ 7*7 }}", "a" * 2000, "🙂" * 50]),
     )
     return st.recursive(
-        scalars, lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4), max_leaves=max_leaves
+        scalars,
+        lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+        max_leaves=max_leaves,
     )
 
 
@@ -301,13 +314,59 @@ VALID_BODIES = {
     "/detokenize": {"model": MODEL, "tokens": [1, 2, 3]},
 }
 FIELDS = {
-    COMPLETIONS: ["prompt", "max_tokens", "n", "stop", "logprobs", "echo", "stream", "stream_options", "logit_bias", "seed",
-                  "temperature", "top_p", "top_k", "min_p", "min_tokens", "stop_token_ids", "prompt_logprobs", "best_of",
-                  "suffix", "add_special_tokens", "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                  "include_stop_str_in_output", "skip_special_tokens", "ignore_eos", "model"],
-    CHAT: ["messages", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs", "stream", "stream_options",
-           "stop", "echo", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "cache_salt", "seed",
-           "temperature", "logit_bias", "min_tokens", "stop_token_ids", "add_special_tokens", "model"],
+    COMPLETIONS: [
+        "prompt",
+        "max_tokens",
+        "n",
+        "stop",
+        "logprobs",
+        "echo",
+        "stream",
+        "stream_options",
+        "logit_bias",
+        "seed",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "min_tokens",
+        "stop_token_ids",
+        "prompt_logprobs",
+        "best_of",
+        "suffix",
+        "add_special_tokens",
+        "cache_salt",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "ignore_eos",
+        "model",
+    ],
+    CHAT: [
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "stream",
+        "stream_options",
+        "stop",
+        "echo",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+        "cache_salt",
+        "seed",
+        "temperature",
+        "logit_bias",
+        "min_tokens",
+        "stop_token_ids",
+        "add_special_tokens",
+        "model",
+    ],
     "/tokenize": ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs", "chat_template_kwargs"],
     "/detokenize": ["tokens", "model"],
 }
@@ -316,8 +375,36 @@ FIELDS = {
 # Boundary values for every field: type confusions, int32/int64 edges, the vocabulary's edge, huge,
 # tiny and negative numbers, odd strings, and containers of them.
 EDGE_VALUES = [
-    None, True, 0, 1, -1, 33, 129, VOCAB - 1, VOCAB, 2**31 - 1, 2**31, 2**63 - 1, 2**63, -(2**63) - 1, 10**30,
-    0.5, -0.5, 1e-300, 1e308, "", "\udcff", "a" * 2000, [], [-1], [VOCAB], [2**63], [[1]], {}, {"1": 1}, {str(VOCAB): 1},
+    None,
+    True,
+    0,
+    1,
+    -1,
+    33,
+    129,
+    VOCAB - 1,
+    VOCAB,
+    2**31 - 1,
+    2**31,
+    2**63 - 1,
+    2**63,
+    -(2**63) - 1,
+    10**30,
+    0.5,
+    -0.5,
+    1e-300,
+    1e308,
+    "",
+    "\udcff",
+    "a" * 2000,
+    [],
+    [-1],
+    [VOCAB],
+    [2**63],
+    [[1]],
+    {},
+    {"1": 1},
+    {str(VOCAB): 1},
 ]
 
 

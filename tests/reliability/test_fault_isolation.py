@@ -32,7 +32,9 @@ def test_sampling_failure_fails_only_that_request(main_server):
     async def together():
         async with httpx.AsyncClient(timeout=300) as client:
             good = [
-                stream_request(client, url, "/v1/completions", body(p)) if i % 2 else client.post(f"{url}/v1/completions", json=body(p), headers=AUTH)
+                stream_request(client, url, "/v1/completions", body(p))
+                if i % 2
+                else client.post(f"{url}/v1/completions", json=body(p), headers=AUTH)
                 for i, p in enumerate(PROMPTS)
             ]
             bad_plain = client.post(f"{url}/v1/completions", json=body("Doomed", seed=FAIL_SEED, temperature=0.7), headers=AUTH)

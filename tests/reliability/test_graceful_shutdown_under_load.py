@@ -40,10 +40,12 @@ def test_sigterm_under_load_drains_and_exits_zero():
             server.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             refused = []
-            for i in range(10):  # new arrivals during the drain
+            for _ in range(10):  # new arrivals during the drain
                 try:
                     async with httpx.AsyncClient(timeout=30) as fresh:
-                        resp = await fresh.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2}, headers=AUTH)
+                        resp = await fresh.post(
+                            f"{url}/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2}, headers=AUTH
+                        )
                     refused.append(resp.status_code)
                     assert resp.status_code == 503 and "shutting down" in resp.json()["error"]["message"], resp.text
                     assert resp.headers["retry-after"]

@@ -21,7 +21,8 @@ ANIMALS = ["fox", "owl", "whale", "tiger", "rabbit", "crow", "otter", "horse", "
 PLACES = ["a lighthouse", "the desert", "a library", "an old ship", "the mountains", "a busy market", "a frozen lake", "a castle"]
 # 32-35 tokens each: with 16 new tokens a request ends in its 3rd or 4th block of 16.
 PROMPTS = [
-    f"Story {i}: Write a short tale about a clever {a} who lives near {PLACES[i % 8]} and dreams of flying over the sea. Once upon a time, the {a}"
+    f"Story {i}: Write a short tale about a clever {a} who lives near {PLACES[i % 8]} and dreams of flying over the sea. "
+    f"Once upon a time, the {a}"
     for i, a in enumerate(ANIMALS)
 ]
 NUM_CLIENTS = 256
@@ -45,9 +46,7 @@ def test_256_streaming_clients_on_a_tenth_of_the_kv_they_need(main_server):
     async def storm():
         limits = httpx.Limits(max_connections=NUM_CLIENTS + 8, max_keepalive_connections=NUM_CLIENTS + 8)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=60), limits=limits) as client:
-            bodies = [
-                {**greedy_body(PROMPTS[i % len(PROMPTS)]), "stream_options": {"include_usage": True}} for i in range(NUM_CLIENTS)
-            ]
+            bodies = [{**greedy_body(PROMPTS[i % len(PROMPTS)]), "stream_options": {"include_usage": True}} for i in range(NUM_CLIENTS)]
             return await asyncio.gather(*(stream_request(client, url, "/v1/completions", b) for b in bodies))
 
     results = run(storm())
@@ -74,9 +73,7 @@ def test_bounded_waiting_queue_answers_503_with_retry_after(cached_server):
     async def burst():
         limits = httpx.Limits(max_connections=num_clients + 8)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=60), limits=limits) as client:
-            bodies = [
-                {**greedy_body(f"Request {i}: {PROMPTS[i % len(PROMPTS)]}"), "max_tokens": 8} for i in range(num_clients)
-            ]
+            bodies = [{**greedy_body(f"Request {i}: {PROMPTS[i % len(PROMPTS)]}"), "max_tokens": 8} for i in range(num_clients)]
             streamed = [stream_request(client, url, "/v1/completions", b) for b in bodies[: num_clients // 2]]
             plain = [client.post(f"{url}/v1/completions", json=b, headers=AUTH) for b in bodies[num_clients // 2 :]]
             return await asyncio.gather(*streamed), await asyncio.gather(*plain)

@@ -154,8 +154,11 @@ def test_request_model_field_cannot_load_anything(cached_server):
     model_path = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["root"]
     for name in [model_path, "/etc/passwd", "../../../../etc/passwd", "file:///etc/passwd", f"{MODEL}/../../etc",
                  "HuggingFaceTB/SmolLM2-360M-Instruct", "https://example.com/model.gguf", "\x00"]:
-        for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-                           ("/tokenize", {"prompt": "hi"})):
+        for path, body in (
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            ("/tokenize", {"prompt": "hi"}),
+        ):
             err = assert_openai_error(httpx.post(f"{url}{path}", json={**body, "model": name}, headers=AUTH, timeout=30), 404)
             assert "does not exist" in err["message"] and err["param"] == "model"
     models = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagellm
+from pagellm import envs
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from pagellm.entrypoints.openai.errors import (
     APIError,
@@ -245,7 +246,7 @@ class GracefulServer(uvicorn.Server):
         self._aborted_at: Optional[float] = None
         self._dead_since: Optional[float] = None
 
-    def handle_exit(self, sig: int, frame) -> None:  # noqa: ARG002 - signal handler signature
+    def handle_exit(self, sig: int, frame) -> None:
         # Unlike uvicorn's, this does not re-raise the signal after shutdown: a drain exits 0.
         if self.state.draining:
             logger.warning("second signal: exiting now")
@@ -310,7 +311,7 @@ def run_server(args: argparse.Namespace) -> int:
     from pagellm.config import EngineConfig
 
     t0 = time.perf_counter()
-    api_key = args.api_key if args.api_key is not None else os.environ.get("PAGELLM_API_KEY") or None
+    api_key = args.api_key if args.api_key is not None else envs.api_key()
     config = EngineConfig(**engine_kwargs(args), max_waiting_requests=args.max_waiting_requests)
     async_llm = AsyncLLM.from_config(config)
     engine = async_llm.engine

@@ -23,9 +23,15 @@ logger = logging.getLogger(__name__)
 prometheus_client.disable_created_metrics()
 
 # Buckets as vLLM's, so dashboards built for vLLM read these unchanged.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -56,15 +62,20 @@ class EngineMetrics:
             "pagellm:request_success", "Count of finished requests by finish reason.", ["model_name", "finished_reason"], registry=reg
         )
         self.request_success = {reason: request_success.labels(name, reason) for reason in FINISHED_REASONS}
-        self.time_to_first_token = histogram("pagellm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("pagellm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.time_to_first_token = histogram(
+            "pagellm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "pagellm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
         self.e2e_request_latency = histogram(
             "pagellm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
         )
         self.request_queue_time = histogram(
-            "pagellm:request_queue_time_seconds", "Histogram of time spent waiting before first scheduled, in seconds.", REQUEST_LATENCY_BUCKETS
+            "pagellm:request_queue_time_seconds",
+            "Histogram of time spent waiting before first scheduled, in seconds.",
+            REQUEST_LATENCY_BUCKETS,
         )
-        self._model_name = name
         # Totals since the last log line.
         self._last_log_time = time.monotonic()
         self._interval_prompt_tokens = 0

@@ -43,7 +43,7 @@ _LINE_BREAK_ESCAPES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u
 
 def sse_data(json_text: str) -> str:
     """One server-sent event carrying ``json_text``, safe for line-splitting clients."""
-    # Three scans cost 0.06 us a chunk, translate() 3 us: translate only the rare chunk that needs it.
+    # Scanning for the three characters is far cheaper than translate(): translate only the rare chunk that needs it.
     if "\x85" in json_text or "\u2028" in json_text or "\u2029" in json_text:
         json_text = json_text.translate(_LINE_BREAK_ESCAPES)
     return f"data: {json_text}\n\n"

@@ -130,7 +130,9 @@ class OpenAIServingChat(OpenAIServing):
             return Response(status_code=499)
         return JSONResponse(response.model_dump())
 
-    def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int], logprobs: Optional[SampleLogprobs]) -> list[ChatCompletionLogProbsContent]:
+    def _logprobs(
+        self, request: ChatCompletionRequest, token_ids: list[int], logprobs: Optional[SampleLogprobs]
+    ) -> list[ChatCompletionLogProbsContent]:
         if not request.logprobs or logprobs is None:
             return []
         num_top = request.top_logprobs or 0
