@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # pagellm against vLLM's CPU build, on this machine, in one run, with vLLM's own `bench serve`
-# client (../shared/peers/peer_bench.sh): workloads R (64 x 256 in / 128 out), P (4 shared
+# client ($PEERS_DIR/peer_bench.sh): workloads R (64 x 256 in / 128 out), P (4 shared
 # 512-token prefixes + 64 unique, 64 out) and V (256 in/out spread 10%..190%), 32 in flight.
 # Then pagellm's own `bench serve` on the same server, and the MFU of every run against the
 # fp32 matmul peak (the higher of one measured before pagellm's runs and one right after).
 #
-# Needs the peers set up first (see ../shared/peers/README.md: the model as an HF directory in
-# /tmp/models/smollm2-135m-instruct and vLLM in /tmp/peers/vllm-venv).
-# Usage: scripts/peer_compare.sh OUTDIR [skip-vllm]
+# Needs PEERS_DIR: a folder OUTSIDE this repository (default ../shared/peers, relative to the repo
+# root; set PEERS_DIR to use another) holding the reference-engine scripts this one calls:
+# vllm-serve.sh (starts vLLM's CPU build) and peer_bench.sh (runs vLLM's `bench serve` client).
+# They are not part of pagellm; set them up first as their README.md says (the model as an HF
+# directory in /tmp/models/smollm2-135m-instruct, vLLM in /tmp/peers/vllm-venv).
+# Usage: [PEERS_DIR=DIR] scripts/peer_compare.sh OUTDIR [skip-vllm]
 # PAGELLM_SERVE_ARGS adds flags to `pagellm serve` (e.g. "--kv-cache-dtype float16").
 #
 # AVX2_ONLY=1 measures this machine as one without AVX-512 (the issue's reference class): torch,
@@ -17,10 +20,28 @@ set -euo pipefail
 if [ "${AVX2_ONLY:-0}" = 1 ]; then
   export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 PAGELLM_CPU_ARCH=x86-64-v3
 fi
+# A PEERS_DIR given as a relative path counts from where the script was called; the default
+# counts from the repository root.
+case "${PEERS_DIR:-}" in ''|/*) ;; *) PEERS_DIR=$PWD/$PEERS_DIR ;; esac
 cd "$(dirname "$0")/.."
-out=${1:?usage: peer_compare.sh OUTDIR [skip-vllm]}
+out=${1:?usage: [PEERS_DIR=DIR] peer_compare.sh OUTDIR [skip-vllm]}
+PEERS_DIR=${PEERS_DIR:-$(pwd)/../shared/peers}
+need=(peer_bench.sh)
+[ "${2:-}" = skip-vllm ] || need+=(vllm-serve.sh)
+for f in "${need[@]}"; do
+  if [ ! -f "$PEERS_DIR/$f" ]; then
+    cat >&2 <<EOF
+peer_compare.sh: $PEERS_DIR/$f not found.
+It needs PEERS_DIR (now '$PEERS_DIR'): the reference-engine scripts that live
+outside this repository (peer_bench.sh, and vllm-serve.sh unless skip-vllm), with vLLM's CPU build
+and the model installed as that folder's README.md says. Point PEERS_DIR at your copy, e.g.
+  PEERS_DIR=/path/to/peers scripts/peer_compare.sh $out
+EOF
+    exit 2
+  fi
+done
+peers=$(cd "$PEERS_DIR" && pwd)
 mkdir -p "$out"
-peers=$(cd ../shared/peers && pwd)
 
 wait_ready() {  # port pid -> seconds until /health answers 200
   local start=$SECONDS
