@@ -95,16 +95,12 @@ PREFAULT_CHUNK_BYTES = 4 * 2**20
 class KVCachePrefaulter:
     """Faults the CPU KV cache's memory in, one slice per call, for an engine with nothing to do.
 
-    The cache is mapped lazily (see ``zeros_on_huge_pages``), so each page costs a fault the first
-    time a block on it is written, and that cost lands inside a step. Where the memory is backed it
-    is the kernel zeroing the page (0.2 s for 2 GiB on the machine below); in a virtual machine whose
-    host backs guest memory lazily (and takes freed memory back), it is also an exit to the host per
-    page, and one such VM measured ~0.5 GB/s: 4 s for a 2 GiB cache, paid inside the first minute of
-    serving. Faulting
-    the pages in at start-up would delay the server's readiness by as much, so the server's engine
-    thread calls ``prefault_next`` while no request is in flight instead: a slice of
-    ``PREFAULT_CHUNK_BYTES`` at a time (~8 ms in that VM), so a request that arrives meanwhile waits
-    at most one slice. ``madvise`` runs through ctypes, which releases the GIL.
+    The cache is mapped lazily (see ``zeros_on_huge_pages``), so the first write to each page
+    faults inside a step, and in a VM whose host backs guest memory lazily that fault is slow.
+    Doing it all at start-up would delay readiness by as much, so the server's engine thread calls
+    ``prefault_next`` while no request is in flight: one ``PREFAULT_CHUNK_BYTES`` slice at a time,
+    so a request that arrives meanwhile waits at most one slice. ``madvise`` runs through ctypes,
+    which releases the GIL. Measurements: docs/benchmarks.md, "The KV cache's memory".
     """
 
     def __init__(self, kv_caches: list[torch.Tensor], chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> None:
