@@ -32,7 +32,7 @@ def set_openmp_defaults() -> None:
     """Lets libgomp's workers spin between the many short parallel regions of a step.
 
     Must run before torch loads its OpenMP runtime; a user's own setting of either variable wins.
-    Why spinning pays on small VMs is in docs/kernels.md.
+    Why spinning pays on small VMs is in docs/benchmarks.md ("Why libgomp's workers spin").
     """
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "100000")

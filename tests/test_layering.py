@@ -1,0 +1,125 @@
+"""The package's layers, checked on the import statements (lazy imports inside functions too).
+
+Data flows one way (request -> scheduler -> KV cache manager -> model runner -> sampler -> output
+processor -> client), and the imports follow it: a lower layer never imports a higher one, and no
+two subpackages import each other, directly or around a circle.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "pagellm"
+
+# What each unit may import from pagellm. The small top-level modules (config, request, ...) are
+# the shared vocabulary of the layers above them; the tokenizer loads through the model loader.
+SHARED = {"envs", "config", "sampling_params", "request", "outputs"}
+ALLOWED: dict[str, set[str]] = {
+    "envs": set(),
+    "config": set(),
+    "sampling_params": set(),
+    "outputs": set(),
+    "request": {"sampling_params"},
+    "tokenizer": {"models"},
+    "kernels": {"envs"},
+    "core": {"sampling_params", "request"},
+    "attention": SHARED | {"kernels"},
+    "sample": SHARED | {"kernels"},
+    "models": SHARED | {"kernels", "attention"},
+    "worker": SHARED | {"kernels", "attention", "sample", "core"},
+    "engine": SHARED | {"kernels", "attention", "sample", "models", "worker", "core", "tokenizer"},
+    "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer"},
+    "bench": SHARED | {"kernels", "attention", "sample", "models", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"},
+}
+# Subpackages that must not pull in torch: the scheduler and block pool are pure bookkeeping.
+NO_TORCH = {"core"}
+
+
+def unit_of(module: str) -> str:
+    """pagellm.core.scheduler -> core; pagellm.config -> config."""
+    return module.split(".")[1] if module.count(".") >= 1 else module
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports, absolute names, wherever the import statement sits."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def module_graph() -> dict[str, set[str]]:
+    """unit -> the pagellm units it imports (units: subpackages and top-level modules)."""
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        unit = unit_of(".".join(rel.parts))
+        targets = graph.setdefault(unit, set())
+        for name in imports_of(path):
+            if name.startswith("pagellm.") and name != "pagellm.__init__":
+                target = unit_of(name)
+                if (ROOT / target).is_dir() or (ROOT / f"{target}.py").exists():
+                    targets.add(target)
+        targets.discard(unit)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph as a path (first node repeated at the end), or []."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return []
+
+
+def test_no_import_cycle_between_units():
+    assert find_cycle(module_graph()) == []
+
+
+@pytest.mark.parametrize("unit", sorted(ALLOWED))
+def test_unit_imports_only_lower_layers(unit):
+    graph = module_graph()
+    assert graph.get(unit, set()) - ALLOWED[unit] == set()
+
+
+def test_torch_free_units():
+    for unit in NO_TORCH:
+        for path in (ROOT / unit).rglob("*.py"):
+            assert not any(n == "torch" or n.startswith("torch.") for n in imports_of(path)), path
+
+
+def test_only_the_ops_module_calls_native_ops():
+    callers = {
+        p.relative_to(ROOT.parent).as_posix()
+        for base in (ROOT, ROOT.parent / "tests", ROOT.parent / "scripts")
+        for p in base.rglob("*.py")
+        if "torch.ops.pagellm" in p.read_text(encoding="utf-8") and p.resolve() != Path(__file__).resolve()
+    }
+    assert callers <= {"pagellm/kernels/ops.py"}
+
+
+def test_find_cycle_reports_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []
