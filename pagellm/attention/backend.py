@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagellm.kernels.tuning import CpuTuning
 
 
 @dataclass
@@ -40,10 +44,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
 
 class AttentionBackend(ABC):
     """Writes the new keys/values into the paged cache, then attends over each sequence's context."""
@@ -52,6 +52,10 @@ class AttentionBackend(ABC):
     # Whether forward takes q/k/v whose tokens are strided (views into one fused q/k/v projection
     # output, each token's heads contiguous); otherwise callers pass contiguous tensors.
     accepts_strided_qkv: bool = False
+
+    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
+        """Takes what was measured about this machine at start-up; only the C++ backend uses any."""
+        return None
 
     @abstractmethod
     def forward(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.backend import AttentionBackend
+from pagellm.kernels import ops
 
 BACKEND_NAMES = ("cpu_paged", "torch_sdpa", "torch_ref")
 
@@ -16,12 +17,7 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> AttentionB
     """
     device = torch.device(device)
     if name is None:
-        if device.type == "cpu":
-            from pagellm.attention.cpu_paged import kernel_available
-
-            name = "cpu_paged" if kernel_available() else "torch_sdpa"
-        else:
-            name = "torch_sdpa"
+        name = "cpu_paged" if device.type == "cpu" and ops.available() else "torch_sdpa"
     if name == "cpu_paged":
         if device.type != "cpu":
             raise ValueError(f"attention backend 'cpu_paged' runs on CPU only, not on {device}")

@@ -22,10 +22,11 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from pagellm.kernels.build import load_kernels
+from pagellm.kernels import ops
+from pagellm.kernels.tuning import SMOLLM2_LAYER_SHAPES, block_quantized
 
 # (in, out) of SmolLM2-135M's fused projections, and its depth and vocabulary head.
-LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+LAYER_SHAPES = list(SMOLLM2_LAYER_SHAPES)
 NUM_LAYERS = 30
 VOCAB_SHAPE = (576, 49152)
 
@@ -43,22 +44,6 @@ class GemmRow:
     blocks_gflops: float
 
 
-def block_quantized(rows: int, cols: int, bits: int, generator: torch.Generator) -> torch.Tensor:
-    """Random float32 ``[rows, cols]`` whose every 32 inputs are GGUF blocks: 4-bit ``d * q + m``
-    (Q4_1) or 8-bit ``d * q`` (Q8_0), half-precision ``d`` and ``m``, as a dequantized model holds.
-    As llama.cpp's quantizers do, each block spans its whole range (q = 0 and 15; |q| = 127)."""
-    blocks = (rows, cols // 32, 1)
-    d = (torch.rand(blocks, generator=generator) * 0.004 + 0.001).half().float()
-    if bits == 4:
-        q = torch.randint(0, 16, (rows, cols // 32, 32), generator=generator).float()
-        q[..., 0], q[..., 1] = 0, 15
-        m = (-8 * d - torch.rand(blocks, generator=generator) * 0.001).half().float()
-        return (d * q + m).reshape(rows, cols)
-    q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=generator).float()
-    q[..., 0] = 127
-    return (d * q).reshape(rows, cols)
-
-
 def _best_of(fn: Callable[[], None], reps: int) -> float:
     fn()
     best = float("inf")
@@ -70,8 +55,8 @@ def _best_of(fn: Callable[[], None], reps: int) -> float:
 
 
 def _compare(case: str, shapes: list[tuple[int, int]], weights: list[torch.Tensor], rows: int, reps: int) -> GemmRow:
-    packed = [torch.ops.pagellm_gemm.pack_weight(w) for w in weights]
-    blocks = [torch.ops.pagellm_gemm.pack_weight_blocks(w) for w in weights]
+    packed = [ops.pack_weight(w) for w in weights]
+    blocks = [ops.pack_weight_blocks(w) for w in weights]
     if any(b is None for b in blocks):
         raise RuntimeError("the block-form weights were not packed as blocks")
     inputs = [torch.randn(rows, shapes[i % len(shapes)][0]) for i in range(len(shapes))]
@@ -84,7 +69,7 @@ def _compare(case: str, shapes: list[tuple[int, int]], weights: list[torch.Tenso
     def run_packed(panels: list[torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
             for i, p in enumerate(panels):
-                torch.ops.pagellm_gemm.linear_packed(outputs[i], inputs[i % len(inputs)], p, None)
+                ops.linear_packed(outputs[i], inputs[i % len(inputs)], p, None)
 
         return run
 
@@ -104,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--save-result", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    if not load_kernels():
+    if not ops.available():
         print("the C++ kernels are unavailable; nothing to compare")
         return 1
     generator = torch.Generator().manual_seed(0)

@@ -69,8 +69,15 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len}")
         self.max_model_len = config.max_model_len or model_max_len
+        from pagellm.kernels.tuning import measure_cpu_tuning
+
         attn_backend = get_attn_backend(config.attention_backend, config.device)
         model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend)
+        # Measured once, on this machine and the model's own packed weights, then handed to its users.
+        attention = attn_backend.name == "cpu_paged"
+        self.cpu_tuning = measure_cpu_tuning(config.device, model.packed_weights(), attention=attention)
+        attn_backend.use_cpu_tuning(self.cpu_tuning)
+        model.use_cpu_tuning(self.cpu_tuning)
         self.shape = ModelShape.from_hf_config(self.hf_config)
         self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
         self.model = model

@@ -1,11 +1,11 @@
 """The layers of a Llama block: linear projections, RMSNorm, SiLU-and-multiply, rotary embedding.
 
-Each has two paths with the same arithmetic: a C++ kernel (``torch.ops.pagellm_ops`` and
-``pagellm_gemm``) for float32 tensors on CPU, and plain torch for everything else (other devices
-and dtypes, or when the kernels could not be built). In eager torch the elementwise layers are a
-dozen small ops per block, each a dispatch, an allocation and a pass over memory: at a decode
-batch of 32 they cost about as much as attention, at a 1,024-token prefill step a sixth of the
-step. Linear layers keep BLAS for large batches and use pre-packed weights for small ones.
+Each has two paths with the same arithmetic: a C++ kernel (:mod:`pagellm.kernels.ops`) for
+float32 tensors on CPU, and plain torch for everything else (other devices and dtypes, or when
+the kernels could not be built); ``ops`` decides which. In eager torch the elementwise layers are
+a dozen small ops per block, each a dispatch, an allocation and a pass over memory, which at
+decode batch sizes costs about as much as attention. Linear layers keep BLAS for large batches
+and use pre-packed weights for small ones.
 """
 from __future__ import annotations
 
@@ -16,23 +16,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagellm.kernels.build import load_kernels
+from pagellm.kernels import ops
+from pagellm.kernels.tuning import CpuTuning, weight_format
 
-
-def use_cpu_kernels(x: torch.Tensor) -> bool:
-    """Whether ``x`` goes through the fused C++ kernels (float32 on CPU, and the kernels built)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and load_kernels()
-
-
-# Up to this many rows a packed-weight product beats BLAS on an Intel AVX-512 CPU (1.3x at 32 rows,
-# even at 128; `python -m pagellm.bench.gemm_bench`); beyond it BLAS's blocking wins. The default
-# until pagellm.models.linear_tuning measures the machine's own crossover.
+# Up to this many rows a packed-weight product beats BLAS on the machines measured; beyond it
+# BLAS's blocking wins. The default until CpuTuning holds this machine's own crossover.
 PACKED_MAX_ROWS = 96
 
 
 @dataclass
 class PackedWeight:
-    """A weight ``[N, K]`` laid out for the small-batch CPU kernel (``torch.ops.pagellm_gemm``)."""
+    """A weight ``[N, K]`` laid out for the small-batch CPU kernel (``ops.linear_packed``)."""
 
     panels: torch.Tensor  # float32 panels
     # The weight's own 4- or 8-bit GGUF blocks when it is exactly that (a GGUF model's projections):
@@ -50,29 +44,35 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.panels, self.blocks) if t is not None)
 
+    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
+        """Takes the row limits measured for this weight's format, if they were measured."""
+        limits = tuning.limits_for(weight_format(self.blocks))
+        if limits is not None:
+            self.blocks_max_rows = limits.blocks_max_rows
+            self.packed_max_rows = limits.packed_max_rows
+
 
 def pack_weight(weight: torch.Tensor, silu_and_mul: bool = False) -> Optional[PackedWeight]:
     """``weight`` ``[N, K]`` packed for the small-batch kernel, or None where that kernel does not
     apply (not float32 on CPU, or no kernels). With ``silu_and_mul`` (a gate/up projection) the
     panels are packed for :func:`linear_silu_and_mul` where its halves split into whole vectors."""
-    if not use_cpu_kernels(weight):
+    if not ops.supports(weight):
         return None
     weight = weight.detach()
-    blocks = torch.ops.pagellm_gemm.pack_weight_blocks(weight)
-    # Up to this many rows the blocks beat the float32 panels on the CPUs gemm.cpp was measured on
-    # (with AVX-512 32 for 4-bit and 24 for 8-bit blocks, with AVX2 8); linear_tuning re-measures.
-    max_rows = torch.ops.pagellm_gemm.blocks_max_rows(blocks) if blocks is not None else 0
+    blocks = ops.pack_weight_blocks(weight)
+    # The kernel's own default until a CpuTuning gives this machine's limit.
+    max_rows = ops.blocks_max_rows(blocks) if blocks is not None else 0
     if silu_and_mul:
         try:
-            return PackedWeight(torch.ops.pagellm_gemm.pack_weight_silu_mul(weight), blocks, max_rows, silu_and_mul=True)
+            return PackedWeight(ops.pack_weight_silu_mul(weight), blocks, max_rows, silu_and_mul=True)
         except ValueError:  # half the rows is not a multiple of the vector width: separate steps then
             pass
-    return PackedWeight(torch.ops.pagellm_gemm.pack_weight(weight), blocks, max_rows)
+    return PackedWeight(ops.pack_weight(weight), blocks, max_rows)
 
 
 def _packed_operand(x: torch.Tensor, packed: Optional[PackedWeight]) -> Optional[torch.Tensor]:
     """What ``linear_packed`` multiplies ``x`` by: the blocks, the plain panels, or None for BLAS."""
-    if packed is None or x.dim() != 2 or x.stride(-1) != 1 or not use_cpu_kernels(x):
+    if packed is None or x.dim() != 2 or x.stride(-1) != 1 or not ops.supports(x):
         return None
     rows = x.shape[0]
     if packed.blocks is not None and rows <= packed.blocks_max_rows:
@@ -88,7 +88,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     if operand is None:
         return F.linear(x, weight, bias)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    torch.ops.pagellm_gemm.linear_packed(out, x, operand, bias)
+    ops.linear_packed(out, x, operand, bias)
     return out
 
 
@@ -105,12 +105,12 @@ def linear_silu_and_mul(
         and bias is None
         and x.dim() == 2
         and x.stride(-1) == 1
-        and use_cpu_kernels(x)
+        and ops.supports(x)
         and not (packed.blocks is not None and rows <= packed.blocks_max_rows)  # the blocks' rows
         and rows <= packed.packed_max_rows
     ):
         out = torch.empty((rows, weight.shape[0] // 2), dtype=x.dtype, device=x.device)
-        torch.ops.pagellm_gemm.linear_packed_silu_mul(out, x, packed.panels)
+        ops.linear_packed_silu_mul(out, x, packed.panels)
         return out
     return silu_and_mul(linear(x, weight, bias, packed))
 
@@ -165,34 +165,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        fused = use_cpu_kernels(x) and x.dim() == 2 and x.stride(-1) == 1
         if residual is None:
-            if fused:
-                out = torch.empty_like(x, memory_format=torch.contiguous_format)
-                torch.ops.pagellm_ops.rms_norm(out, x, self.weight, self.eps)
-                return out
-            return self._reference(x)
-        if fused and residual.stride(-1) == 1 and residual.shape == x.shape:
-            torch.ops.pagellm_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
-        residual = residual.add_(x)
-        return self._reference(residual), residual
-
-    def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 as transformers does, so half-precision models do not lose range.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for the fused gate/up projection output ``[T, 2d]``."""
-    d = x.shape[-1] // 2
-    if use_cpu_kernels(x) and x.dim() == 2 and x.stride(-1) == 1:
-        out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
-        torch.ops.pagellm_ops.silu_and_mul(out, x)
-        return out
-    return nn.functional.silu(x[..., :d]).mul_(x[..., d:])
+    return ops.silu_and_mul(x)
 
 
 def rotate_in_place(
@@ -201,4 +181,4 @@ def rotate_in_place(
     """Rotates the first ``num_heads`` heads of each row of ``qkv`` (float32 on CPU, rows
     contiguous) in place; ``cos``/``sin`` are whole tables ``[max_positions, head_dim // 2]``,
     gathered by position inside the kernel. Other tensors use :func:`apply_rotary` instead."""
-    torch.ops.pagellm_ops.rotary_embedding(qkv, positions, cos, sin, num_heads, head_dim)
+    ops.rotary_embedding(qkv, positions, cos, sin, num_heads, head_dim)

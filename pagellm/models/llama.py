@@ -14,6 +14,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.kernels import ops
+from pagellm.kernels.tuning import CpuTuning
 from pagellm.models.layers import (
     Linear,
     PackedWeight,
@@ -22,9 +24,7 @@ from pagellm.models.layers import (
     linear,
     pack_weight,
     rotate_in_place,
-    use_cpu_kernels,
 )
-from pagellm.models.linear_tuning import tune_row_limits
 from pagellm.models.rope import RotaryArgs, RotaryEmbedding, apply_rotary, head_dim_of
 
 # (fused parameter, checkpoint projection, shard) for the projections we stack at load time.
@@ -165,7 +165,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # Prepared once for all layers: every layer rotates by the same positions.
-        rope = self.rotary_emb.prepare(positions, hidden.dtype, fused=use_cpu_kernels(hidden))
+        rope = self.rotary_emb.prepare(positions, hidden.dtype, fused=ops.supports(hidden))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
@@ -216,7 +216,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, max_extra_bytes: int) -> int:
         """Packs projection weights for the small-batch CPU kernel, the vocabulary head first (the
         largest gain per byte), then layer by layer, while the copies fit in ``max_extra_bytes``.
-        Returns the bytes used; 0 off the CPU or for dtypes other than float32."""
+        Returns the bytes used; 0 off the CPU or for dtypes other than float32. Small batches go
+        to the packed copies up to the kernels' default row limits until :meth:`use_cpu_tuning`
+        gives this machine's."""
         used = 0
         if self.lm_head is None:
             packed = pack_weight(self.model.embed_tokens.weight)
@@ -231,8 +233,12 @@ class LlamaForCausalLM(nn.Module):
                 module.packed = None
                 break
             used += added
-        tune_row_limits(self.packed_weights())
         return used
+
+    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
+        """Takes the packed matmul's row limits measured on this machine (by weight format)."""
+        for _, packed in self.packed_weights():
+            packed.use_cpu_tuning(tuning)
 
     def packed_weights(self) -> list[tuple[torch.Tensor, PackedWeight]]:
         """``(weight, packed copy)`` of every packed projection, the vocabulary head first."""

@@ -38,10 +38,6 @@ class SamplingMetadata:
     logit_bias: dict[int, dict[int, float]]  # row -> {token_id: bias}
     max_num_logprobs: Optional[int]  # max over rows of `logprobs`; None when no row wants any
 
-    @property
-    def no_penalties(self) -> bool:
-        return self.presence_penalties is None
-
 
 @dataclass
 class LogprobsTensors:

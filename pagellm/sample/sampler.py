@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from pagellm.kernels.build import load_kernels
+from pagellm.kernels import ops
 from pagellm.sample.logprobs import gather_logprobs
 from pagellm.sample.metadata import SamplerOutput, SamplingMetadata
 from pagellm.sample.penalties import apply_bad_token_ids, apply_logit_bias, apply_penalties
@@ -74,9 +74,9 @@ class Sampler:
             )
 
         if metadata.all_greedy:
-            sampled = _argmax(logits, fused)
+            sampled = ops.argmax_rows(logits)
         else:
-            greedy = None if metadata.all_random else _argmax(logits, fused)
+            greedy = None if metadata.all_random else ops.argmax_rows(logits)
             sampled = self._random_sample(logits, metadata)
             if greedy is not None:
                 sampled = torch.where(metadata.greedy_mask.to(logits.device), greedy, sampled)
@@ -106,13 +106,13 @@ class Sampler:
             filtered |= metadata.min_p > 0.0
         sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         if not bool(filtered.any()):
-            torch.ops.pagellm_sample.sample_from_logits(sampled, logits, temperature.contiguous(), u.view(-1).contiguous())
+            ops.sample_from_logits(sampled, logits, temperature.contiguous(), u.view(-1).contiguous())
             return sampled
         plain = (~filtered).nonzero().squeeze(1)
         rows = filtered.nonzero().squeeze(1)
         if plain.numel():
             out = torch.empty(plain.numel(), dtype=torch.int64, device=logits.device)
-            torch.ops.pagellm_sample.sample_from_logits(out, logits[plain], temperature[plain], u[plain].view(-1))
+            ops.sample_from_logits(out, logits[plain], temperature[plain], u[plain].view(-1))
             sampled[plain] = out
         # Indexing copies, so the torch path's in-place edits never reach the caller's logits.
         sampled[rows] = self._torch_sample(
@@ -171,14 +171,5 @@ class Sampler:
         return pool[index]
 
 
-def _argmax(logits: torch.Tensor, fused: bool) -> torch.Tensor:
-    """Each row's argmax, by the C++ kernel where it applies (same ties and NaN rule as torch)."""
-    if not fused or logits.stride(-1) != 1:
-        return logits.argmax(dim=-1)
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    torch.ops.pagellm_sample.argmax_rows(out, logits)
-    return out
-
-
 def _use_sampling_kernel(logits: torch.Tensor) -> bool:
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and load_kernels()
+    return logits.dim() == 2 and ops.supports(logits)

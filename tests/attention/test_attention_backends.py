@@ -8,11 +8,10 @@ from hypothesis import strategies as st
 
 from pagellm.attention.selector import get_attn_backend
 from pagellm.attention.synthetic import SyntheticBatch, make_batch
-
-from pagellm.kernels.build import load_kernels
+from pagellm.kernels import ops
 
 # The C++ backend is tested wherever it builds; torch_sdpa always.
-BACKENDS = ["torch_sdpa"] + (["cpu_paged"] if load_kernels() else [])
+BACKENDS = ["torch_sdpa"] + (["cpu_paged"] if ops.available() else [])
 
 # (q_len, seq_len) per sequence.
 SCENARIOS = {
@@ -141,7 +140,7 @@ def test_half_precision_cache_float32_queries(name, cache_dtype, scenario, num_t
     torch.testing.assert_close(cache, ref_cache, equal_nan=True, atol=0, rtol=0)
 
 
-@pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
+@pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
 def test_write_kv_cache_rounds_like_torch(cache_dtype) -> None:
     # The C++ scatter narrows float32 rows itself; it must round exactly as .to() does, including
@@ -154,7 +153,7 @@ def test_write_kv_cache_rounds_like_torch(cache_dtype) -> None:
     value = -key.flip(0)
     cache = torch.zeros(2, 8, 16, heads, dim, dtype=cache_dtype)
     slots = torch.randperm(8 * 16, generator=gen)[:num_tokens]
-    torch.ops.pagellm_attn.write_kv_cache(cache, key, value, slots)
+    ops.write_kv_cache(cache, key, value, slots)
     flat = cache.view(2, -1, heads, dim)
     torch.testing.assert_close(flat[0, slots], key.to(cache_dtype), equal_nan=True, atol=0, rtol=0)
     torch.testing.assert_close(flat[1, slots], value.to(cache_dtype), equal_nan=True, atol=0, rtol=0)
@@ -223,17 +222,18 @@ def test_empty_batch(name, reference) -> None:
     assert got.shape == (0, 9, 64)
 
 
-@pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
+@pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
 @pytest.mark.parametrize("to_l2", [False, True])
 @pytest.mark.parametrize("seqs", [[(1, 700)] * 6, [(1, 3000), (1, 40)], [(1, 33), (4, 50), (1, 17)]])
 def test_decode_prefetch_level_does_not_change_results(to_l2: bool, seqs, reference) -> None:
-    from pagellm.attention.cpu_paged import tune_decode_prefetch
+    # The level is the backend's, from the CpuTuning it is given; the kernel keeps no state.
+    from pagellm.attention.cpu_paged import CpuPagedBackend
+    from pagellm.kernels.tuning import CpuTuning
 
-    chosen = tune_decode_prefetch()  # measured once per process; sets the kernel
-    assert torch.ops.pagellm_attn.decode_prefetch_to_l2() == chosen
-    torch.ops.pagellm_attn.set_decode_prefetch_to_l2(to_l2)
-    try:
-        got, expected, _, _ = run_both(make_batch(seqs, 9, 3, 64, 16, seed=3), "cpu_paged", reference)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    finally:
-        torch.ops.pagellm_attn.set_decode_prefetch_to_l2(chosen)
+    backend = CpuPagedBackend(CpuTuning(decode_prefetch_to_l2=to_l2))
+    assert backend.decode_prefetch_to_l2 == to_l2
+    batch = make_batch(seqs, 9, 3, 64, 16, seed=3)
+    cache = batch.kv_cache.clone()
+    got = backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale)
+    expected = reference.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.kernels.build import load_kernels
 from pagellm.attention.selector import BACKEND_NAMES, get_attn_backend
+from pagellm.kernels import ops
 
 
 @pytest.mark.parametrize("name", ["torch_sdpa", "torch_ref"])
@@ -17,7 +17,7 @@ def test_named_backends(name: str) -> None:
 
 
 def test_default_on_cpu_is_the_fastest_available() -> None:
-    expected = "cpu_paged" if load_kernels() else "torch_sdpa"
+    expected = "cpu_paged" if ops.available() else "torch_sdpa"
     assert get_attn_backend(None, "cpu").name == expected
 
 

@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-from pagellm.kernels.build import load_kernels
 from pagellm.attention.selector import get_attn_backend
 from pagellm.attention.synthetic import make_batch
+from pagellm.kernels import ops
 
-BACKENDS = ["torch_ref", "torch_sdpa"] + (["cpu_paged"] if load_kernels() else [])
+BACKENDS = ["torch_ref", "torch_sdpa"] + (["cpu_paged"] if ops.available() else [])
 SEQS = [(3, 10), (1, 5)]
 
 
@@ -67,7 +67,7 @@ def test_slot_mapping_length(name: str) -> None:
         call(name, batch, metadata=meta)
 
 
-@pytest.mark.skipif(not load_kernels(), reason="C++ kernel unavailable")
+@pytest.mark.skipif(not ops.available(), reason="C++ kernel unavailable")
 def test_kernel_rejects_out_of_range_block_ids() -> None:
     # A corrupt block table must not read outside the cache.
     batch = make_batch(SEQS, 4, 2, 32, 8)  # a head size the kernel itself handles
@@ -78,7 +78,7 @@ def test_kernel_rejects_out_of_range_block_ids() -> None:
         call("cpu_paged", batch, metadata=meta)
 
 
-@pytest.mark.skipif(not load_kernels(), reason="C++ kernel unavailable")
+@pytest.mark.skipif(not ops.available(), reason="C++ kernel unavailable")
 def test_kernel_rejects_out_of_range_slots() -> None:
     batch = make_batch(SEQS, 4, 2, 32, 8)
     slots = batch.metadata.slot_mapping.clone()

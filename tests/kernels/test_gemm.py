@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.bench.gemm_bench import block_quantized
-from pagellm.kernels.build import load_kernels
+from pagellm.kernels import ops
+from pagellm.kernels.tuning import block_quantized
 from pagellm.models.layers import (
     PACKED_MAX_ROWS,
     Linear,
@@ -16,7 +16,7 @@ from pagellm.models.layers import (
     silu_and_mul,
 )
 
-pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
+pytestmark = pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 96, 200])  # below, at and past a 12-row micro-tile
@@ -29,34 +29,34 @@ def test_linear_packed_matches_torch(rows: int, out_features: int, in_features: 
     bias = torch.randn(out_features) if with_bias else None
     x = torch.randn(rows, in_features)
     out = torch.empty(rows, out_features)
-    torch.ops.pagellm_gemm.linear_packed(out, x, torch.ops.pagellm_gemm.pack_weight(weight), bias)
+    ops.linear_packed(out, x, ops.pack_weight(weight), bias)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=2e-5)
 
 
 def test_linear_packed_reads_strided_rows_and_rejects_mismatches() -> None:
     weight = torch.randn(40, 64)
-    packed = torch.ops.pagellm_gemm.pack_weight(weight)
+    packed = ops.pack_weight(weight)
     x = torch.randn(6, 100)[:, :64]
     out = torch.empty(6, 40)
-    torch.ops.pagellm_gemm.linear_packed(out, x, packed, None)
+    ops.linear_packed(out, x, packed, None)
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
     wide = torch.randn(2080, 64)  # enough panels that the strided rows are packed first
     x_wide = torch.randn(30, 100)[:, :64]
     out_wide = torch.empty(30, 2080)
-    torch.ops.pagellm_gemm.linear_packed(out_wide, x_wide, torch.ops.pagellm_gemm.pack_weight(wide), None)
+    ops.linear_packed(out_wide, x_wide, ops.pack_weight(wide), None)
     torch.testing.assert_close(out_wide, x_wide @ wide.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="input width"):
-        torch.ops.pagellm_gemm.linear_packed(out, torch.randn(6, 65), packed, None)
+        ops.linear_packed(out, torch.randn(6, 65), packed, None)
     with pytest.raises(ValueError, match="columns"):
-        torch.ops.pagellm_gemm.linear_packed(torch.empty(6, 80), x, packed, None)
+        ops.linear_packed(torch.empty(6, 80), x, packed, None)
 
 
 def test_linear_module_uses_the_packed_copy_only_for_small_batches(monkeypatch) -> None:
     layer = Linear(64, 48, bias=True)
-    assert layer.pack() == torch.ops.pagellm_gemm.pack_weight(layer.weight).numel() * 4  # random weights: no blocks
+    assert layer.pack() == ops.pack_weight(layer.weight).numel() * 4  # random weights: no blocks
     calls = []
-    real = torch.ops.pagellm_gemm.linear_packed
-    monkeypatch.setattr(torch.ops.pagellm_gemm, "linear_packed", lambda *a: (calls.append(a[1].shape[0]), real(*a)))
+    real = ops.linear_packed
+    monkeypatch.setattr(ops, "linear_packed", lambda *a: (calls.append(a[1].shape[0]), real(*a)))
     with torch.no_grad():
         for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
             x = torch.randn(rows, 64)
@@ -87,8 +87,8 @@ def test_gguf_block_weights_pack_as_blocks_with_bit_identical_results(
     for rows in (1, 5, 12, 13, 32, 96):  # below, at and past a micro-tile, and the largest packed batch
         x = torch.randn(rows, in_features)
         got, want = torch.empty(rows, out_features), torch.empty(rows, out_features)
-        torch.ops.pagellm_gemm.linear_packed(got, x, blocks, bias)
-        torch.ops.pagellm_gemm.linear_packed(want, x, floats, bias)
+        ops.linear_packed(got, x, blocks, bias)
+        ops.linear_packed(want, x, floats, bias)
         assert torch.equal(got, want), rows
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-3)
 
@@ -110,10 +110,10 @@ def test_linear_takes_blocks_up_to_their_row_limit(monkeypatch, bits: int, limit
     weight = block_quantized(48, 64, bits, torch.Generator().manual_seed(2))
     packed = pack_weight(weight)
     used = []
-    real = torch.ops.pagellm_gemm.linear_packed
-    monkeypatch.setattr(torch.ops.pagellm_gemm, "linear_packed", lambda *a: (used.append((a[1].shape[0], a[2].dtype)), real(*a)))
+    real = ops.linear_packed
+    monkeypatch.setattr(ops, "linear_packed", lambda *a: (used.append((a[1].shape[0], a[2].dtype)), real(*a)))
     limit = packed.blocks_max_rows
-    assert limit in limits and limit == torch.ops.pagellm_gemm.blocks_max_rows(packed.blocks)
+    assert limit in limits and limit == ops.blocks_max_rows(packed.blocks)
     for rows in (1, limit, limit + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
@@ -121,16 +121,16 @@ def test_linear_takes_blocks_up_to_their_row_limit(monkeypatch, bits: int, limit
 
 
 def test_block_packed_input_width_is_checked() -> None:
-    blocks = torch.ops.pagellm_gemm.pack_weight_blocks(block_quantized(40, 64, 4, torch.Generator().manual_seed(1)))
+    blocks = ops.pack_weight_blocks(block_quantized(40, 64, 4, torch.Generator().manual_seed(1)))
     assert blocks is not None and blocks.dtype == torch.uint8
     with pytest.raises(ValueError, match="input width"):
-        torch.ops.pagellm_gemm.linear_packed(torch.empty(2, 40), torch.randn(2, 96), blocks, None)
+        ops.linear_packed(torch.empty(2, 40), torch.randn(2, 96), blocks, None)
 
 
 def _silu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The unfused kernels: the plain panels' product, then the separate activation."""
     product = torch.empty(x.shape[0], weight.shape[0])
-    torch.ops.pagellm_gemm.linear_packed(product, x, torch.ops.pagellm_gemm.pack_weight(weight), None)
+    ops.linear_packed(product, x, ops.pack_weight(weight), None)
     return silu_and_mul(product)
 
 
@@ -140,9 +140,9 @@ def test_fused_silu_and_mul_equals_the_separate_kernels_bit_for_bit(rows: int, h
     gen = torch.Generator().manual_seed(rows + half)
     weight = torch.randn(2 * half, in_features, generator=gen) / in_features**0.5
     x = torch.randn(rows, in_features, generator=gen)
-    packed = torch.ops.pagellm_gemm.pack_weight_silu_mul(weight)
+    packed = ops.pack_weight_silu_mul(weight)
     out = torch.empty(rows, half)
-    torch.ops.pagellm_gemm.linear_packed_silu_mul(out, x, packed)
+    ops.linear_packed_silu_mul(out, x, packed)
     assert torch.equal(out, _silu_and_mul_reference(x, weight))
     expected = torch.nn.functional.silu(x @ weight[:half].T) * (x @ weight[half:].T)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
@@ -150,15 +150,15 @@ def test_fused_silu_and_mul_equals_the_separate_kernels_bit_for_bit(rows: int, h
 
 def test_fused_silu_and_mul_checks_its_shapes() -> None:
     with pytest.raises(ValueError, match="multiple of"):
-        torch.ops.pagellm_gemm.pack_weight_silu_mul(torch.randn(2 * 20, 64))  # halves of 20: not whole vectors
-    packed = torch.ops.pagellm_gemm.pack_weight_silu_mul(torch.randn(2 * 64, 64))
+        ops.pack_weight_silu_mul(torch.randn(2 * 20, 64))  # halves of 20: not whole vectors
+    packed = ops.pack_weight_silu_mul(torch.randn(2 * 64, 64))
     with pytest.raises(ValueError, match="gate/up panel pairs"):
-        torch.ops.pagellm_gemm.linear_packed_silu_mul(torch.empty(3, 128), torch.randn(3, 64), packed)
+        ops.linear_packed_silu_mul(torch.empty(3, 128), torch.randn(3, 64), packed)
     with pytest.raises(ValueError, match="input width"):
-        torch.ops.pagellm_gemm.linear_packed_silu_mul(torch.empty(3, 64), torch.randn(3, 65), packed)
+        ops.linear_packed_silu_mul(torch.empty(3, 64), torch.randn(3, 65), packed)
     with pytest.raises(ValueError, match="pack_weight_silu_mul"):
         blocks = pack_weight(block_quantized(128, 64, 4, torch.Generator().manual_seed(0))).blocks
-        torch.ops.pagellm_gemm.linear_packed_silu_mul(torch.empty(3, 64), torch.randn(3, 64), blocks)
+        ops.linear_packed_silu_mul(torch.empty(3, 64), torch.randn(3, 64), blocks)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -171,8 +171,8 @@ def test_silu_and_mul_linear_takes_blocks_fused_panels_then_blas(monkeypatch, bi
     assert packed.silu_and_mul and packed.blocks is not None
     used = []
     for name in ("linear_packed", "linear_packed_silu_mul"):
-        real = getattr(torch.ops.pagellm_gemm, name)
-        monkeypatch.setattr(torch.ops.pagellm_gemm, name, lambda *a, name=name, real=real: (used.append((name, a[1].shape[0])), real(*a)))
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, name=name, real=real: (used.append((name, a[1].shape[0])), real(*a)))
     limit = packed.blocks_max_rows
     for rows in (1, limit, limit + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
         x = torch.randn(rows, 64)

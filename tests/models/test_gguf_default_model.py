@@ -10,9 +10,9 @@ from model_utils import PagedDriver
 from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
 from pagellm.attention.torch_ref import TorchReferenceBackend
-from pagellm.kernels.build import load_kernels
-from pagellm.models.layers import Linear, silu_and_mul
+from pagellm.kernels import ops
 from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights
+from pagellm.models.layers import Linear, silu_and_mul
 from pagellm.models.loader import default_model_path, eos_token_ids, get_max_model_len, load_hf_config, load_model
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def test_loaded_model_matches_transformers_logits(gguf_path: str, hf_model: torc
     assert torch.equal(torch.cat([prefill, decode]).argmax(-1), reference.argmax(-1))
 
 
-@pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
+@pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
 def test_default_model_packs_its_quantized_blocks(gguf_path: str) -> None:
     # Q4_1 projections and the Q8_0 embedding (the tied head) get a copy in their own blocks, 0.75 and
     # 1.125 bytes a weight, that computes exactly what the float32 panels of the same weights do.
@@ -94,8 +94,8 @@ def test_default_model_packs_its_quantized_blocks(gguf_path: str) -> None:
     for weight, packed in ((model.model.layers[5].self_attn.qkv_proj.weight, model.model.layers[5].self_attn.qkv_proj.packed),
                            (model.model.embed_tokens.weight, head)):
         got, want = torch.empty(32, weight.shape[0]), torch.empty(32, weight.shape[0])
-        torch.ops.pagellm_gemm.linear_packed(got, x, packed.blocks, None)
-        torch.ops.pagellm_gemm.linear_packed(want, x, packed.panels, None)
+        ops.linear_packed(got, x, packed.blocks, None)
+        ops.linear_packed(want, x, packed.panels, None)
         assert torch.equal(got, want)
         torch.testing.assert_close(got, x @ weight.T, rtol=1e-4, atol=1e-4)
     # The gate/up projection's panels pair gate and up columns for the fused activation: the same
@@ -103,8 +103,8 @@ def test_default_model_packs_its_quantized_blocks(gguf_path: str) -> None:
     mlp = model.model.layers[5].mlp.gate_up_proj
     assert mlp.packed.silu_and_mul
     product, fused = torch.empty(32, 3072), torch.empty(32, 1536)
-    torch.ops.pagellm_gemm.linear_packed(product, x, mlp.packed.blocks, None)
-    torch.ops.pagellm_gemm.linear_packed_silu_mul(fused, x, mlp.packed.panels)
+    ops.linear_packed(product, x, mlp.packed.blocks, None)
+    ops.linear_packed_silu_mul(fused, x, mlp.packed.panels)
     assert torch.equal(fused, silu_and_mul(product))
 
 

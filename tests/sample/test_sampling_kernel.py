@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pagellm.kernels.build import load_kernels
-from pagellm.sample.sampler import Sampler
 from sampler_utils import make_metadata
 
-pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels unavailable")
+from pagellm.kernels import ops
+from pagellm.sample.sampler import Sampler
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
 
 
 def _kernel(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    torch.ops.pagellm_sample.sample_from_logits(out, logits, temperature, u)
+    ops.sample_from_logits(out, logits, temperature, u)
     return out
 
 
@@ -91,16 +91,14 @@ def test_argmax_kernel_equals_torch_argmax_with_ties_infinities_and_nan(vocab: i
     with_nan[-1] = float("nan")  # the first NaN wins, as in torch
     rows.append(with_nan)
     logits = torch.stack(rows)
-    out = torch.empty(len(rows), dtype=torch.int64)
-    torch.ops.pagellm_sample.argmax_rows(out, logits)
-    assert torch.equal(out, logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
 
 
 def test_greedy_rows_use_the_argmax_kernel_and_match_torch(monkeypatch) -> None:
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
     calls = []
-    real = torch.ops.pagellm_sample.argmax_rows
-    monkeypatch.setattr(torch.ops.pagellm_sample, "argmax_rows", lambda out, x: (calls.append(x.shape), real(out, x)))
+    real = ops.argmax_rows
+    monkeypatch.setattr(ops, "argmax_rows", lambda x: (calls.append(x.shape), real(x))[1])
     metadata = make_metadata(6, temperature=0.0)
     sampled = Sampler()(logits, metadata).sampled_token_ids
     assert calls == [(6, 300)]

@@ -2,18 +2,18 @@
 //
 // At 1-64 rows a linear layer is a stream of weights with little arithmetic per weight, and
 // general BLAS spends as long re-packing the weight matrix on every call as it does on the
-// arithmetic (MKL reached 130-170 GFLOP/s at 32 rows here, against 285 for large products).
+// arithmetic.
 // So the weights are packed once, at load time, into panels of NR = 2 vectors of output
 // columns, k-major: [ceil(N / NR), K, NR]. A product then streams each panel exactly once, in
 // order, while a micro-tile of up to MR rows keeps 2 x MR accumulators in registers: per k, two
 // panel loads and MR broadcasts of x feed 2 x MR fused multiply-adds. K is walked in slices of
 // KC so that a panel slice stays in cache while every row block of x passes over it, and each
-// row block prefetches its share of the next slice. Measured on 2 AVX-512 cores (`python -m
-// pagellm.bench.gemm_bench`): 1.2-1.5x MKL at 32 rows, 1.5-2x at 8-16, even at 96-128, behind from
-// 256 rows on, so large batches stay with BLAS.
+// row block prefetches its share of the next slice. Past a few hundred rows BLAS's own blocking
+// wins, so large batches stay with it (where exactly is measured at start-up: kernels/tuning.py;
+// the measurements are in docs/kernels.md).
 //
 // Weights that are exactly GGUF-style blocks of 4- or 8-bit integers (quant_blocks.h) can also be
-// packed in that form, 5.3x / 3.6x smaller; each panel slice is expanded back into float32 in a
+// packed in that form, several times smaller; each panel slice is expanded back into float32 in a
 // per-thread buffer just before the row blocks pass over it. The results are bit for bit those of
 // the float32 panels, with a fraction of the memory traffic, which pays at few rows (see
 // blocks_max_rows); linear_packed takes either form.
@@ -41,7 +41,7 @@ constexpr int MR = 12;
 #else
 constexpr int MR = 6;
 #endif
-constexpr int KC = 576;    // k per slice: 576 x 32 floats (72 KiB, in L2); 128 and 256 measured no better at 32 rows, worse at 64-128
+constexpr int KC = 576;         // k per slice: 576 x 32 floats (72 KiB) stay in L2
 constexpr int KC_BLOCKS = 128;  // k per slice of block-packed weights: the expanded slice (16 KiB) stays in L1
 static_assert(KC % QK == 0 && KC_BLOCKS % QK == 0, "slices hold whole blocks");
 
@@ -117,15 +117,14 @@ constexpr auto make_tiles(std::index_sequence<I...>) {
 }
 // [packed rows][silu * up]: tiles of 1..MR rows.
 constexpr std::array<std::array<std::array<MicroTile, MR>, 2>, 2> kTiles = {{
-    {{make_tiles<false, false>(std::make_index_sequence<MR>{}), make_tiles<false, true>(std::make_index_sequence<MR>{})}},
+    {{make_tiles<false, false>(std::make_index_sequence<MR>{}),
+      make_tiles<false, true>(std::make_index_sequence<MR>{})}},
     {{make_tiles<true, false>(std::make_index_sequence<MR>{}), make_tiles<true, true>(std::make_index_sequence<MR>{})}},
 }};
 
-// Packing x costs one serial pass over it before the threads start (~16 us for 32 x 576) and
-// makes each k's MR broadcasts one contiguous read instead of MR rows' worth; it pays only when
-// many panels reuse it. Measured at 32 rows with 4-bit blocks (AVX-512, ms per call, in place /
-// packed): 576 -> 576 (18 panels) 0.091 / 0.107, 576 -> 960 (30) 0.151 / 0.156, 576 -> 3072 (96)
-// 0.485 / 0.452, the 49,152-column vocabulary head 7.9 / 7.2.
+// Packing x costs one serial pass over it before the threads start and makes each k's MR
+// broadcasts one contiguous read instead of MR rows' worth; it pays only when many panels reuse
+// it (the crossover, measured, is in docs/kernels.md).
 constexpr int64_t kPackRowsMinPanels = 64;
 
 // [N, K] -> [ceil(N / NR), K, NR], zero-padded past N.
@@ -210,10 +209,8 @@ c10::optional<at::Tensor> pack_weight_blocks(const at::Tensor& weight) {
 
 // Up to this many rows these block panels beat float32 panels of the same weight; past it,
 // expanding the blocks costs more than the memory traffic it saves, and sooner for 8-bit blocks
-// (less traffic saved per weight expanded). `python -m pagellm.bench.gemm_bench`, 30 layers of
-// 4-bit blocks (vocabulary head, 8-bit): AVX-512 2.1x (2.3x) at 1 row, 1.3x (1.2x) at 16, 1.1x
-// (1.0x) at 24, 1.0x (0.87x) at 32, 0.95x at 64; AVX2 (x86-64-v3) 1.75x at 1, 1.13x at 8, 0.95x
-// at 16.
+// (less traffic saved per weight expanded). A default for when nothing was measured: the engine
+// measures the machine's own limit at start-up (kernels/tuning.py; history in docs/kernels.md).
 int64_t blocks_max_rows(const at::Tensor& blocks) {
   TORCH_CHECK_VALUE(blocks.scalar_type() == at::kByte && blocks.dim() == 3 &&
                         (blocks.size(2) == kQ4BlockBytes || blocks.size(2) == kQ8BlockBytes),
@@ -229,8 +226,8 @@ int64_t blocks_max_rows(const at::Tensor& blocks) {
 bool check_linear_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const char* op) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
                     ": x must be a 2-D float32 CPU tensor with contiguous rows");
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0), op,
-                    ": out must be float32 [rows of x, N] with contiguous rows");
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
+                    op, ": out must be float32 [rows of x, N] with contiguous rows");
   const bool f32 = packed.scalar_type() == at::kFloat;
   const bool blocks = packed.scalar_type() == at::kByte;
   const bool q4 = blocks && packed.dim() == 3 && packed.size(2) == kQ4BlockBytes;
@@ -275,13 +272,16 @@ inline void for_each_row_block(const float* a, bool pack_rows, int64_t m, int64_
   for (int64_t j = 0; j < row_blocks; ++j) {
     const int64_t m0 = j * MR;
     const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
-    const int share_begin = static_cast<int>(j * kc / row_blocks), share_end = static_cast<int>((j + 1) * kc / row_blocks);
+    const int share_begin = static_cast<int>(j * kc / row_blocks),
+              share_end = static_cast<int>((j + 1) * kc / row_blocks);
     const float* a_tile = pack_rows ? a + j * k * MR + k0 * MR : a + m0 * lda + k0;
-    tile(m0, rows, a_tile, ahead == nullptr ? nullptr : ahead + share_begin * NR, ahead == nullptr ? 0 : share_end - share_begin);
+    tile(m0, rows, a_tile, ahead == nullptr ? nullptr : ahead + share_begin * NR,
+         ahead == nullptr ? 0 : share_end - share_begin);
   }
 }
 
-void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                   const c10::optional<at::Tensor>& bias) {
   const bool f32 = check_linear_inputs(out, x, packed, "linear_packed");
   const bool q4 = !f32 && packed.size(2) == kQ4BlockBytes;
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = packed.size(0);
@@ -352,8 +352,8 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 at::Tensor pack_weight_silu_mul(const at::Tensor& weight) {
   const at::Tensor w = weight_to_pack(weight, "pack_weight_silu_mul");
   const int64_t d = w.size(0) / 2, k = w.size(1);
-  TORCH_CHECK_VALUE(w.size(0) % 2 == 0 && d % W == 0, "pack_weight_silu_mul: the weight needs 2d rows with d a multiple of ",
-                    W, "; got ", w.size(0));
+  TORCH_CHECK_VALUE(w.size(0) % 2 == 0 && d % W == 0,
+                    "pack_weight_silu_mul: the weight needs 2d rows with d a multiple of ", W, "; got ", w.size(0));
   // [2, d / W, W, K] -> [d / W, 2, W, K]: each chunk of W gate rows followed by its W up rows.
   return pack_f32(w.view({2, d / W, W, k}).transpose(0, 1).contiguous().view({2 * d, k}));
 }

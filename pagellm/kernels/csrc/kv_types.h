@@ -38,9 +38,11 @@ inline vfloat load_kv(const c10::Half* p) {
 
 inline void store_kv(c10::Half* p, vfloat x) {
 #if defined(__AVX512F__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #elif defined(__F16C__) && defined(__AVX__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
   for (int i = 0; i < W; ++i) p[i] = c10::Half(x[i]);
 #endif

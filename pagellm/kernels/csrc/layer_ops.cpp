@@ -20,12 +20,12 @@ namespace pagellm {
 namespace {
 
 // Rows per parallel chunk: a decode batch's few short rows stay on one thread, since waking a
-// sleeping OpenMP worker (~50 us, measured: these ops took 70-90 us at a batch of 32 when split)
-// costs more than the work (~1 ns per element).
+// sleeping OpenMP worker costs more than the work (about a nanosecond per element).
 int64_t grain_rows(int64_t row_len) { return std::max<int64_t>(1, 131072 / std::max<int64_t>(row_len, 1)); }
 
 void check_matrix(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", name, " must be a float32 CPU tensor");
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", name,
+                    " must be a float32 CPU tensor");
   TORCH_CHECK_VALUE(t.dim() == 2 && t.stride(1) == 1, op, ": ", name, " must be 2-D with contiguous rows");
 }
 
@@ -132,7 +132,8 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tens
   const int64_t rows = x.size(0), max_pos = cos.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK_VALUE(pos[r] >= 0 && pos[r] < max_pos, "rotary_embedding: position ", pos[r], " outside [0, ", max_pos, ")");
+    TORCH_CHECK_VALUE(pos[r] >= 0 && pos[r] < max_pos, "rotary_embedding: position ", pos[r], " outside [0, ", max_pos,
+                      ")");
   float* xd = x.data_ptr<float>();
   const float* cd = cos.data_ptr<float>();
   const float* sd = sin.data_ptr<float>();

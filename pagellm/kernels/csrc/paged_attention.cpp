@@ -19,7 +19,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -91,32 +90,22 @@ inline void transpose_stage(vfloat* x) {
 }
 inline void transpose(vfloat* x) { transpose_stage<W / 2>(x); }
 
-
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kDecodeChunk = 16;  // keys per decode step; a multiple of W
 // Decode chunks prefetched ahead, and whether the values' prefetches go with the value loop
-// rather than with the keys'. From memory, float32 attention waits on memory, and two chunks
-// ahead with the prefetches spread over both loops ran 7-8% faster (AMD Zen 4, 30 layers of 32
-// x 320 keys: 18.5 / 18.3 / 17.7 / 17.6 -> 15.1 / 17.4 / 16.6 / 16.9 ms); 16-bit caches convert
-// every element and wait on arithmetic instead, and the extra instructions in the value loop cost
-// them 20% (8.9 -> 10.8 ms), so they keep one chunk with all prefetches in the key loop.
+// rather than with the keys'. From memory, float32 attention waits on memory, so prefetching two
+// chunks ahead, spread over both loops, pays; 16-bit caches convert every element and wait on
+// arithmetic instead, where the extra instructions in the value loop cost more than they hide, so
+// they keep one chunk with all prefetches in the key loop (docs/kernels.md).
 template <typename T>
 constexpr bool kMemoryBound = sizeof(T) == 4;
 template <typename T>
 constexpr int kPrefetchChunks = kMemoryBound<T> ? 2 : 1;
-constexpr int kKeyChunk = 32;     // keys per prefill step
-constexpr int kTileRows = 64;     // target (token, head) rows per prefill tile
-constexpr int kMaxGroup = 8;      // query heads per kv head handled in one item
+constexpr int kKeyChunk = 32;  // keys per prefill step
+constexpr int kTileRows = 64;  // target (token, head) rows per prefill tile
+constexpr int kMaxGroup = 8;   // query heads per kv head handled in one item
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxKvPerItem = 4;  // kv heads per decode item (whole rows up to this many heads)
-
-// Whether decode prefetches the next chunk into L2 only (prefetcht1) rather than into L1 as
-// well (prefetcht0). Which is faster depends on the core: into L2, decode attention from memory
-// ran 1.6x faster on an AMD Zen 4 (30 layers of 32 x 320 keys: 29.8-32.2 -> 18.4-19.9 ms; the L1
-// fill buffers are few, and prefetches to L1 hold them), while on an Intel Xeon an earlier L2
-// variant was 27% slower (30.0 against 23.7 ms). So pagellm.attention.cpu_paged measures both at
-// start-up and sets this.
-std::atomic<bool> g_prefetch_to_l2{false};
 
 // Where everything lives for one call.
 struct Problem {
@@ -134,6 +123,10 @@ struct Problem {
   int head_dim;
   int block_size;
   float scale_log2;  // softmax scale * log2(e): scores live in the log2 domain
+  // Whether decode prefetches the next chunk into L2 only (prefetcht1) rather than into L1 as
+  // well (prefetcht0). Which is faster depends on the core (the L1 fill buffers that prefetches
+  // to L1 hold are few on some), so the caller measures both at start-up (kernels/tuning.py).
+  bool prefetch_to_l2;
 };
 
 // One unit of parallel work.
@@ -183,8 +176,7 @@ inline void locate_rows(const Problem& p, int seq, int kv_head, int pos, int n, 
 // consecutive kv heads of G query heads each. Every key row holds all kv heads side by side
 // (cache layout [block, token, kv head, dim]), so an item that covers them all reads each row
 // whole: 768 contiguous bytes at SmolLM2's shapes instead of three 256-byte pieces 768 bytes
-// apart, which the memory system serves at a fraction of the rate (a plain read loop over 32 x
-// 1,024 keys of scattered blocks on an AMD Zen 4: 9 GB/s by head, 15-18 GB/s whole rows).
+// apart, which the memory system serves at a fraction of the rate (docs/kernels.md).
 // Writes normalised output, or (m, l, acc) partials for a later merge when split.
 template <int D, int G>
 struct DecodeState {
@@ -210,9 +202,8 @@ inline void prefetch_head_row(const T* row, bool to_l2) {
 // One chunk of keys for one kv head (`head_offset` elements into each row). `ahead_keys` and
 // `ahead_values`, when given, are the rows kPrefetchChunks<T> chunks ahead: this head's part of
 // each is prefetched (into L2 only with `to_l2`) one key at a time as the current rows are
-// consumed, keys with the keys and, for float32, values with the values (issued as one
-// burst of 8 lines x 16 keys, the prefetches overflowed the core's queue of outstanding misses on
-// an AMD Zen 4: 30 layers of 32 x 320 keys, 37.4 / 38.0 -> 35.4 / 30.7 ms).
+// consumed, keys with the keys and, for float32, values with the values: issued as one burst
+// per chunk, the prefetches overflow the core's queue of outstanding misses.
 template <int D, int G, typename T>
 inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const T* const* value_rows, int head_offset,
                          int n_keys, const T* const* ahead_keys, const T* const* ahead_values, bool to_l2) {
@@ -277,7 +268,7 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
   const int context_len = std::min(p.seq_lens[item.seq], item.end);
   const int token = p.query_start_loc[item.seq];
   const int num_kv = item.num_kv;
-  const bool to_l2 = g_prefetch_to_l2.load(std::memory_order_relaxed);
+  const bool to_l2 = p.prefetch_to_l2;
   DecodeState<D, G> states[kMaxKvPerItem];
   const float* q_src = p.query + token * p.query_token_stride + static_cast<int64_t>(item.head_begin) * D;
   for (int h = 0; h < num_kv; ++h) {
@@ -300,7 +291,8 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
   constexpr int kLine = 64 / static_cast<int>(sizeof(T));  // elements per cache line
   for (int c = 0; c < kAhead; ++c) {
     if (item.begin + c * kDecodeChunk < item.end) {
-      locate_rows(p, item.seq, item.kv_head, item.begin + c * kDecodeChunk, kDecodeChunk, context_len, zero_row, rows[c][0], rows[c][1]);
+      locate_rows(p, item.seq, item.kv_head, item.begin + c * kDecodeChunk, kDecodeChunk, context_len, zero_row,
+                  rows[c][0], rows[c][1]);
       for (int n = 0; n < kDecodeChunk; ++n) {
         for (int line = 0; line < num_kv * D; line += kLine) {
           __builtin_prefetch(rows[c][0][n] + line, 0, 3);
@@ -316,16 +308,19 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
     const int ahead_slot = cur == 0 ? kRing - 1 : cur - 1;
     const bool fetch_ahead = ahead < item.end;
     if (fetch_ahead)
-      locate_rows(p, item.seq, item.kv_head, ahead, kDecodeChunk, context_len, zero_row, rows[ahead_slot][0], rows[ahead_slot][1]);
+      locate_rows(p, item.seq, item.kv_head, ahead, kDecodeChunk, context_len, zero_row, rows[ahead_slot][0],
+                  rows[ahead_slot][1]);
     for (int h = 0; h < num_kv; ++h) {
-      decode_chunk<D, G, T>(states[h], rows[cur][0], rows[cur][1], h * D, n_keys, fetch_ahead ? rows[ahead_slot][0] : nullptr,
-                            fetch_ahead ? rows[ahead_slot][1] : nullptr, to_l2);
+      decode_chunk<D, G, T>(states[h], rows[cur][0], rows[cur][1], h * D, n_keys,
+                            fetch_ahead ? rows[ahead_slot][0] : nullptr, fetch_ahead ? rows[ahead_slot][1] : nullptr,
+                            to_l2);
     }
   }
   for (int h = 0; h < num_kv; ++h) {
     const DecodeState<D, G>& st = states[h];
     if (item.partial < 0) {
-      float* dst = p.out + static_cast<int64_t>(token) * p.num_heads * D + static_cast<int64_t>(item.head_begin + h * G) * D;
+      float* dst =
+          p.out + static_cast<int64_t>(token) * p.num_heads * D + static_cast<int64_t>(item.head_begin + h * G) * D;
       for (int j = 0; j < G; ++j) {
         const float total = hsum(st.l[j]);
         const float inv = total > 0.f ? 1.f / total : 0.f;
@@ -361,12 +356,12 @@ void decode_dispatch(const Problem& p, const Item& item, const T* zero_row, floa
 // Prefill: rows r = token_in_tile * g + head_in_group, padded to a multiple of W. Row-major
 // buffers use the fixed stride kTileRows so that every offset below is a compile-time constant.
 struct TileScratch {
-  std::vector<float> qt;      // [D][kTileRows]: transposed, pre-scaled queries
-  std::vector<float> kc;      // [kKeyChunk][D]: the chunk's keys, contiguous
-  std::vector<float> st;      // [kKeyChunk][kTileRows]: scores, then probabilities
-  std::vector<float> o;       // [kTileRows][D]: unnormalised output
+  std::vector<float> qt;                              // [D][kTileRows]: transposed, pre-scaled queries
+  std::vector<float> kc;                              // [kKeyChunk][D]: the chunk's keys, contiguous
+  std::vector<float> st;                              // [kKeyChunk][kTileRows]: scores, then probabilities
+  std::vector<float> o;                               // [kTileRows][D]: unnormalised output
   std::vector<float> m, l, corr, row_pos, chunk_max;  // [kTileRows]
-  std::vector<float> zero_row;                         // [kMaxHeadDim * kMaxKvPerItem]: a whole masked row
+  std::vector<float> zero_row;                        // [kMaxHeadDim * kMaxKvPerItem]: a whole masked row
   explicit TileScratch(int head_dim)
       : qt(static_cast<size_t>(head_dim) * kTileRows),
         kc(static_cast<size_t>(kKeyChunk) * head_dim),
@@ -585,7 +580,8 @@ inline std::vector<Run> shared_block_runs(const Problem& p, std::vector<Item>& i
   const int max_run = std::max<int>(1, static_cast<int>(items.size()) / (4 * std::max(1, num_threads)));
   std::vector<Run> runs;
   for (int i = 0, n = static_cast<int>(items.size()); i < n; ++i) {
-    const bool extend = !runs.empty() && keyed[i].first == keyed[i - 1].first && runs.back().end - runs.back().begin < max_run;
+    const bool extend =
+        !runs.empty() && keyed[i].first == keyed[i - 1].first && runs.back().end - runs.back().begin < max_run;
     if (!extend) runs.push_back({i, i, 0.0});
     runs.back().end = i + 1;
     runs.back().cost += items[i].cost;
@@ -703,7 +699,8 @@ void run(const Problem& p, int num_seqs, int num_threads) {
       float* dst = p.out + static_cast<int64_t>(token) * p.num_heads * D + static_cast<int64_t>(it.head_begin) * D;
       for (int j = 0; j < it.num_group; ++j) {
         float m_all = kNegInf;
-        for (int k = 0; k < count; ++k) m_all = std::max(m_all, partials[static_cast<int64_t>(first + k) * (2 + D) * kMaxGroup + j]);
+        for (int k = 0; k < count; ++k)
+          m_all = std::max(m_all, partials[static_cast<int64_t>(first + k) * (2 + D) * kMaxGroup + j]);
         float l_all = 0.f;
         float acc[kMaxHeadDim] = {};
         for (int k = 0; k < count; ++k) {
@@ -737,21 +734,25 @@ void run_for_head_dim(const Problem& p, int num_seqs, int threads) {
   }
 }
 
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     double scale, bool prefetch_to_l2) {
   TORCH_CHECK_VALUE(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                         supported_cache_type(kv_cache.scalar_type()),
                     "paged_attention: float32 query and output, float32/float16/bfloat16 cache only");
   TORCH_CHECK_VALUE(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_attention: bad shapes");
-  TORCH_CHECK_VALUE(kv_cache.is_contiguous() && out.is_contiguous(), "paged_attention: kv_cache and out must be contiguous");
+  TORCH_CHECK_VALUE(kv_cache.is_contiguous() && out.is_contiguous(),
+                    "paged_attention: kv_cache and out must be contiguous");
   TORCH_CHECK_VALUE(query.stride(2) == 1 && query.stride(1) == query.size(2),
                     "paged_attention: each token's query heads must be contiguous");
   TORCH_CHECK_VALUE(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                         query_start_loc.scalar_type() == at::kInt,
                     "paged_attention: block_table, seq_lens and query_start_loc must be int32");
-  TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.stride(1) == 1, "paged_attention: block_table rows must be contiguous");
-  TORCH_CHECK_VALUE(seq_lens.is_contiguous() && query_start_loc.is_contiguous(), "paged_attention: metadata must be contiguous");
+  TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.stride(1) == 1,
+                    "paged_attention: block_table rows must be contiguous");
+  TORCH_CHECK_VALUE(seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+                    "paged_attention: metadata must be contiguous");
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t head_dim = query.size(2);
   TORCH_CHECK_VALUE(supported_head_dim(head_dim), "paged_attention: unsupported head_dim ", head_dim);
@@ -776,6 +777,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.head_dim = static_cast<int>(head_dim);
   p.block_size = static_cast<int>(kv_cache.size(2));
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.prefetch_to_l2 = prefetch_to_l2;
 
   // Every block a sequence reaches must exist: a bad table would otherwise read out of bounds.
   const int64_t num_blocks = kv_cache.size(1);
@@ -820,9 +822,11 @@ void scatter_converted(at::Tensor& kv_cache, const at::Tensor& key, const at::Te
   });
 }
 
-void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping) {
-  TORCH_CHECK_VALUE(kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
-                    "write_kv_cache: kv_cache must be a contiguous CPU [2, blocks, block_size, kv_heads, head_dim]");
+void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(
+      kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+      "write_kv_cache: kv_cache must be a contiguous CPU [2, blocks, block_size, kv_heads, head_dim]");
   const at::ScalarType cache_type = kv_cache.scalar_type();
   const bool converts = (cache_type == at::kHalf || cache_type == at::kBFloat16) && key.scalar_type() == at::kFloat;
   TORCH_CHECK_VALUE(key.scalar_type() == value.scalar_type() && (key.scalar_type() == cache_type || converts),
@@ -834,7 +838,8 @@ void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == num_kv_heads && t->size(2) == head_dim,
                       "write_kv_cache: key/value must be [tokens, kv_heads, head_dim] matching the cache");
-    TORCH_CHECK_VALUE(t->stride(2) == 1 && t->stride(1) == head_dim, "write_kv_cache: each token's heads must be contiguous");
+    TORCH_CHECK_VALUE(t->stride(2) == 1 && t->stride(1) == head_dim,
+                      "write_kv_cache: each token's heads must be contiguous");
   }
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -858,19 +863,13 @@ void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   });
 }
 
-void set_decode_prefetch_to_l2(bool to_l2) { g_prefetch_to_l2.store(to_l2); }
-bool decode_prefetch_to_l2() { return g_prefetch_to_l2.load(); }
-
 }  // namespace
 }  // namespace pagellm
 
 TORCH_LIBRARY(pagellm_attn, m) {
-  // No tensor arguments, so catch-all kernels rather than CPU ones.
-  m.def("set_decode_prefetch_to_l2(bool to_l2) -> ()", &pagellm::set_decode_prefetch_to_l2);
-  m.def("decode_prefetch_to_l2() -> bool", &pagellm::decode_prefetch_to_l2);
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale) -> ()");
+      "Tensor query_start_loc, float scale, bool prefetch_to_l2) -> ()");
   m.def("write_kv_cache(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 }
 

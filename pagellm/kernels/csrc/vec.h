@@ -56,8 +56,12 @@ inline vfloat butterfly(vfloat v, Combine combine) {
     return butterfly<Step / 2>(combine(v, __builtin_shuffle(v, mask)), combine);
   }
 }
-inline vfloat allsum(vfloat v) { return butterfly(v, [](vfloat a, vfloat b) { return a + b; }); }
-inline vfloat allmax(vfloat v) { return butterfly(v, [](vfloat a, vfloat b) { return vmax(a, b); }); }
+inline vfloat allsum(vfloat v) {
+  return butterfly(v, [](vfloat a, vfloat b) { return a + b; });
+}
+inline vfloat allmax(vfloat v) {
+  return butterfly(v, [](vfloat a, vfloat b) { return vmax(a, b); });
+}
 inline float hsum(vfloat v) { return allsum(v)[0]; }
 inline float hmax(vfloat v) { return allmax(v)[0]; }
 

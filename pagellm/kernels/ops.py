@@ -1,0 +1,205 @@
+"""pagellm's native CPU ops, one typed function each, and which inputs they take.
+
+The only module that calls ``torch.ops.pagellm_*`` (the library built by
+:mod:`pagellm.kernels.build`), so a schema change is one edit here, and the only one that decides
+between a kernel and the pure-torch path: the other layers ask :func:`supports` (or an op's own
+predicate) or call an op that falls back by itself. Callers reach these functions through the
+module (``ops.linear_packed(...)``) so that a test can replace one with ``monkeypatch``.
+
+Ops that write into ``out`` (or update in place) follow the native signature; the elementwise
+layer ops return a new tensor and take the torch path for what their kernel does not cover
+(another device or dtype, strided rows, or no library).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+
+from pagellm.kernels.build import load_error as _build_load_error
+from pagellm.kernels.build import load_kernels
+
+# What paged_attention.cpp instantiates its templates for.
+PAGED_ATTENTION_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256})
+PAGED_ATTENTION_CACHE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+def available() -> bool:
+    """Whether the native library is loaded (built, or loaded from the cache, on the first call)."""
+    return load_kernels()
+
+
+def load_error() -> Optional[str]:
+    """Why the library could not be built or loaded, if it could not."""
+    return _build_load_error()
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the float32 CPU kernels take these tensors: all float32 on the CPU, and the library loaded."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.stride(-1) == 1
+
+
+# --- attention (paged_attention.cpp) ----------------------------------------------------------
+
+
+def paged_attention_supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_attention` covers this query and cache (otherwise attend in torch)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and kv_cache.dtype in PAGED_ATTENTION_CACHE_DTYPES
+        and query.shape[-1] in PAGED_ATTENTION_HEAD_DIMS
+        and kv_cache.is_contiguous()
+        and available()
+    )
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    prefetch_to_l2: bool,
+) -> None:
+    """Attention of ``query`` ``[T, heads, dim]`` over each sequence's paged context, into ``out``.
+
+    ``prefetch_to_l2``: decode prefetches the next keys and values into L2 only rather than L1;
+    which is faster depends on the core (:class:`pagellm.kernels.tuning.CpuTuning`).
+    """
+    torch.ops.pagellm_attn.paged_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, float(scale), prefetch_to_l2)
+
+
+def write_kv_cache_supports(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Whether :func:`write_kv_cache` takes these: each token's heads contiguous, int64 slots, and
+    keys/values of the cache's dtype (or float32 for a half-precision cache, converted as written)."""
+    converts = kv_cache.dtype in (torch.float16, torch.bfloat16) and key.dtype == torch.float32
+    return (
+        kv_cache.device.type == "cpu"
+        and (key.dtype == kv_cache.dtype or converts)
+        and value.dtype == key.dtype
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and key.stride(-2) == key.shape[-1]
+        and value.stride(-2) == value.shape[-1]
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and available()
+    )
+
+
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatters this step's keys and values ``[T, kv_heads, dim]`` into their cache slots: one
+    copy per token row, spread over the threads, without index_copy_'s generic machinery."""
+    torch.ops.pagellm_attn.write_kv_cache(kv_cache, key, value, slot_mapping)
+
+
+# --- layer ops (layer_ops.cpp) ----------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last dimension, as a new tensor."""
+    if supports(x) and _rows_contiguous(x):
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        torch.ops.pagellm_ops.rms_norm(out, x, weight, eps)
+        return out
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm`'s torch path, which the kernel must agree with."""
+    # Statistics in float32 as transformers does, so half-precision models do not lose range.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adds ``x`` to ``residual`` and normalises the sum: returns ``(normalised, sum)``. Both
+    inputs are overwritten (the kernel leaves the normalised sum in ``x``, the sum in ``residual``)."""
+    if supports(x) and _rows_contiguous(x) and residual.stride(-1) == 1 and residual.shape == x.shape:
+        torch.ops.pagellm_ops.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
+    residual = residual.add_(x)
+    return rms_norm_torch(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for a gate/up projection's output ``[T, 2d]``."""
+    d = x.shape[-1] // 2
+    if supports(x) and _rows_contiguous(x):
+        out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
+        torch.ops.pagellm_ops.silu_and_mul(out, x)
+        return out
+    return F.silu(x[..., :d]).mul_(x[..., d:])
+
+
+def rotary_embedding(
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int
+) -> None:
+    """Rotates the first ``num_heads`` heads of each row of ``qkv`` (float32 on CPU, rows
+    contiguous; check with :func:`supports`) in place. ``cos``/``sin`` are whole tables
+    ``[max_positions, head_dim // 2]``, gathered by position inside the kernel."""
+    torch.ops.pagellm_ops.rotary_embedding(qkv, positions, cos, sin, num_heads, head_dim)
+
+
+# --- packed small-batch matmul (gemm.cpp) -----------------------------------------------------
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight ``[N, K]`` as float32 panels for :func:`linear_packed`."""
+    return torch.ops.pagellm_gemm.pack_weight(weight)
+
+
+def pack_weight_blocks(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weight as its own 4- or 8-bit GGUF blocks (uint8 panels) when it is exactly such blocks, else None."""
+    return torch.ops.pagellm_gemm.pack_weight_blocks(weight)
+
+
+def pack_weight_silu_mul(weight: torch.Tensor) -> torch.Tensor:
+    """A gate/up weight ``[2d, K]`` (gate rows first) as panels for :func:`linear_packed_silu_mul`;
+    ValueError when ``d`` is not a whole number of vectors."""
+    return torch.ops.pagellm_gemm.pack_weight_silu_mul(weight)
+
+
+def blocks_max_rows(blocks: torch.Tensor) -> int:
+    """The kernel's built-in row limit for these blocks against float32 panels, for an unmeasured machine."""
+    return int(torch.ops.pagellm_gemm.blocks_max_rows(blocks))
+
+
+def linear_packed(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """``out = x @ W.T (+ bias)`` with ``W`` as packed by :func:`pack_weight` or :func:`pack_weight_blocks`."""
+    torch.ops.pagellm_gemm.linear_packed(out, x, packed, bias)
+
+
+def linear_packed_silu_mul(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor) -> None:
+    """``out = silu(x @ gate.T) * (x @ up.T)`` with panels from :func:`pack_weight_silu_mul`."""
+    torch.ops.pagellm_gemm.linear_packed_silu_mul(out, x, packed)
+
+
+# --- sampling (sampling.cpp) ------------------------------------------------------------------
+
+
+def sample_from_logits(out: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> None:
+    """Per row: the token where the CDF of softmax(``logits / temperature``) first exceeds the
+    uniform ``u``, into int64 ``out`` (temperatures below 1e-5 sample at 1, as the torch path's
+    greedy rows do); no top-k, top-p or min-p."""
+    torch.ops.pagellm_sample.sample_from_logits(out, logits, temperature, u)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, int64 ``[B]``; the kernel follows torch's rule for ties and NaN."""
+    if not (supports(logits) and _rows_contiguous(logits)):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    torch.ops.pagellm_sample.argmax_rows(out, logits)
+    return out

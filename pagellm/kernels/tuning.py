@@ -1,0 +1,339 @@
+"""What pagellm measures about the CPU at start-up, as one immutable :class:`CpuTuning`.
+
+Some kernel choices depend on the core more than on its instruction set, so a fixed table per
+instruction set would be wrong on some machine (docs/kernels.md has the measurements):
+
+* whether decode attention prefetches the next keys and values into L2 only or into L1 too;
+* up to how many rows the packed matmul beats BLAS, and up to how many its 4- or 8-bit GGUF
+  block panels beat its float32 panels, per weight format.
+
+:func:`measure_cpu_tuning` times each on the model's own weights (a few hundred milliseconds);
+the engine calls it once and hands the result to the attention backend and the model. Nothing
+here is cached or global: measuring twice measures twice. ``python -m pagellm.kernels.tuning``
+prints what this machine measures, as JSON.
+
+The choices never change results between block and float32 panels (bit-identical by
+construction); between BLAS and the panels they change only the order of float32 sums.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+from torch.nn import functional as F
+
+from pagellm.kernels import ops
+
+logger = logging.getLogger(__name__)
+
+# Decode at 32 sequences x 512 keys (SmolLM2's heads), over copies of the cache that together
+# exceed a last-level cache, so the timed passes read from memory as a model step does.
+DECODE_PROBE_SEQS, DECODE_PROBE_CONTEXT, DECODE_PROBE_COPIES = 32, 512, 3
+DECODE_PROBE_HEADS, DECODE_PROBE_KV_HEADS, DECODE_PROBE_HEAD_DIM, DECODE_PROBE_BLOCK = 9, 3, 64, 16
+DECODE_PROBE_REPEATS = 3
+# L2 prefetches must win by this much to replace the default (L1).
+DECODE_MIN_GAIN = 1.03
+
+# Row counts probed for blocks against float32 panels, and for the panels against BLAS. A limit
+# is the last probe the faster path wins before it first loses, so one noisy loss only makes the
+# limit more conservative.
+BLOCK_PROBE_ROWS = (1, 4, 8, 16, 24, 32, 48, 64)
+BLAS_PROBE_ROWS = (64, 256, 1024)
+# Output rows kept from each probed weight, and weights probed per format: about one layer of a
+# small model, so that a 1,024-row product stays short.
+PROBE_MAX_OUT_FEATURES = 4096
+PROBE_MAX_WEIGHTS = 3_500_000
+# A path must be this much faster to take over from the default: ties go to the safer choice.
+MIN_GAIN = 1.02
+REPEATS = 2
+# Read between timed calls to push the probe out of the caches (twice a large last-level cache).
+FLUSH_BYTES = 64 * 2**20
+UNLIMITED_ROWS = 1 << 30
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    """Up to ``blocks_max_rows`` rows the block panels are used, up to ``packed_max_rows`` the
+    packed kernel (blocks or float32 panels), and BLAS beyond."""
+
+    blocks_max_rows: int
+    packed_max_rows: int
+
+
+@dataclass(frozen=True)
+class CpuTuning:
+    """The start-up measurements the kernels' callers act on.
+
+    ``row_limits`` holds ``(weight format, limits)`` pairs (see :func:`weight_format`) for the
+    formats that were measured; a format without an entry keeps the kernel's built-in defaults.
+    """
+
+    decode_prefetch_to_l2: bool = False
+    row_limits: tuple[tuple[str, RowLimits], ...] = ()
+
+    @classmethod
+    def untuned(cls) -> CpuTuning:
+        """Nothing measured: the kernels' defaults (other devices, tests, no kernels)."""
+        return cls()
+
+    def limits_for(self, fmt: str) -> Optional[RowLimits]:
+        """The measured limits for weights of format ``fmt``, or None if it was not measured."""
+        return dict(self.row_limits).get(fmt)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "decode_prefetch_to_l2": self.decode_prefetch_to_l2,
+                "row_limits": {fmt: asdict(limits) for fmt, limits in self.row_limits},
+            }
+        )
+
+
+class PackedForms(Protocol):
+    """A weight's packed forms as :mod:`pagellm.models.layers` keeps them."""
+
+    panels: torch.Tensor
+    blocks: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Probe:
+    weight: torch.Tensor  # [n, k] as loaded, for BLAS
+    panels: torch.Tensor
+    blocks: Optional[torch.Tensor]
+
+
+def weight_format(blocks: Optional[torch.Tensor]) -> str:
+    """A name for a packed weight's form: ``"float32"`` for panels only, else the block size in
+    bytes (4- and 8-bit blocks differ in size)."""
+    if blocks is None:
+        return "float32"
+    return f"{blocks.shape[2]}-byte block"
+
+
+def make_probe(weight: torch.Tensor, packed: PackedForms) -> Probe:
+    """The first output rows of ``weight`` and its packed forms, as their own smaller weight."""
+    cols_per_panel = packed.panels.shape[2]
+    n = min(weight.shape[0], PROBE_MAX_OUT_FEATURES)
+    panels = n // cols_per_panel if n < weight.shape[0] else packed.panels.shape[0]
+    n = min(n, panels * cols_per_panel)
+    blocks = packed.blocks[:panels] if packed.blocks is not None else None
+    return Probe(weight[:n], packed.panels[:panels], blocks)
+
+
+def _time(fn: Callable[[], None], flush: torch.Tensor) -> float:
+    """Best of a few calls of ``fn``, each with the probe's weights evicted from the caches first:
+    in a model step every layer's weights come from memory, which is where the blocks' smaller
+    size pays; a probe that stayed in the last-level cache would hide that."""
+    fn()  # warm: first touch of buffers, thread pool wake-up
+    best = float("inf")
+    for _ in range(REPEATS):
+        flush.sum()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_path(probes: Sequence[Probe], rows: int, path: str, flush: torch.Tensor) -> float:
+    """Seconds for ``rows`` rows through every probe by ``path``: "blas", "panels" or "blocks"."""
+    inputs = [torch.randn(rows, p.weight.shape[1]) for p in probes]
+    outs = [torch.empty(rows, p.weight.shape[0]) for p in probes]
+
+    def run() -> None:
+        for p, x, out in zip(probes, inputs, outs):
+            if path == "blas":
+                F.linear(x, p.weight)
+            else:
+                ops.linear_packed(out, x, p.blocks if path == "blocks" else p.panels, None)
+
+    return _time(run, flush)
+
+
+def _last_win(probe_rows: Sequence[int], wins: Callable[[int], bool]) -> int:
+    """The last of ``probe_rows`` before the first where ``wins`` fails (0 if it fails first)."""
+    limit = 0
+    for rows in probe_rows:
+        if not wins(rows):
+            break
+        limit = rows
+    return limit
+
+
+def measure_row_limits(probes: Sequence[Probe]) -> RowLimits:
+    """Times the three paths on ``probes`` (one weight format) and returns where each stops winning."""
+    flush = torch.ones(FLUSH_BYTES // 4)
+
+    def faster(rows: int, path: str, than: str) -> bool:
+        t_path = time_path(probes, rows, path, flush)
+        t_than = time_path(probes, rows, than, flush)
+        return t_path * MIN_GAIN < t_than
+
+    blocks_max_rows = 0
+    if probes[0].blocks is not None:
+        blocks_max_rows = _last_win(BLOCK_PROBE_ROWS, lambda rows: faster(rows, "blocks", "panels"))
+    packed_max_rows = _last_win(BLAS_PROBE_ROWS, lambda rows: faster(rows, "panels", "blas"))
+    if packed_max_rows == BLAS_PROBE_ROWS[-1]:
+        # Still ahead at the largest probe, where the kernel already runs at the arithmetic
+        # peak (BLAS can only catch up, not overtake), so no upper limit.
+        packed_max_rows = UNLIMITED_ROWS
+    elif packed_max_rows == 0:
+        # Behind BLAS even at the first probe: the packed kernel keeps the rows below it, where
+        # BLAS was never timed and the kernel was ahead on every machine measured.
+        packed_max_rows = BLAS_PROBE_ROWS[0]
+    return RowLimits(min(blocks_max_rows, packed_max_rows), packed_max_rows)
+
+
+def probes_by_format(weights: Sequence[tuple[torch.Tensor, PackedForms]]) -> dict[str, list[Probe]]:
+    """Probes from the first weights of each format among ``(weight, packed)`` pairs in model
+    order, up to :data:`PROBE_MAX_WEIGHTS` weights per format."""
+    probes: dict[str, list[Probe]] = {}
+    num_weights: dict[str, int] = {}
+    for weight, packed in weights:
+        fmt = weight_format(packed.blocks)
+        if num_weights.get(fmt, 0) >= PROBE_MAX_WEIGHTS:
+            continue
+        probe = make_probe(weight, packed)
+        probes.setdefault(fmt, []).append(probe)
+        num_weights[fmt] = num_weights.get(fmt, 0) + probe.weight.numel()
+    return probes
+
+
+def tune_row_limits(weights: Sequence[tuple[torch.Tensor, PackedForms]]) -> tuple[tuple[str, RowLimits], ...]:
+    """Measures the row limits for each weight format among ``(weight, packed)`` pairs."""
+    limits = []
+    for fmt, probes in probes_by_format(weights).items():
+        start = time.perf_counter()
+        measured = measure_row_limits(probes)
+        logger.info(
+            "packed matmul, %s weights: block panels up to %d rows, packed kernel up to %s rows (measured in %.2f s)",
+            fmt,
+            measured.blocks_max_rows,
+            "any number of" if measured.packed_max_rows >= UNLIMITED_ROWS else measured.packed_max_rows,
+            time.perf_counter() - start,
+        )
+        limits.append((fmt, measured))
+    return tuple(limits)
+
+
+def _decode_probe() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, cache copies, block table, seq_lens, query_start_loc) for a decode step whose
+    sequences own shuffled, scattered blocks, as in a running server's cache."""
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-DECODE_PROBE_CONTEXT // DECODE_PROBE_BLOCK)
+    num_blocks = DECODE_PROBE_SEQS * blocks_per_seq
+    block_ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    block_table = block_ids.view(DECODE_PROBE_SEQS, blocks_per_seq).contiguous()
+    shape = (2, num_blocks, DECODE_PROBE_BLOCK, DECODE_PROBE_KV_HEADS, DECODE_PROBE_HEAD_DIM)
+    cache = torch.randn(shape, generator=gen)
+    caches = [cache] + [cache.clone() for _ in range(DECODE_PROBE_COPIES - 1)]
+    query = torch.randn(DECODE_PROBE_SEQS, DECODE_PROBE_HEADS, DECODE_PROBE_HEAD_DIM, generator=gen)
+    seq_lens = torch.full((DECODE_PROBE_SEQS,), DECODE_PROBE_CONTEXT, dtype=torch.int32)
+    query_start_loc = torch.arange(DECODE_PROBE_SEQS + 1, dtype=torch.int32)
+    return query, caches, block_table, seq_lens, query_start_loc
+
+
+def measure_decode_prefetch() -> bool:
+    """Whether decode attention from memory runs faster prefetching into L2 only."""
+    start = time.perf_counter()
+    query, caches, block_table, seq_lens, query_start_loc = _decode_probe()
+    out = torch.empty_like(query)
+    scale = DECODE_PROBE_HEAD_DIM**-0.5
+
+    def seconds(to_l2: bool) -> float:
+        begin = time.perf_counter()
+        for cache in caches:
+            ops.paged_attention(out, query, cache, block_table, seq_lens, query_start_loc, scale, to_l2)
+        return time.perf_counter() - begin
+
+    best = {False: float("inf"), True: float("inf")}
+    seconds(False)  # warm-up
+    for _ in range(DECODE_PROBE_REPEATS):
+        for to_l2 in (False, True):
+            best[to_l2] = min(best[to_l2], seconds(to_l2))
+    to_l2 = best[True] * DECODE_MIN_GAIN < best[False]
+    logger.info(
+        "decode attention prefetches into %s (from memory: L1 %.1f ms, L2 %.1f ms; measured in %.2f s)",
+        "L2" if to_l2 else "L1",
+        best[False] * 1e3,
+        best[True] * 1e3,
+        time.perf_counter() - start,
+    )
+    return to_l2
+
+
+def measure_cpu_tuning(
+    device: torch.device | str,
+    packed_weights: Sequence[tuple[torch.Tensor, PackedForms]] = (),
+    attention: bool = True,
+) -> CpuTuning:
+    """Measures this machine for a model on ``device``: the decode prefetch level (unless
+    ``attention`` is False, for a backend other than the C++ one) and the packed matmul's row
+    limits for each format among ``packed_weights`` (``(weight, packed)`` pairs in model order).
+    Off the CPU, or without the kernels, nothing is measured: :meth:`CpuTuning.untuned`."""
+    if torch.device(device).type != "cpu" or not ops.available():
+        return CpuTuning.untuned()
+    return CpuTuning(
+        decode_prefetch_to_l2=measure_decode_prefetch() if attention else False,
+        row_limits=tune_row_limits(packed_weights),
+    )
+
+
+def block_quantized(rows: int, cols: int, bits: int, generator: torch.Generator) -> torch.Tensor:
+    """Random float32 ``[rows, cols]`` whose every 32 inputs are GGUF blocks: 4-bit ``d * q + m``
+    (Q4_1) or 8-bit ``d * q`` (Q8_0), half-precision ``d`` and ``m``, as a dequantized model holds.
+    As llama.cpp's quantizers do, each block spans its whole range (q = 0 and 15; |q| = 127)."""
+    blocks = (rows, cols // 32, 1)
+    d = (torch.rand(blocks, generator=generator) * 0.004 + 0.001).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (rows, cols // 32, 32), generator=generator).float()
+        q[..., 0], q[..., 1] = 0, 15
+        m = (-8 * d - torch.rand(blocks, generator=generator) * 0.001).half().float()
+        return (d * q + m).reshape(rows, cols)
+    q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=generator).float()
+    q[..., 0] = 127
+    return (d * q).reshape(rows, cols)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    panels: torch.Tensor
+    blocks: Optional[torch.Tensor]
+
+
+# (in, out) of SmolLM2-135M's fused projections, and the rows of its 8-bit vocabulary head that a
+# probe keeps: the default model's weights in its own formats, for the command line below.
+SMOLLM2_LAYER_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
+SMOLLM2_HEAD_SHAPE = (576, PROBE_MAX_OUT_FEATURES)
+
+
+def smollm2_like_weights(num_layers: int = 2) -> list[tuple[torch.Tensor, _Packed]]:
+    """Random weights of SmolLM2-135M's shapes and formats (8-bit head, 4-bit layers) plus one
+    float32 layer, in model order, with their packed forms."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [block_quantized(SMOLLM2_HEAD_SHAPE[1], SMOLLM2_HEAD_SHAPE[0], 8, gen)]
+    weights += [block_quantized(n, k, 4, gen) for _ in range(num_layers) for k, n in SMOLLM2_LAYER_SHAPES]
+    weights += [torch.randn(n, k, generator=gen) for k, n in SMOLLM2_LAYER_SHAPES]
+    return [(w, _Packed(ops.pack_weight(w), ops.pack_weight_blocks(w))) for w in weights]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Print, as JSON, the CpuTuning this machine measures for weights of SmolLM2-135M's shapes and formats."
+    )
+    parser.parse_args(argv)
+    if not ops.available():
+        print(f"the C++ kernels are unavailable: {ops.load_error()}")
+        return 1
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(measure_cpu_tuning("cpu", smollm2_like_weights()).to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
