@@ -149,8 +149,8 @@ class Sampler:
         self, num_rows: int, seeds: dict[int, tuple[int, int]], device: torch.device, dtype: torch.dtype
     ) -> torch.Tensor:
         """One uniform draw per row, ``[num_rows, 1]``: the point at which its CDF is inverted
-        (one random number per row; an exponential race needs one per vocabulary entry, ~10x
-        slower on a CPU).
+        (one random number per row; an exponential race needs one per vocabulary entry, which
+        costs far more on a CPU: docs/kernels.md).
 
         Seeded rows draw theirs from a generator seeded by (seed, step) alone, so their samples
         do not depend on the other rows of the batch nor on the row's position in it.

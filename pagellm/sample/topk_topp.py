@@ -39,7 +39,7 @@ def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 # Top-p looks for the nucleus among this many most likely tokens first; a nucleus is almost
-# always far smaller, and a full sort of a 49k vocabulary costs ~6 ms per row on a CPU core.
+# always far smaller, and a full sort of the vocabulary per row is slow on a CPU (docs/kernels.md).
 NUCLEUS_CANDIDATES = 1024
 
 
