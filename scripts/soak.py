@@ -205,7 +205,8 @@ class Soak:
             return await self._disconnect_early(path, body)
         if plan == "disconnect_timeout":
             try:
-                await client.post(url, json={**body, "stream": False}, headers=self.headers, timeout=httpx.Timeout(30, read=self.rng.uniform(0.05, 1.0)))
+                timeout = httpx.Timeout(30, read=self.rng.uniform(0.05, 1.0))
+                await client.post(url, json={**body, "stream": False}, headers=self.headers, timeout=timeout)
             except httpx.ReadTimeout:
                 return "disconnected"
             self.report.requests_served += 1  # it was quicker than the timeout (not checked further)
@@ -428,7 +429,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--url", default=None, help="soak this running server (loopback only) instead of starting one")
     p.add_argument("--server-pid", type=int, default=None, help="its pid, for RSS (default: the started server's)")
     p.add_argument("--api-key", default=DEFAULT_API_KEY)
-    p.add_argument("--server-arg", action="append", default=[], help="a flag for the started server (repeat); default: %s" % " ".join(DEFAULT_SERVER_ARGS))
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="a flag for the started server (repeat); default: %s" % " ".join(DEFAULT_SERVER_ARGS),
+    )
     p.add_argument("--json-out", default=None, help="also write the report as JSON here")
     args = p.parse_args(argv)
     if args.duration_s <= 0 or args.max_requests < 1 or args.concurrency < 1:

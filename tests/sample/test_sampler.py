@@ -2,9 +2,9 @@ import math
 
 import pytest
 import torch
+from sampler_utils import make_metadata
 
 from pagellm.sample.sampler import Sampler, derive_step_seed
-from sampler_utils import make_metadata
 
 VOCAB = 64
 
