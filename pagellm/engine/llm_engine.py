@@ -46,6 +46,7 @@ def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, Sam
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from pagellm.attention.selector import get_attn_backend
+        from pagellm.kernels.tuning import measure_cpu_tuning
         from pagellm.models.loader import (
             default_model_path,
             eos_token_ids,
@@ -69,8 +70,6 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len}")
         self.max_model_len = config.max_model_len or model_max_len
-        from pagellm.kernels.tuning import measure_cpu_tuning
-
         attn_backend = get_attn_backend(config.attention_backend, config.device)
         model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend)
         # Measured once, on this machine and the model's own packed weights, then handed to its users.
@@ -78,6 +77,7 @@ class LLMEngine:
         self.cpu_tuning = measure_cpu_tuning(config.device, model.packed_weights(), attention=attention)
         attn_backend.use_cpu_tuning(self.cpu_tuning)
         model.use_cpu_tuning(self.cpu_tuning)
+        logger.info("CPU tuning: %s", self.cpu_tuning.to_json())
         self.shape = ModelShape.from_hf_config(self.hf_config)
         self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
         self.model = model
