@@ -7,7 +7,7 @@ from typing import Sequence
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # after use(): the backend must be chosen first
 
 from pagellm.bench.compare import DesignResult, SweepPoint
 

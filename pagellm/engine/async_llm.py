@@ -304,7 +304,7 @@ class AsyncLLM:
                 if self.stat_logger is not None:
                     self.stat_logger.record_step(stats, time.monotonic())
                 self._num_waiting = stats.scheduler.num_waiting_reqs
-        except BaseException as e:
+        except BaseException as e:  # anything escaping a step leaves the engine unusable
             logger.exception("the engine loop crashed; failing all requests")
             with self._cond:
                 self._dead_error = e

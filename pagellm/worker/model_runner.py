@@ -132,7 +132,7 @@ class ModelRunner:
         try:
             self._sample_rows(logits, rows, req_ids, result)
             return
-        except Exception:
+        except Exception:  # isolate the failing request below
             logger.exception("batched sampling failed; retrying request by request")
         for i, req_id in enumerate(req_ids):
             try:

@@ -246,7 +246,7 @@ class GracefulServer(uvicorn.Server):
         self._aborted_at: Optional[float] = None
         self._dead_since: Optional[float] = None
 
-    def handle_exit(self, sig: int, frame) -> None:
+    def handle_exit(self, sig: int, frame) -> None:  # frame: the signal handler's signature
         # Unlike uvicorn's, this does not re-raise the signal after shutdown: a drain exits 0.
         if self.state.draining:
             logger.warning("second signal: exiting now")

@@ -38,7 +38,7 @@ class OpenAIServingTokenization(OpenAIServing):
 
         try:
             ids, strs = await self.async_llm.run_in_engine(tokenize)
-        except Exception as e:
+        except Exception as e:  # mapped to 400/503/500 by type
             raise to_api_error(e) from e
         return TokenizeResponse(
             count=len(ids),
@@ -57,6 +57,6 @@ class OpenAIServingTokenization(OpenAIServing):
 
         try:
             text = await self.async_llm.run_in_engine(detokenize)
-        except Exception as e:
+        except Exception as e:  # mapped to 400/503/500 by type
             raise to_api_error(e) from e
         return DetokenizeResponse(prompt=text)
