@@ -168,6 +168,9 @@
     return c;
   }
 
+  // Request ids can be long (cmpl-<32 hex>): shown shortened, in full on hover.
+  const shortId = (id) => (id.length > 18 ? id.slice(0, 14) + '…' + id.slice(-4) : id);
+
   function td(text, cls) {
     const el = document.createElement('td');
     el.textContent = text;
@@ -185,7 +188,9 @@
       for (const r of reqs.slice(0, 256)) {
         const tr = document.createElement('tr');
         if (r.preemptions > 0 || r.status === 'preempted') tr.className = 'preempted';
-        tr.append(td(r.id + (r.status === 'preempted' ? ' (preempted)' : '')), td(r.prompt, 'num'), td(r.output, 'num'),
+        const idCell = td(shortId(r.id) + (r.status === 'preempted' ? ' (preempted)' : ''));
+        idCell.title = r.id;
+        tr.append(idCell, td(r.prompt, 'num'), td(r.output, 'num'),
           td(r.computed, 'num'), td(r.preemptions, 'num'));
         const cellTd = document.createElement('td');
         const ids = S.tables.get(r.id) || [];
@@ -216,7 +221,7 @@
     const owners = [];
     for (const [rid, ids] of S.tables) {
       const k = ids.indexOf(id);
-      if (k >= 0) owners.push(`${rid}[${k}]`);
+      if (k >= 0) owners.push(`${shortId(rid)}[${k}]`);
     }
     return owners;
   }
@@ -234,7 +239,7 @@
     const code = S.codes[id];
     const rows = [line('block', `#${id}  ${STATE_NAMES[stateOf(code)]}${code >= 2 ? `, ${code - 1} owner${code > 2 ? 's' : ''}` : ''}`)];
     const owners = ownersOf(id);
-    if (owners.length) rows.push(line('requests', owners.slice(0, 12).join(', ') + (owners.length > 12 ? ' …' : '')));
+    if (owners.length) rows.push(line('requests', owners.slice(0, 4).join(', ') + (owners.length > 4 ? `, +${owners.length - 4} more` : '')));
     if (detail) {
       if (detail.hash) rows.push(line('hash', detail.hash + '…'));
       if (detail.num_tokens !== undefined) rows.push(line('tokens', `${detail.num_written} of ${S.blockSize} written`));
@@ -332,6 +337,7 @@
     for (const c of CHARTS) if (c.plot) c.plot.setSize({ width: Math.max(300, $(c.el).clientWidth), height: 150 });
   });
 
+  S.applyFull = applyFull; // tests draw synthetic maps with it (e.g. 100k+ blocks)
   makeCharts();
   connect();
 })();
