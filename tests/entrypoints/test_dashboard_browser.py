@@ -93,6 +93,9 @@ def send_burst(url: str, results: list) -> list[threading.Thread]:
 
 
 def test_dashboard_shows_shared_blocks_matching_metrics(server, tmp_path):
+    # A finished request first: its blocks stay in the prefix cache (cached, in the LRU).
+    earlier = {"prompt": "An earlier, unrelated request about fixed-size pages of memory. " * 6, "max_tokens": 1}
+    assert httpx.post(f"{server.url}/v1/completions", json=earlier, headers=AUTH, timeout=300).status_code == 200
     results: list[int] = []
     threads = send_burst(server.url, results)
     with playwright_sync.sync_playwright() as p:
@@ -111,7 +114,7 @@ def test_dashboard_shows_shared_blocks_matching_metrics(server, tmp_path):
             drawn = page.evaluate(COUNT_DRAWN_JS)
             assert {k: legend[k] for k in drawn} == drawn
             assert legend["used"] + legend["shared"] == legend["engine_used"]
-            assert sum(drawn.values()) == num_blocks
+            assert sum(drawn.values()) == num_blocks and drawn["cached"] > 0
             # ... and /metrics, read between two looks at the page: blocks are only taken while
             # the burst grows, so the gauge's used blocks lie between the two.
             before = page.evaluate(READ_LEGEND_JS)

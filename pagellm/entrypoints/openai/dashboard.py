@@ -174,6 +174,10 @@ class DashboardHub:
         self._pending: list[dict] = []
         self._reset = False
         self.num_polls = 0
+        # What the dashboard costs: seconds on the engine thread (polls, between steps) and on the
+        # event loop (serialization, fan-out), served by /dashboard/api/cost.
+        self.engine_s = 0.0
+        self.loop_s = 0.0
 
     # engine thread -----------------------------------------------------------------------------------
     # The snapshotter is the pool's only reader of dirty blocks, so every diff it makes must reach the
@@ -194,6 +198,7 @@ class DashboardHub:
         return self._snapshotter
 
     def _poll(self, want_full: bool, engine: Any) -> tuple[list[dict], Optional[dict], bool]:
+        t0 = time.perf_counter()
         snap = self._snap(engine)
         diff = snap.poll()
         self.num_polls += 1
@@ -201,7 +206,9 @@ class DashboardHub:
         if diff is not None:
             diffs.append(diff)
         reset, self._reset = self._reset, False
-        return diffs, (snap.full() if want_full or reset else None), reset
+        full = snap.full() if want_full or reset else None
+        self.engine_s += time.perf_counter() - t0
+        return diffs, full, reset
 
     def _full_now(self, engine: Any) -> dict[str, Any]:
         snap = self._snap(engine)
@@ -254,6 +261,13 @@ class DashboardHub:
     async def _tick(self) -> None:
         want_full = any(c.need_full for c in self.clients)
         diffs, full, reset = await self.async_llm.run_in_engine(lambda e: self._poll(want_full, e))
+        t0 = time.perf_counter()
+        try:
+            self._fan_out(diffs, full, reset)
+        finally:
+            self.loop_s += time.perf_counter() - t0
+
+    def _fan_out(self, diffs: list[dict], full: Optional[dict], reset: bool) -> None:
         point = self.stats.sample()
         diff_events = [_event("diff", d) for d in diffs]
         full_event = _event("full", full) if full is not None else None
@@ -331,6 +345,14 @@ def add_dashboard_routes(app: FastAPI, async_llm: Any, metrics: Any, server_stat
         if not authorized(request):
             return unauthorized()
         return JSONResponse(await hub.snapshot())
+
+    @app.get("/dashboard/api/cost", include_in_schema=False)
+    async def dashboard_cost(request: Request) -> Response:
+        if not authorized(request):
+            return unauthorized()
+        return JSONResponse(
+            {"polls": hub.num_polls, "engine_s": hub.engine_s, "loop_s": hub.loop_s, "clients": len(hub.clients)}
+        )
 
     @app.get("/dashboard/api/block/{block_id}", include_in_schema=False)
     async def dashboard_block(block_id: int, request: Request) -> Response:
