@@ -287,10 +287,10 @@
     for (const c of CHARTS) {
       const el = $(c.el);
       const opts = {
-        width: Math.max(300, el.clientWidth), height: 150,
+        width: Math.max(220, el.clientWidth - 4), height: 150,
         legend: { show: true, live: false },
         cursor: { drag: { x: false, y: false } },
-        scales: { x: { time: true }, y: c.range ? { range: c.range } : { range: (u, min, max) => [0, Math.max(max || 0, 1e-9) * 1.1] } },
+        scales: { x: { time: true }, y: c.range ? { range: c.range } : { range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1] } },
         axes: [{ size: 30, font: '11px sans-serif' }, { size: 46, font: '11px sans-serif' }],
         series: [{}, ...c.keys.map(([, label, stroke]) => ({ label, stroke, width: 1.5, spanGaps: true, points: { show: false } }))],
       };
@@ -334,7 +334,7 @@
     if (!S.laidOut) return;
     layout();
     drawAll();
-    for (const c of CHARTS) if (c.plot) c.plot.setSize({ width: Math.max(300, $(c.el).clientWidth), height: 150 });
+    for (const c of CHARTS) if (c.plot) c.plot.setSize({ width: Math.max(220, $(c.el).clientWidth - 4), height: 150 });
   });
 
   S.applyFull = applyFull; // tests draw synthetic maps with it (e.g. 100k+ blocks)
