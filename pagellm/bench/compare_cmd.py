@@ -43,6 +43,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size-sweep", default=None, help="paged block sizes to sweep, e.g. 8,16,32,64,128,512")
     parser.add_argument("--sweep-only", action="store_true", help="skip the contiguous runs (with --block-size-sweep)")
     parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
+    parser.add_argument("--block-map-png", default=None, metavar="PATH", help="draw the designs' KV block maps side by side into PATH")
     parser.add_argument("--no-timeline", action="store_true", help="leave the per-step samples out of the JSON")
     parser.add_argument("--disable-tqdm", action="store_true")
     add_result_args(parser)
@@ -82,6 +83,10 @@ def main(args: argparse.Namespace) -> int:
         f"output tokens; KV budget {budget_tokens} tokens ({budget_tokens / engine.max_model_len:.1f} x max_model_len "
         f"{engine.max_model_len})"
     )
+    if args.block_map_png:
+        from pagellm.bench.block_map import BlockMapRecorder
+
+        recorder = BlockMapRecorder.install(engine)
     out = run_compare(
         engine,
         samples,
@@ -114,5 +119,7 @@ def main(args: argparse.Namespace) -> int:
 
         for path in plot_compare(designs, points, args.plot):
             print(f"Wrote {path}")
+    if args.block_map_png:
+        print(f"Wrote {recorder.write_png(args.block_map_png, [d.label for d in designs])}")
     save_result(compare_result_json(designs, points, config, not args.no_timeline), args, f"compare-{args.dataset_name}")
     return 0

@@ -87,6 +87,14 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # Kept as a count (checked by check_integrity) so metrics read it each step without a scan.
         self.num_cached_free_blocks = 0
+        # Ids of blocks whose ref_cnt or hash changed since the last take_dirty_block_ids(), so a
+        # reader (the dashboard's snapshotter) follows the pool without scanning it. A set of ids,
+        # so it never outgrows the pool, read or not.
+        self.dirty_block_ids: set[int] = set()
+
+    def take_dirty_block_ids(self) -> set[int]:
+        dirty, self.dirty_block_ids = self.dirty_block_ids, set()
+        return dirty
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,6 +120,7 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
+        self.dirty_block_ids.update(b.block_id for b in new_blocks)
         return new_blocks
 
     def _is_indexed(self, block: KVCacheBlock) -> bool:
@@ -132,6 +141,7 @@ class BlockPool:
                 if self._is_indexed(block):
                     self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
+            self.dirty_block_ids.add(block.block_id)
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int) -> None:
         """Indexes blocks[start:end], which are now full, under their content hashes."""
@@ -142,6 +152,7 @@ class BlockPool:
             if block.block_hash is not None:
                 continue  # a prefix hit: already indexed
             block.block_hash = block_hash
+            self.dirty_block_ids.add(block.block_id)
             # If an identical block is already indexed (computed twice by requests that raced),
             # keep the older one findable; this one is freed like any uncached block.
             self.cached_blocks.setdefault(block_hash, block)
@@ -152,6 +163,7 @@ class BlockPool:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
+            self.dirty_block_ids.add(block.block_id)
             if block.ref_cnt == 0:
                 if self._is_indexed(block):
                     self.num_cached_free_blocks += 1
@@ -165,6 +177,7 @@ class BlockPool:
             return False
         for block in self.cached_blocks.values():
             block.block_hash = None
+            self.dirty_block_ids.add(block.block_id)
         self.cached_blocks.clear()
         self.num_cached_free_blocks = 0
         return True

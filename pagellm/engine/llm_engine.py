@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 import torch
 
 from pagellm.config import EngineConfig
+from pagellm.core.kv_cache_base import KVCacheManagerBase
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.engine_core import EngineCore, ModelShape
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
@@ -143,6 +144,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def kv_cache_view(self) -> tuple[KVCacheManagerBase, Scheduler]:
+        """The KV cache manager and scheduler, for read-only introspection (the dashboard, the
+        block-map benchmark) on the thread that steps the engine, between steps."""
+        return self.core.kv_cache_manager, self.core.scheduler
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block not in use; False if some are still held by requests."""

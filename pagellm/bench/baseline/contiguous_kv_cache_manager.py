@@ -101,6 +101,7 @@ class ContiguousKVCacheManager(KVCacheManagerBase):
         for block in new_blocks:
             pool.free_queue.remove(block)
             block.ref_cnt = 1
+            pool.dirty_block_ids.add(block.block_id)
         self.req_to_blocks[request.request_id] = new_blocks
         return KVCacheBlocks(tuple(new_blocks))
 

@@ -156,6 +156,8 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     model_root: Optional[str] = None,
     trust_request_chat_template: bool = False,
+    dashboard: bool = True,
+    dashboard_show_text: bool = False,
 ) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__)
     state = ServerState(api_key=api_key, max_request_body_bytes=max_request_body_bytes)
@@ -230,6 +232,10 @@ def build_app(
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
 
+    if dashboard:
+        from pagellm.entrypoints.openai.dashboard import add_dashboard_routes
+
+        add_dashboard_routes(app, async_llm, metrics, state, dashboard_show_text)
     app.add_middleware(GuardMiddleware, state=state)
     return app
 
@@ -301,6 +307,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept a chat_template sent with a request (it runs on the engine thread; off by default)",
     )
+    parser.add_argument("--no-dashboard", action="store_true", help="do not serve the live KV cache view at /dashboard")
+    parser.add_argument(
+        "--dashboard-show-text",
+        action="store_true",
+        help="show prompt and block text on /dashboard (off by default: prompts are users' data)",
+    )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
 
@@ -318,7 +330,14 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(engine.model_name)
     async_llm.stat_logger = metrics  # before any request: the engine thread reads it per step
     app = build_app(
-        async_llm, metrics, api_key, args.max_request_body_bytes, engine.model_path, args.trust_request_chat_template
+        async_llm,
+        metrics,
+        api_key,
+        args.max_request_body_bytes,
+        engine.model_path,
+        args.trust_request_chat_template,
+        dashboard=not args.no_dashboard,
+        dashboard_show_text=args.dashboard_show_text,
     )
     uv_config = uvicorn.Config(
         app,

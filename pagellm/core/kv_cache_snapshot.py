@@ -1,0 +1,230 @@
+"""A snapshot of the paged KV cache and the scheduler's queues, kept up to date by diffs.
+
+The dashboard (``pagellm.entrypoints.openai.dashboard``) and ``pagellm bench compare
+--block-map-png`` read the engine's cache and queues (``LLMEngine.kv_cache_view``) only through
+this module. ``KVCacheSnapshotter`` keeps a mirror
+of every block's state as one byte; ``poll()`` brings it up to date from the block ids the pool
+marked dirty since the last poll (``BlockPool.take_dirty_block_ids``), so a poll costs
+O(changed blocks + requests), never a scan of the pool. Like the scheduler, it never touches
+tensors, and it must run on the thread that steps the engine (``AsyncLLM.run_in_engine``).
+
+A block's state byte (``block_code``): 0 free, 1 cached (free but still findable by its prefix
+hash, so in the LRU), ``n + 1`` when ``n`` requests hold it (2: one owner, 3 and up: shared),
+capped at 255.
+
+Privacy: token text appears only when a ``decode`` function is given (``--dashboard-show-text``).
+Without one, the snapshot holds token counts, block ids and hash prefixes, never token ids or text.
+"""
+from __future__ import annotations
+
+import base64
+from typing import Any, Callable, Optional
+
+from pagellm.core.block_pool import KVCacheBlock
+from pagellm.core.kv_cache_base import KVCacheManagerBase
+from pagellm.core.scheduler import Scheduler
+from pagellm.request import Request
+
+FREE, CACHED = 0, 1
+STATE_NAMES = ("free", "cached", "used", "shared")  # the legend's four states
+TEXT_PREVIEW_TOKENS = 48  # prompt tokens shown per request with --dashboard-show-text
+HASH_PREFIX_BYTES = 6
+
+
+def block_code(block: KVCacheBlock) -> int:
+    if block.ref_cnt > 0:
+        return min(block.ref_cnt + 1, 255)
+    return CACHED if block.block_hash is not None else FREE
+
+
+def state_index(code: int) -> int:
+    """Index into ``STATE_NAMES`` of a state byte."""
+    return code if code < 2 else (2 if code == 2 else 3)
+
+
+def _status_name(request: Request) -> str:
+    name = getattr(request.status, "name", str(request.status)).lower()
+    return name
+
+
+class KVCacheSnapshotter:
+    """Mirrors a KV cache manager's blocks and a scheduler's queues; hands out full states and diffs."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManagerBase,
+        scheduler: Scheduler,
+        decode: Optional[Callable[[list[int]], str]] = None,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.scheduler = scheduler
+        self.decode = decode
+        self.block_size: int = kv_cache_manager.block_size
+        pool = kv_cache_manager.block_pool
+        pool.take_dirty_block_ids()  # the scan below reads everything, so earlier changes are in it
+        self.codes = bytearray(block_code(b) for b in pool.blocks)
+        self.state_counts = [0, 0, 0, 0]
+        for code in self.codes:
+            self.state_counts[state_index(code)] += 1
+        self.version = 0
+        # Block tables as last sent: request id -> (the engine's list object, its length then).
+        # Holding the list keeps its id from being reused by a new one.
+        self._tables: dict[str, tuple[list, int]] = {}
+        self._requests: list[dict[str, Any]] = []
+        self._request_keys: list[tuple] = []
+        self._text_cache: dict[str, str] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.codes)
+
+    # -- polling -------------------------------------------------------------------------------------
+
+    def poll(self) -> Optional[dict[str, Any]]:
+        """Brings the mirror up to date; returns what changed since the last poll, or None."""
+        diff: dict[str, Any] = {}
+        blocks = self._poll_blocks()
+        if blocks:
+            diff["blocks"] = blocks
+        tables, removed = self._poll_tables()
+        if tables:
+            diff["tables"] = tables
+        if removed:
+            diff["tables_removed"] = removed
+        if self._poll_requests():
+            diff["requests"] = self._requests
+        if not diff:
+            return None
+        self.version += 1
+        diff["type"] = "diff"
+        diff["v"] = self.version
+        diff["counts"] = self.counts()
+        return diff
+
+    def _poll_blocks(self) -> list[list[int]]:
+        pool = self.kv_cache_manager.block_pool
+        dirty = pool.take_dirty_block_ids()
+        if not dirty:
+            return []
+        all_blocks, codes, counts = pool.blocks, self.codes, self.state_counts
+        changes = []
+        for block_id in sorted(dirty):
+            code = block_code(all_blocks[block_id])
+            old = codes[block_id]
+            if code != old:
+                codes[block_id] = code
+                counts[state_index(old)] -= 1
+                counts[state_index(code)] += 1
+                changes.append([block_id, code])
+        return changes
+
+    def _poll_tables(self) -> tuple[dict[str, list[int]], list[str]]:
+        """Per request, ``[start, id, id, ...]``: its table from ``start`` on is those ids."""
+        req_to_blocks: dict[str, list] = self.kv_cache_manager.req_to_blocks
+        changed: dict[str, list[int]] = {}
+        for req_id, blocks in req_to_blocks.items():
+            prev = self._tables.get(req_id)
+            n = len(blocks)
+            if prev is not None and prev[0] is blocks and prev[1] == n:
+                continue
+            # Tables only grow while a request runs; a freed and reallocated one is a new list.
+            start = prev[1] if prev is not None and prev[0] is blocks and prev[1] < n else 0
+            changed[req_id] = [start, *(b.block_id for b in blocks[start:])]
+            self._tables[req_id] = (blocks, n)
+        removed = [req_id for req_id in self._tables if req_id not in req_to_blocks]
+        for req_id in removed:
+            del self._tables[req_id]
+        return changed, removed
+
+    def _poll_requests(self) -> bool:
+        sched = self.scheduler
+        queue = [*sched.running, *sched.waiting]
+        keys = [
+            (r.request_id, r.status, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens, r.num_preemptions)
+            for r in queue
+        ]
+        if keys == self._request_keys:
+            return False
+        self._request_keys = keys
+        num_running = len(sched.running)
+        self._requests = [self._describe_request(r, i < num_running) for i, r in enumerate(queue)]
+        live = {r.request_id for r in queue}
+        for req_id in [k for k in self._text_cache if k not in live]:
+            del self._text_cache[req_id]
+        return True
+
+    def _describe_request(self, r: Request, running: bool) -> dict[str, Any]:
+        out = {
+            "id": r.request_id,
+            "queue": "running" if running else "waiting",
+            "status": _status_name(r),
+            "prompt": r.num_prompt_tokens,
+            "output": r.num_output_tokens,
+            "computed": r.num_computed_tokens,
+            "preemptions": r.num_preemptions,
+        }
+        if self.decode is not None:
+            text = self._text_cache.get(r.request_id)
+            if text is None:
+                text = self._text_cache[r.request_id] = self.decode(
+                    list(r.all_token_ids[: min(r.num_prompt_tokens, TEXT_PREVIEW_TOKENS)])
+                )
+            out["text"] = text
+        return out
+
+    # -- full state ------------------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        """Blocks per state in the mirror, and the pool's own counters beside them."""
+        pool = self.kv_cache_manager.block_pool
+        out = dict(zip(STATE_NAMES, self.state_counts))
+        out["engine_free"] = pool.num_free_blocks
+        out["engine_used"] = len(self.codes) - pool.num_free_blocks
+        return out
+
+    def full(self) -> dict[str, Any]:
+        """The whole mirrored state (call ``poll()`` first for an up-to-date one)."""
+        return {
+            "type": "full",
+            "v": self.version,
+            "num_blocks": len(self.codes),
+            "block_size": self.block_size,
+            "show_text": self.decode is not None,
+            "codes": base64.b64encode(bytes(self.codes)).decode("ascii"),
+            "tables": {req_id: [b.block_id for b in blocks[:n]] for req_id, (blocks, n) in self._tables.items()},
+            "requests": self._requests,
+            "counts": self.counts(),
+        }
+
+    # -- one block, on demand (hover) ------------------------------------------------------------------
+
+    def describe_block(self, block_id: int) -> dict[str, Any]:
+        """A block's live state: owners, the tokens it holds (as text only with ``decode``), hash prefix."""
+        pool = self.kv_cache_manager.block_pool
+        if not 0 <= block_id < len(pool.blocks):
+            raise ValueError(f"block id {block_id} is out of range (0..{len(pool.blocks) - 1})")
+        block = pool.blocks[block_id]
+        code = block_code(block)
+        out: dict[str, Any] = {
+            "id": block_id,
+            "state": STATE_NAMES[state_index(code)],
+            "ref_cnt": block.ref_cnt,
+            "hash": block.block_hash.hex()[: 2 * HASH_PREFIX_BYTES] if block.block_hash is not None else None,
+            "owners": [],
+        }
+        requests = {r.request_id: r for r in (*self.scheduler.running, *self.scheduler.waiting)}
+        for req_id, blocks in self.kv_cache_manager.req_to_blocks.items():
+            for index, b in enumerate(blocks):
+                if b is block:
+                    out["owners"].append({"id": req_id, "index": index})
+        if out["owners"]:
+            owner = out["owners"][0]
+            request = requests.get(owner["id"])
+            if request is not None:
+                start = owner["index"] * self.block_size
+                tokens = request.all_token_ids[start : start + self.block_size]
+                out["num_tokens"] = len(tokens)
+                out["num_written"] = max(0, min(self.block_size, request.num_computed_tokens - start))
+                if self.decode is not None:
+                    out["text"] = self.decode(list(tokens))
+        return out

@@ -1,0 +1,343 @@
+// pagellm dashboard: the block map (canvas), the queues and the charts, fed by /dashboard/events.
+// State bytes per block, as pagellm/core/kv_cache_snapshot.py sends them:
+//   0 free, 1 cached (free, still findable by prefix hash), n + 1 held by n requests (2 one, 3+ shared).
+(() => {
+  'use strict';
+
+  const STATE_NAMES = ['free', 'cached', 'used', 'shared'];
+  const stateOf = (code) => (code < 2 ? code : code === 2 ? 2 : 3);
+  const HISTORY = 480;
+
+  // One colour per state byte; shared blocks darken with their number of owners.
+  const PALETTE = (() => {
+    const colors = new Array(256);
+    colors[0] = '#e6e9ee';
+    colors[1] = '#9ecae1';
+    colors[2] = '#41ab5d';
+    const shades = ['#fdae6b', '#fd8d3c', '#f16913', '#e6550d', '#d94801', '#a63603', '#7f2704'];
+    for (let c = 3; c < 256; c++) colors[c] = shades[Math.min(shades.length - 1, c - 3)];
+    return colors;
+  })();
+
+  const $ = (id) => document.getElementById(id);
+  const S = {
+    version: -1, numBlocks: 0, blockSize: 0, showText: false,
+    codes: new Uint8Array(0), counts: {}, tables: new Map(), requests: [],
+    cell: 8, cols: 1, rows: 1, gap: 1, connected: false, events: 0,
+  };
+  window.dashboard = S; // for tests and the curious: the page's whole state
+
+  // ---- block map ---------------------------------------------------------------------------------
+
+  const canvas = $('map');
+  const ctx = canvas.getContext('2d', { alpha: false });
+  const wrap = $('map-wrap');
+
+  function layout() {
+    const n = Math.max(1, S.numBlocks);
+    const width = Math.max(200, wrap.clientWidth);
+    const targetHeight = Math.max(160, Math.min(window.innerHeight * 0.45, 520));
+    let cell = Math.floor(Math.sqrt((width * targetHeight) / n));
+    cell = Math.max(1, Math.min(22, cell));
+    S.cell = cell;
+    S.gap = cell >= 6 ? 1 : 0;
+    S.cols = Math.max(1, Math.floor(width / cell));
+    S.rows = Math.ceil(n / S.cols);
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = Math.round(S.cols * cell * dpr);
+    canvas.height = Math.round(S.rows * cell * dpr);
+    canvas.style.width = S.cols * cell + 'px';
+    canvas.style.height = S.rows * cell + 'px';
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  }
+
+  function drawCell(i) {
+    const code = S.codes[i];
+    const { cell, gap, cols } = S;
+    const x = (i % cols) * cell, y = Math.floor(i / cols) * cell;
+    ctx.fillStyle = '#ffffff';
+    if (gap) ctx.fillRect(x, y, cell, cell);
+    ctx.fillStyle = PALETTE[code];
+    ctx.fillRect(x, y, cell - gap, cell - gap);
+    if (code >= 3 && cell >= 14) {
+      ctx.fillStyle = '#fff';
+      ctx.font = `${Math.floor(cell * 0.6)}px sans-serif`;
+      ctx.textAlign = 'center';
+      ctx.textBaseline = 'middle';
+      ctx.fillText(String(code - 1), x + (cell - gap) / 2, y + (cell - gap) / 2 + 0.5);
+    }
+  }
+
+  function drawAll() {
+    const t0 = performance.now();
+    ctx.fillStyle = '#ffffff';
+    ctx.fillRect(0, 0, S.cols * S.cell, S.rows * S.cell);
+    const { cell, gap, cols, codes } = S;
+    const size = cell - gap;
+    let last = -1;
+    for (let i = 0; i < S.numBlocks; i++) {
+      const code = codes[i];
+      if (code >= 3 && cell >= 14) { drawCell(i); last = -1; continue; }
+      if (code !== last) { ctx.fillStyle = PALETTE[code]; last = code; }
+      ctx.fillRect((i % cols) * cell, Math.floor(i / cols) * cell, size, size);
+    }
+    S.lastDrawMs = performance.now() - t0;
+  }
+
+  // ---- the stream ----------------------------------------------------------------------------------
+
+  function decodeCodes(b64) {
+    const bin = atob(b64);
+    const out = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+    return out;
+  }
+
+  function applyFull(full) {
+    const resized = full.num_blocks !== S.numBlocks;
+    S.version = full.v;
+    S.numBlocks = full.num_blocks;
+    S.blockSize = full.block_size;
+    S.showText = full.show_text;
+    S.codes = decodeCodes(full.codes);
+    S.tables = new Map(Object.entries(full.tables));
+    S.requests = full.requests;
+    S.counts = full.counts;
+    if (resized || !S.laidOut) { layout(); S.laidOut = true; }
+    drawAll();
+    renderCounts();
+    renderQueues();
+    $('summary').textContent = `${S.numBlocks.toLocaleString()} blocks × ${S.blockSize} tokens`;
+    $('privacy').textContent = S.showText
+      ? 'Showing request text (--dashboard-show-text).'
+      : 'Request text hidden: token counts and hashes only (start the server with --dashboard-show-text to show it).';
+  }
+
+  function applyDiff(d) {
+    if (d.v !== S.version + 1) console.warn(`dashboard: diff ${d.v} after ${S.version}`);
+    S.version = d.v;
+    if (d.blocks) {
+      for (const [id, code] of d.blocks) { S.codes[id] = code; drawCell(id); }
+    }
+    if (d.tables) {
+      for (const [rid, [start, ...ids]] of Object.entries(d.tables)) {
+        const t = (S.tables.get(rid) || []).slice(0, start);
+        for (const id of ids) t.push(id);
+        S.tables.set(rid, t);
+      }
+    }
+    if (d.tables_removed) for (const rid of d.tables_removed) S.tables.delete(rid);
+    if (d.requests) S.requests = d.requests;
+    S.counts = d.counts;
+    renderCounts();
+    scheduleQueues();
+  }
+
+  function renderCounts() {
+    const c = S.counts;
+    for (const name of STATE_NAMES) $('count-' + name).textContent = c[name];
+    $('engine-used').textContent = c.engine_used;
+    $('engine-free').textContent = c.engine_free;
+    $('engine-usage').textContent = S.numBlocks ? (100 * c.engine_used / S.numBlocks).toFixed(1) + '%' : '–';
+    document.body.dataset.version = S.version;
+  }
+
+  // ---- queues --------------------------------------------------------------------------------------
+
+  let queuesPending = false;
+  function scheduleQueues() {
+    if (queuesPending) return;
+    queuesPending = true;
+    requestAnimationFrame(() => { queuesPending = false; renderQueues(); });
+  }
+
+  const MAX_ROW_CELLS = 96;
+  function tableCanvas(ids) {
+    const cell = 6;
+    const shown = Math.min(ids.length, MAX_ROW_CELLS);
+    const c = document.createElement('canvas');
+    c.className = 'row';
+    c.width = Math.max(1, shown * cell);
+    c.height = cell + 2;
+    const g = c.getContext('2d');
+    for (let k = 0; k < shown; k++) {
+      g.fillStyle = PALETTE[S.codes[ids[k]]];
+      g.fillRect(k * cell, 1, cell - 1, cell);
+    }
+    c.title = `${ids.length} blocks: ${ids.slice(0, 24).join(' ')}${ids.length > 24 ? ' …' : ''}`;
+    return c;
+  }
+
+  // Request ids can be long (cmpl-<32 hex>): shown shortened, in full on hover.
+  const shortId = (id) => (id.length > 18 ? id.slice(0, 14) + '…' + id.slice(-4) : id);
+
+  function td(text, cls) {
+    const el = document.createElement('td');
+    el.textContent = text;
+    if (cls) el.className = cls;
+    return el;
+  }
+
+  function renderQueues() {
+    const groups = { running: [], waiting: [] };
+    for (const r of S.requests) groups[r.queue === 'running' ? 'running' : 'waiting'].push(r);
+    for (const [name, reqs] of Object.entries(groups)) {
+      $('n-' + name).textContent = reqs.length;
+      const body = $(name);
+      const frag = document.createDocumentFragment();
+      for (const r of reqs.slice(0, 256)) {
+        const tr = document.createElement('tr');
+        if (r.preemptions > 0 || r.status === 'preempted') tr.className = 'preempted';
+        const idCell = td(shortId(r.id) + (r.status === 'preempted' ? ' (preempted)' : ''));
+        idCell.title = r.id;
+        tr.append(idCell, td(r.prompt, 'num'), td(r.output, 'num'),
+          td(r.computed, 'num'), td(r.preemptions, 'num'));
+        const cellTd = document.createElement('td');
+        const ids = S.tables.get(r.id) || [];
+        cellTd.append(tableCanvas(ids));
+        const n = document.createElement('span');
+        n.textContent = ` ${ids.length}`;
+        cellTd.append(n);
+        tr.append(cellTd);
+        frag.append(tr);
+        if (r.text !== undefined) {
+          const tt = document.createElement('tr');
+          const cell = td(r.text, 'text');
+          cell.colSpan = 6;
+          tt.append(cell);
+          frag.append(tt);
+        }
+      }
+      body.replaceChildren(frag);
+    }
+  }
+
+  // ---- hover -----------------------------------------------------------------------------------------
+
+  const tip = $('tip');
+  let hoverId = -1, hoverTimer = 0;
+
+  function ownersOf(id) {
+    const owners = [];
+    for (const [rid, ids] of S.tables) {
+      const k = ids.indexOf(id);
+      if (k >= 0) owners.push(`${shortId(rid)}[${k}]`);
+    }
+    return owners;
+  }
+
+  function line(key, value) {
+    const div = document.createElement('div');
+    const k = document.createElement('span');
+    k.className = 'k';
+    k.textContent = key + ': ';
+    div.append(k, document.createTextNode(value));
+    return div;
+  }
+
+  function showTip(id, detail) {
+    const code = S.codes[id];
+    const rows = [line('block', `#${id}  ${STATE_NAMES[stateOf(code)]}${code >= 2 ? `, ${code - 1} owner${code > 2 ? 's' : ''}` : ''}`)];
+    const owners = ownersOf(id);
+    if (owners.length) rows.push(line('requests', owners.slice(0, 4).join(', ') + (owners.length > 4 ? `, +${owners.length - 4} more` : '')));
+    if (detail) {
+      if (detail.hash) rows.push(line('hash', detail.hash + '…'));
+      if (detail.num_tokens !== undefined) rows.push(line('tokens', `${detail.num_written} of ${S.blockSize} written`));
+      if (detail.text !== undefined) rows.push(line('text', JSON.stringify(detail.text)));
+      else if (code >= 1 && !S.showText) rows.push(line('text', 'hidden (--dashboard-show-text)'));
+    }
+    tip.replaceChildren(...rows);
+    tip.hidden = false;
+  }
+
+  canvas.addEventListener('mousemove', (ev) => {
+    const rect = canvas.getBoundingClientRect();
+    const x = ev.clientX - rect.left, y = ev.clientY - rect.top;
+    const col = Math.floor(x / S.cell), row = Math.floor(y / S.cell);
+    const id = row * S.cols + col;
+    if (col >= S.cols || id < 0 || id >= S.numBlocks) { tip.hidden = true; hoverId = -1; return; }
+    tip.style.left = Math.min(x + 14, wrap.clientWidth - 300) + 'px';
+    tip.style.top = y + 14 + 'px';
+    if (id === hoverId) return;
+    hoverId = id;
+    showTip(id, null);
+    clearTimeout(hoverTimer);
+    hoverTimer = setTimeout(async () => {
+      try {
+        const resp = await fetch(`/dashboard/api/block/${id}`, { credentials: 'same-origin' });
+        if (resp.ok && hoverId === id) showTip(id, await resp.json());
+      } catch (e) { /* the tooltip keeps what it had */ }
+    }, 120);
+  });
+  canvas.addEventListener('mouseleave', () => { tip.hidden = true; hoverId = -1; });
+
+  // ---- charts ----------------------------------------------------------------------------------------
+
+  const series = { t: [] };
+  const CHARTS = [
+    { el: 'chart-kv', keys: [['kv_usage', 'KV usage', '#2f9e44', 100], ['prefix_hit_share', 'prefix hits', '#1c7ed6', 100]], range: [0, 100] },
+    { el: 'chart-tps', keys: [['gen_tps', 'generated', '#e8590c', 1], ['prompt_tps', 'prompt', '#7048e8', 1]] },
+    { el: 'chart-batch', keys: [['running', 'running', '#2f9e44', 1], ['waiting', 'waiting', '#f08c00', 1]] },
+    { el: 'chart-ttft', keys: [['ttft_p50', 'p50', '#1c7ed6', 1], ['ttft_p90', 'p90', '#f08c00', 1], ['ttft_p99', 'p99', '#e03131', 1]] },
+    { el: 'chart-tpot', keys: [['tpot_p50', 'p50', '#1c7ed6', 1], ['tpot_p90', 'p90', '#f08c00', 1], ['tpot_p99', 'p99', '#e03131', 1]] },
+  ];
+  for (const c of CHARTS) for (const [k] of c.keys) series[k] = [];
+
+  function makeCharts() {
+    for (const c of CHARTS) {
+      const el = $(c.el);
+      const opts = {
+        width: Math.max(220, el.clientWidth - 4), height: 150,
+        legend: { show: true, live: false },
+        cursor: { drag: { x: false, y: false } },
+        scales: { x: { time: true }, y: c.range ? { range: c.range } : { range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1] } },
+        axes: [{ size: 30, font: '11px sans-serif' }, { size: 46, font: '11px sans-serif' }],
+        series: [{}, ...c.keys.map(([, label, stroke]) => ({ label, stroke, width: 1.5, spanGaps: true, points: { show: false } }))],
+      };
+      c.plot = new uPlot(opts, [[], ...c.keys.map(() => [])], el);
+    }
+  }
+
+  function pushPoint(p) {
+    series.t.push(p.t);
+    for (const c of CHARTS) for (const [k, , , scale] of c.keys) series[k].push(p[k] === null || p[k] === undefined ? null : p[k] * scale);
+    if (series.t.length > HISTORY) for (const k in series) series[k].splice(0, series[k].length - HISTORY);
+  }
+
+  function redrawCharts() {
+    for (const c of CHARTS) if (c.plot) c.plot.setData([series.t, ...c.keys.map(([k]) => series[k])]);
+  }
+
+  // ---- connection -------------------------------------------------------------------------------------
+
+  function setConn(text, cls) {
+    const el = $('conn');
+    el.textContent = text;
+    el.className = 'conn ' + cls;
+  }
+
+  function connect() {
+    const es = new EventSource('/dashboard/events');
+    S.source = es;
+    es.addEventListener('full', (e) => { applyFull(JSON.parse(e.data)); S.events++; setConn('live', 'conn-ok'); S.connected = true; });
+    es.addEventListener('diff', (e) => { if (S.version >= 0) applyDiff(JSON.parse(e.data)); S.events++; });
+    es.addEventListener('history', (e) => {
+      for (const k in series) series[k].length = 0;
+      for (const p of JSON.parse(e.data)) pushPoint(p);
+      redrawCharts();
+    });
+    es.addEventListener('stats', (e) => { pushPoint(JSON.parse(e.data)); redrawCharts(); });
+    es.onerror = () => { setConn('reconnecting…', 'conn-bad'); S.connected = false; };
+  }
+
+  window.addEventListener('resize', () => {
+    if (!S.laidOut) return;
+    layout();
+    drawAll();
+    for (const c of CHARTS) if (c.plot) c.plot.setSize({ width: Math.max(220, $(c.el).clientWidth - 4), height: 150 });
+  });
+
+  S.applyFull = applyFull; // tests draw synthetic maps with it (e.g. 100k+ blocks)
+  makeCharts();
+  connect();
+})();
