@@ -35,13 +35,19 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (float32 on CPU, the model's own dtype on a GPU), float32, bfloat16 or float16"
+    )
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="KV cache element type: auto (the model's dtype), float16 or bfloat16"
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--attention-backend", default=None, help="cpu_paged, torch_sdpa or torch_ref (default: fastest)")
+    parser.add_argument("--attention-backend", default=None, help="cpu_paged, triton_paged, torch_sdpa or torch_ref (default: fastest)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="GPU: share of device memory to use; sizes the KV cache"
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs, every step runs eagerly")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,6 +68,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
     )
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import torch
 
@@ -22,6 +22,7 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 2 << 30  # 2 GiB: ~46k tokens of SmolLM2-135M in
 
 
 def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """A dtype name -> torch dtype; "auto" is float32 here (a GPU engine then takes the model's own)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -44,6 +45,20 @@ def parse_memory_size(value: Union[str, int, float]) -> int:
     return int(number * base ** " KMGT".index(unit or " "))
 
 
+def model_dtype(hf_config: Any) -> torch.dtype:
+    """The dtype a checkpoint's config names (``dtype``, formerly ``torch_dtype``).
+
+    Float32 checkpoints stay float32; a config that names none (e.g. one rebuilt from a quantized
+    GGUF) gets bfloat16, the type such models are trained and served in.
+    """
+    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    try:
+        dtype = parse_dtype(named) if named is not None else torch.bfloat16
+    except ValueError:
+        return torch.bfloat16
+    return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
+
+
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -61,7 +76,9 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
     seed: int = 0
-    dtype: Union[str, torch.dtype] = "float32"
+    # "auto": float32 on CPU (exact, and what the CPU kernels are built for); on a GPU the model's
+    # own dtype from its config (bfloat16 for SmolLM2), set by ``apply_model_dtype``.
+    dtype: Union[str, torch.dtype] = "auto"
     # The KV cache's element type; "auto" is the model's dtype (as in vLLM). float16 or bfloat16
     # under a float32 model halves the cache's memory and the bytes decode attention reads; keys
     # and values are rounded once, on their way into the cache, and attention still runs in float32.
@@ -70,8 +87,18 @@ class EngineConfig:
     attention_backend: Optional[str] = None  # None -> the fastest available
     max_waiting_requests: Optional[int] = None
     num_threads: Optional[int] = None
+    # GPU only: the share of the device's memory the engine may fill (weights, activations and a
+    # KV cache sized from what is free), unless kv_cache_memory_bytes or num_kv_blocks say otherwise.
+    gpu_memory_utilization: float = 0.9
+    # GPU only: run decode steps eagerly instead of replaying CUDA graphs (vLLM's name).
+    enforce_eager: bool = False
+    # Whether dtype / kv_cache_dtype were "auto", so that a GPU engine may refine them.
+    auto_dtype: bool = field(default=False, init=False, repr=False)
+    auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.auto_dtype = isinstance(self.dtype, str) and self.dtype == "auto"
+        self.auto_kv_cache_dtype = isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype == "auto"
         self.dtype = parse_dtype(self.dtype)
         if self.kv_cache_dtype == "auto":
             self.kv_cache_dtype = self.dtype
@@ -100,3 +127,13 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def apply_model_dtype(self, dtype: torch.dtype) -> None:
+        """Resolves ``dtype="auto"`` on an accelerator to the model's dtype (the KV cache's too, if auto)."""
+        if not self.auto_dtype or self.device.type == "cpu":
+            return
+        self.dtype = dtype
+        if self.auto_kv_cache_dtype:
+            self.kv_cache_dtype = dtype

@@ -28,6 +28,12 @@ def api_key() -> Optional[str]:
     return os.environ.get("PAGELLM_API_KEY") or None
 
 
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton's own switch (read by Triton when a kernel is defined) to run
+    kernels in its CPU interpreter; the Triton backend then accepts CPU tensors, for tests."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def set_openmp_defaults() -> None:
     """Lets libgomp's workers spin between the many short parallel regions of a step.
 

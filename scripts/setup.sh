@@ -17,5 +17,8 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
   apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
     || echo "warning: chromium did not install; the dashboard browser test will be skipped" >&2
 fi
+# Triton (the gpu extra) without its dependencies, which would swap torch for a CUDA build; on CPU
+# its interpreter runs the Triton attention kernels in the tests.
+pip install -q --no-deps "triton==3.9.0"
 # Compile the CPU attention kernel once, so the first server start does not pay for it.
 .venv/bin/python -m pagellm.attention.selfcheck || echo "warning: CPU kernels did not build; the pure-torch backend will be used" >&2

@@ -17,7 +17,14 @@ from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.stats import EngineStats, StepStats, StepTotals
 from pagellm.request import Request, RequestStatus
-from pagellm.worker.kv_cache import KVCachePrefaulter, allocate_kv_caches, bytes_per_block, determine_num_blocks
+from pagellm.worker.kv_cache import (
+    KVCachePrefaulter,
+    activation_reserve_bytes,
+    allocate_kv_caches,
+    bytes_per_block,
+    determine_num_blocks,
+    gpu_kv_cache_budget,
+)
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -65,9 +72,12 @@ class EngineCore:
         block_bytes = bytes_per_block(
             shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, config.kv_cache_dtype
         )
+        kv_cache_memory_bytes = config.kv_cache_memory_bytes
+        if kv_cache_memory_bytes is None and config.num_kv_blocks is None and config.device.type == "cuda":
+            kv_cache_memory_bytes = self._gpu_kv_cache_budget(config, model, shape)
         self.num_blocks = determine_num_blocks(
             config.num_kv_blocks,
-            config.kv_cache_memory_bytes,
+            kv_cache_memory_bytes,
             DEFAULT_KV_CACHE_MEMORY_BYTES,
             block_bytes,
             config.block_size,
@@ -105,7 +115,7 @@ class EngineCore:
             max_model_len=max_model_len,
         )
         self.runner = ModelRunner(
-            model, kv_caches, config.block_size, config.max_num_seqs, max_model_len, shape.vocab_size
+            model, kv_caches, config.block_size, config.max_num_seqs, max_model_len, shape.vocab_size, config.enforce_eager
         )
         self.block_hasher = make_block_hasher(config.block_size) if config.enable_prefix_caching else None
         self._last_step: Optional[StepStats] = None
@@ -121,6 +131,21 @@ class EngineCore:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params, max_tokens: int, **kwargs) -> Request:
         return Request(request_id, prompt_token_ids, params, max_tokens, block_hasher=self.block_hasher, **kwargs)
+
+    @staticmethod
+    def _gpu_kv_cache_budget(config: EngineConfig, model: torch.nn.Module, shape: ModelShape) -> int:
+        hf_config = getattr(model, "config", None)
+        hidden = getattr(hf_config, "hidden_size", 4096)
+        reserve = activation_reserve_bytes(
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            hidden,
+            getattr(hf_config, "intermediate_size", 4 * hidden),
+            shape.vocab_size,
+            torch.empty((), dtype=config.dtype).element_size(),
+        )
+        torch.cuda.empty_cache()
+        return gpu_kv_cache_budget(config.gpu_memory_utilization, reserve, lambda: torch.cuda.mem_get_info(config.device))
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, model_dtype
 from pagellm.core.kv_cache_base import KVCacheManagerBase
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.engine_core import EngineCore, ModelShape
@@ -66,6 +66,7 @@ class LLMEngine:
         self.model_path = model_path
         self.model_name = config.served_model_name or config.model or "SmolLM2-135M-Instruct"
         self.hf_config = load_hf_config(model_path)
+        config.apply_model_dtype(model_dtype(self.hf_config))
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
         model_max_len = get_max_model_len(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > model_max_len:

@@ -42,6 +42,35 @@ def determine_num_blocks(
     return int(num_blocks)
 
 
+def activation_reserve_bytes(
+    max_num_batched_tokens: int, max_num_seqs: int, hidden_size: int, intermediate_size: int, vocab_size: int, dtype_bytes: int
+) -> int:
+    """A step's peak activation memory, generously: a few hidden-sized tensors and the MLP's
+    intermediate per token, float32 logits and the sampler's copies per sequence, and 256 MiB for
+    the CUDA context's workspaces and the decode graphs' pool."""
+    per_token = (8 * hidden_size + 3 * intermediate_size) * dtype_bytes
+    logits = 4 * max_num_seqs * vocab_size * 4
+    return max_num_batched_tokens * per_token + logits + 256 * 2**20
+
+
+def gpu_kv_cache_budget(utilization: float, reserve_bytes: int, mem_get_info: Callable[[], tuple[int, int]]) -> int:
+    """Bytes for the KV cache on a GPU, vLLM's way: ``utilization`` of the device's memory, minus
+    what is in use already (the weights, other processes) and the activations' ``reserve_bytes``.
+
+    ``mem_get_info`` returns (free, total) bytes, as ``torch.cuda.mem_get_info``; call this after
+    the model is loaded.
+    """
+    free, total = mem_get_info()
+    budget = int(total * utilization) - (total - free) - reserve_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {utilization:.0%} of {total / 2**30:.1f} GiB allowed, "
+            f"{(total - free) / 2**30:.1f} GiB in use, {reserve_bytes / 2**30:.1f} GiB kept for activations; "
+            "raise gpu_memory_utilization or pass kv_cache_memory_bytes"
+        )
+    return budget
+
+
 def allocate_kv_caches(
     num_layers: int,
     num_blocks: int,

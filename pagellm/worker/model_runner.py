@@ -17,6 +17,7 @@ from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOu
 from pagellm.sample.logprobs import compute_prompt_logprobs
 from pagellm.sample.metadata import LogprobsTensors, SamplingMetadata
 from pagellm.sample.sampler import Sampler
+from pagellm.worker.cuda_graphs import DecodeGraphRunner, model_supports_cuda_graphs
 from pagellm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         vocab_size: int,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -50,6 +52,31 @@ class ModelRunner:
         self.sampler = Sampler()
         # Seconds spent in each phase of the last step; cheap enough to always record.
         self.last_timings: dict[str, float] = {}
+        # Decode steps replay CUDA graphs on a GPU; the CPU path never builds any.
+        self.cuda_graphs: Optional[DecodeGraphRunner] = None
+        if self.device.type == "cuda" and not enforce_eager and model_supports_cuda_graphs(model):
+            self.cuda_graphs = self._capture_cuda_graphs(max_num_reqs, max_num_blocks_per_req)
+
+    def _capture_cuda_graphs(self, max_num_reqs: int, max_num_blocks_per_req: int) -> Optional[DecodeGraphRunner]:
+        from pagellm.worker.cuda_graphs import CudaGraphDevice
+
+        t0 = time.perf_counter()
+        graphs = DecodeGraphRunner(
+            lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md),
+            max_num_reqs,
+            max_num_blocks_per_req,
+            self.max_model_len,
+            self.device,
+            CudaGraphDevice(),
+        )
+        try:
+            with torch.inference_mode():
+                graphs.capture_all()
+        except Exception:  # a model that cannot be captured still serves, eagerly
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return None
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - t0)
+        return graphs
 
     # ---- state updates -----------------------------------------------------------------
 
@@ -104,9 +131,15 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         t1 = time.perf_counter()
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, metadata
-        )
+        graph_size = self.cuda_graphs.graph_size_for(metadata) if self.cuda_graphs is not None else None
+        if graph_size is None:
+            hidden = self.model(
+                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, metadata
+            )
+        else:
+            hidden = self.cuda_graphs.run(
+                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata, graph_size
+            )
         t2 = time.perf_counter()
         self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1}
 

@@ -6,6 +6,7 @@ import torch
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.attention.selector import BACKEND_NAMES, get_attn_backend
+from pagellm.attention.triton_paged import triton_available
 from pagellm.kernels import ops
 
 
@@ -21,9 +22,17 @@ def test_default_on_cpu_is_the_fastest_available() -> None:
     assert get_attn_backend(None, "cpu").name == expected
 
 
-def test_default_on_an_accelerator_is_torch_sdpa() -> None:
+def test_default_on_cuda_is_triton_when_installed() -> None:
     # Choosing needs no device: nothing is allocated on it.
-    assert get_attn_backend(None, torch.device("cuda")).name == "torch_sdpa"
+    expected = "triton_paged" if triton_available() else "torch_sdpa"
+    assert get_attn_backend(None, torch.device("cuda")).name == expected
+    assert get_attn_backend(None, torch.device("mps")).name == "torch_sdpa"
+
+
+def test_triton_rejects_cpu_outside_the_interpreter(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        get_attn_backend("triton_paged", "cpu")
 
 
 def test_unknown_name_raises() -> None:
@@ -37,4 +46,4 @@ def test_cpu_paged_rejects_other_devices() -> None:
 
 
 def test_names_are_listed() -> None:
-    assert set(BACKEND_NAMES) == {"cpu_paged", "torch_sdpa", "torch_ref"}
+    assert set(BACKEND_NAMES) == {"cpu_paged", "triton_paged", "torch_sdpa", "torch_ref"}

@@ -1,0 +1,205 @@
+"""Decode attention (one new token per sequence) straight from the paged cache, flash-decoding style.
+
+One program per (sequence, kv head, KV split): the query heads that share the kv head are the rows
+of one tile, so each key/value is read once for the whole GQA group. A context longer than one
+partition is split across programs, each leaving a normalised partial output and its log-sum-exp;
+a second kernel merges the splits. With one split the first kernel writes the output directly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    num_splits,
+    partition,  # KV tokens per split, a multiple of BLOCK_N
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition
+    end = tl.minimum(seq_len, start + partition)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    mask_rows = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask_dims = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=mask_rows[:, None] & mask_dims[None, :],
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    k_base = cache_ptr + kv_head * stride_cache_head
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        pos = start_n + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok
+        kv_mask = valid[:, None] & mask_dims[None, :]
+        # other=0: slots past the context may hold anything (even NaN), and 0 * NaN would leak.
+        k = tl.load(k_base + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(k_base + stride_cache_kv + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    # An empty split (or a padding sequence of length 0) has l == 0: its output is 0, its weight 0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    mask_out = mask_rows[:, None] & mask_dims[None, :]
+    if SINGLE_SPLIT:
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_out,
+        )
+    else:
+        # part_out [S, H, splits, D] and part_lse [S, H, splits], contiguous float32.
+        row = (seq * NUM_HEADS + heads).to(tl.int64) * num_splits + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=mask_out)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(part_lse_ptr + row, lse, mask=mask_rows)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask_splits = splits < num_splits
+    row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + row + splits, mask=mask_splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)  # 0 for empty splits
+    parts = tl.load(
+        part_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=mask_splits[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def decode_attention(
+    out: torch.Tensor,  # [S, num_heads, head_dim], written
+    query: torch.Tensor,  # [S, num_heads, head_dim], last dim contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # int32 [S, max_blocks], last dim contiguous
+    seq_lens: torch.Tensor,  # int32 [S]
+    num_splits: int,
+    partition: int,
+    scale: float,
+    block_n: int,
+    dot_f32: bool,
+) -> None:
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * _LOG2E,
+        num_splits,
+        partition,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        # tl.dot needs at least 16 rows; padding rows are masked out.
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SINGLE_SPLIT=num_splits == 1,
+        DOT_F32=dot_f32,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )

@@ -1,0 +1,145 @@
+"""Varlen causal attention for a mixed batch (prefill chunks and decodes) straight from the paged cache.
+
+One program per (query tile, sequence, query head). A sequence's new tokens sit at the end of its
+context: with q_len new tokens of a seq_len context, new token i is at position
+seq_len - q_len + i and sees every cached position up to its own, so a chunk after a prefix-cache
+hit or an earlier chunk attends over the whole computed prefix. Online softmax over KV tiles
+gathered through the block table; KV tiles past the tile's last query position are skipped.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_rows = rows < q_len
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask_dims = dims < HEAD_DIM
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        mask=mask_rows[:, None] & mask_dims[None, :],
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = prefix + rows
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    k_base = cache_ptr + (head // GROUP) * stride_cache_head
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    # Causal: no query of this tile looks past its last row's position.
+    kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
+    for start_n in range(0, kv_end, BLOCK_N):
+        pos = start_n + tl.arange(0, BLOCK_N)
+        in_context = pos < kv_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
+        slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok
+        kv_mask = in_context[:, None] & mask_dims[None, :]
+        # other=0: slots past the context may hold anything (even NaN), and 0 * NaN would leak.
+        k = tl.load(k_base + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(k_base + stride_cache_kv + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        visible = in_context[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Padding rows past q_len may see nothing yet; keep their arithmetic NaN-free.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_rows[:, None] & mask_dims[None, :],
+    )
+
+
+def prefill_attention(
+    out: torch.Tensor,  # [T, num_heads, head_dim], written
+    query: torch.Tensor,  # [T, num_heads, head_dim], last dim contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # int32 [S, max_blocks], last dim contiguous
+    query_start_loc: torch.Tensor,  # int32 [S + 1]
+    seq_lens: torch.Tensor,  # int32 [S]
+    max_query_len: int,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    dot_f32: bool,
+) -> None:
+    num_seqs = seq_lens.shape[0]
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        query,
+        kv_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_F32=dot_f32,
+    )
