@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from pagellm.sampling_params import SamplingParams
 
@@ -164,12 +164,24 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # -- /v1/chat/completions -------------------------------------------------------------------------
 
 
+# OpenAI's roles ("function" is its deprecated predecessor of "tool"); anything else is a typo
+# the template would silently render or drop, so it is refused up front.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(OpenAIBaseModel):
     model_config = ConfigDict(extra="allow")  # tool_call_id, name, ... pass through to the template
 
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}")
+        return role
 
 
 class ChatCompletionRequest(SamplingRequestMixin):
