@@ -102,8 +102,9 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None:
-            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-                bad(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
+            # 0 means scoring only: the prompt runs (for prompt_logprobs) and nothing is generated.
+            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+                bad(f"max_tokens must be at least 0, got {self.max_tokens!r}.")
         if self.min_tokens < 0:
             bad(f"min_tokens must be at least 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

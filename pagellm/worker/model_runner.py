@@ -112,6 +112,8 @@ class ModelRunner:
 
         # Only sequences whose known tokens are now all computed produce a new token.
         sample_mask = seq_lens == batch.num_tokens[rows]
+        # max_tokens=0 (scoring only) rows run their prompt but sample nothing.
+        sample_mask &= np.fromiter((batch.params[r].max_tokens != 0 for r in rows.tolist()), dtype=bool, count=len(rows))
         sample_idx = np.nonzero(sample_mask)[0]
         result = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(req_ids, rows, start, num_sched, cu_end, hidden, result)

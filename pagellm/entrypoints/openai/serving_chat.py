@@ -95,6 +95,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         n = 1 if request.n is None else request.n
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         params = self.check_params(request.to_sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None))
         messages = messages_to_dicts(request.messages)
         tokenizer = self.async_llm.tokenizer
