@@ -5,6 +5,7 @@ checked under both; each equals transformers' float32 log-probability within 1e-
 """
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -79,17 +80,15 @@ def test_loglikelihoods_equal_transformers(server):
             # text_offset indexes the echoed text.
             assert choice["text"] == "".join(lp["tokens"])
             assert all(choice["text"][o:].startswith(t) for o, t in zip(lp["text_offset"], lp["tokens"]))
-            for t, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:]):
-                assert 1 <= len(top) <= 2
+            assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
         assert resp["usage"]["completion_tokens"] == 0
 
 
 def test_echo_text_prompt_streamed_and_validation(server):
     full = score(server, "Hello there, general")
     chunks = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=120,
-                      json={"model": MODEL, "prompt": "Hello there, general", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True}) as r:
-        import json
+    body = {"model": MODEL, "prompt": "Hello there, general", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=120, json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line[6:]))
