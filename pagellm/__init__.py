@@ -7,7 +7,7 @@ from pagellm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E4
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):
