@@ -156,6 +156,8 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     model_root: Optional[str] = None,
     trust_request_chat_template: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: Optional[str] = None,
 ) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__)
     state = ServerState(api_key=api_key, max_request_body_bytes=max_request_body_bytes)
@@ -164,7 +166,7 @@ def build_app(
     app.state.metrics = metrics
     name = async_llm.model_name
     completions = OpenAIServingCompletion(async_llm, name)
-    chat = OpenAIServingChat(async_llm, name, trust_request_chat_template)
+    chat = OpenAIServingChat(async_llm, name, trust_request_chat_template, enable_auto_tool_choice, tool_call_parser)
     tokenization = OpenAIServingTokenization(async_llm, name, trust_request_chat_template)
 
     @app.exception_handler(APIError)
@@ -301,6 +303,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept a chat_template sent with a request (it runs on the engine thread; off by default)",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes"], help="how to read tool calls out of the model's text")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
 
@@ -318,7 +326,14 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(engine.model_name)
     async_llm.stat_logger = metrics  # before any request: the engine thread reads it per step
     app = build_app(
-        async_llm, metrics, api_key, args.max_request_body_bytes, engine.model_path, args.trust_request_chat_template
+        async_llm,
+        metrics,
+        api_key,
+        args.max_request_body_bytes,
+        engine.model_path,
+        args.trust_request_chat_template,
+        args.enable_auto_tool_choice,
+        args.tool_call_parser,
     )
     uv_config = uvicorn.Config(
         app,

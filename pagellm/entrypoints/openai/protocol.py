@@ -227,8 +227,63 @@ class ChatMessage(OpenAIBaseModel):
         return role
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatCompletionRequest(SamplingRequestMixin):
     messages: list[ChatMessage]
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = True
     max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
@@ -258,6 +313,7 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -280,6 +336,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
