@@ -30,8 +30,8 @@ class GrammarState:
 
     def fill(self, bitmask: Any, row: int) -> bool:
         """Writes the allowed next tokens into ``bitmask[row]``; False when nothing is to be masked."""
-        if self.broken:
-            return False
+        if self.broken or self.matcher.is_terminated():
+            return False  # past the end (only with ignore_eos): the grammar has nothing more to say
         self.matcher.fill_next_token_bitmask(bitmask, row)
         return True
 

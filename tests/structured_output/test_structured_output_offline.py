@@ -36,6 +36,10 @@ def test_mask_only_touches_constrained_rows_and_eos_waits_for_the_end(manager):
         manager.accept("a", t)
     out = manager.apply_bitmask(torch.zeros(1, 49152), ["a"])
     assert set(torch.nonzero(out[0] > -1e30)[:, 0].tolist()) == {2}  # only EOS once the choice is complete
+    # With ignore_eos, generation goes on past the grammar's end, unconstrained.
+    manager.accept("a", 2)
+    manager.accept("a", 2)
+    assert torch.equal(manager.apply_bitmask(torch.zeros(1, 49152), ["a"]), torch.zeros(1, 49152))
     manager.remove_request("a")
     assert not manager.states
 
