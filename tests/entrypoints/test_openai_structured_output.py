@@ -139,3 +139,13 @@ def test_bad_constraints_are_400(server, extra, match):
         assert resp.status_code == 400, resp.text
         assert match in resp.json()["error"]["message"]
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=AUTH, timeout=60).status_code == 200
+
+
+def test_auto_tool_choice_needs_the_server_flags(server):
+    # This server runs without --enable-auto-tool-choice: "auto" is refused, no tool_choice means "none".
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "tool_choice": "auto"}, headers=AUTH, timeout=60)
+    assert resp.status_code == 400 and "--enable-auto-tool-choice" in resp.json()["error"]["message"]
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["tool_calls"] == []
