@@ -65,6 +65,9 @@ class Request:
         # Prefix-cache hit at first scheduling, reported back to the client as cached tokens.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Prompt logprobs already reported: a preempted request recomputes its prompt, and those
+        # positions must not be reported twice.
+        self.num_prompt_logprobs_sent = 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # Hashes of this request's full blocks, extended as tokens arrive.

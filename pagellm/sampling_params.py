@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 _SAMPLING_EPS = 1e-5
 # Hard caps that keep one request from exhausting the server; vLLM applies similar ones.
@@ -16,6 +17,61 @@ MAX_STOP_STRING_LEN = 1024
 # whole batch down, not just the request. A top_k this large already means "no limit".
 MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match, as vLLM's: exactly one of the fields below.
+
+    ``json`` is a JSON schema (dict or text), ``json_object`` any JSON object, ``regex`` a regular
+    expression, ``choice`` one of some strings, ``grammar`` an EBNF (GBNF) grammar and
+    ``structural_tag`` xgrammar's structural tag (JSON text).
+    """
+
+    json: Optional[Union[str, dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        set_fields = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag") if getattr(self, k)]
+        if len(set_fields) != 1:
+            raise ValueError(
+                "structured output needs exactly one of json, regex, choice, grammar, json_object, structural_tag; "
+                f"got {set_fields or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"a JSON schema must be an object or its JSON text, got {type(self.json).__name__}")
+        if isinstance(self.json, dict) or isinstance(self.json, str):
+            try:
+                json.dumps(self.json) if isinstance(self.json, dict) else json.loads(self.json)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+
+    def cache_key(self) -> tuple[str, str]:
+        """(kind, spec text): equal specs share one compiled grammar."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "structural_tag", str(self.structural_tag)
 
 
 class SamplingType(Enum):
@@ -46,6 +102,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Filled in by the engine from the model's generation config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -57,6 +114,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
@@ -102,8 +161,9 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None:
-            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-                bad(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
+            # 0 means scoring only: the prompt runs (for prompt_logprobs) and nothing is generated.
+            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+                bad(f"max_tokens must be at least 0, got {self.max_tokens!r}.")
         if self.min_tokens < 0:
             bad(f"min_tokens must be at least 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

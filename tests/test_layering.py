@@ -28,10 +28,12 @@ ALLOWED: dict[str, set[str]] = {
     "attention": SHARED | {"kernels"},
     "sample": SHARED | {"kernels"},
     "models": SHARED | {"kernels", "attention"},
-    "worker": SHARED | {"kernels", "attention", "sample", "core"},
-    "engine": SHARED | {"kernels", "attention", "sample", "models", "worker", "core", "tokenizer"},
+    "structured_output": {"sampling_params"},
+    "worker": SHARED | {"kernels", "attention", "sample", "core", "structured_output"},
+    "engine": SHARED | {"kernels", "attention", "sample", "models", "worker", "core", "tokenizer", "structured_output"},
     "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer"},
-    "bench": SHARED | {"kernels", "attention", "sample", "models", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"},
+    "bench": SHARED
+    | {"kernels", "attention", "sample", "models", "worker", "core", "engine", "entrypoints", "cli", "tokenizer", "structured_output"},
 }
 # Subpackages that must not pull in torch: the scheduler and block pool are pure bookkeeping.
 NO_TORCH = {"core"}

@@ -51,6 +51,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=None, help="sent only when given")
+    parser.add_argument(
+        "--extra-body", type=json.loads, default=None, help='JSON merged into every request, e.g. \'{"response_format": {...}}\''
+    )
     parser.add_argument("--percentile-metrics", default=",".join(METRIC_NAMES))
     parser.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     parser.add_argument("--disable-tqdm", action="store_true")
@@ -93,7 +96,7 @@ async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
 
 
 def completion_payload(
-    model: str, prompt: Prompt, output_len: int, temperature: Optional[float] = None
+    model: str, prompt: Prompt, output_len: int, temperature: Optional[float] = None, extra_body: Optional[dict] = None
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "model": model,
@@ -105,6 +108,7 @@ def completion_payload(
     }
     if temperature is not None:
         payload["temperature"] = temperature
+    payload.update(extra_body or {})
     return payload
 
 
@@ -200,6 +204,7 @@ async def benchmark(
     max_concurrency: Optional[int] = None,
     seed: int = 0,
     temperature: Optional[float] = None,
+    extra_body: Optional[dict] = None,
     disable_tqdm: bool = False,
     request_timeout: float = 6 * 3600,
     transport: Optional[httpx.AsyncBaseTransport] = None,
@@ -215,7 +220,7 @@ async def benchmark(
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout), limits=limits, transport=transport) as client:
         model = model or await get_first_model(client, base_url)
         # One short request first, as vLLM does: a misconfigured run fails fast and clearly.
-        probe = await request_completion(client, url, completion_payload(model, prompts[0], 1, temperature), 0)
+        probe = await request_completion(client, url, completion_payload(model, prompts[0], 1, temperature, extra_body), 0)
         if not probe.success:
             raise ValueError(f"the test request to {url} failed: {probe.error}")
         offsets = arrival_offsets(len(samples), request_rate, burstiness, seed)
@@ -226,7 +231,7 @@ async def benchmark(
             delay = start + offsets[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            payload = completion_payload(model, prompts[i], samples[i].output_len, temperature)
+            payload = completion_payload(model, prompts[i], samples[i].output_len, temperature, extra_body)
             if semaphore is None:
                 trace = await request_completion(client, url, payload, samples[i].prompt_len)
             else:
@@ -270,6 +275,7 @@ def main(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency,
             seed=args.seed,
             temperature=args.temperature,
+            extra_body=args.extra_body,
             disable_tqdm=args.disable_tqdm,
             request_timeout=args.request_timeout,
         )

@@ -239,14 +239,28 @@ class Scheduler:
                 continue  # aborted while the step ran
             error = runner_output.failed.get(req_id)
             token_id = runner_output.sampled_token_ids.get(req_id)
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id, [])
+            prompt_logprobs = self._new_prompt_logprobs(request, scheduler_output, runner_output)
             if error is not None:
                 self.running.remove(request)
                 self._free_request(request, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
                 continue
             if token_id is None:
-                if prompt_logprobs:
+                if request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
+                    # Scoring only: the prompt is done and nothing is to be generated.
+                    self.running.remove(request)
+                    self._free_request(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                    outputs.append(
+                        EngineCoreOutput(
+                            req_id,
+                            [],
+                            new_prompt_logprobs=prompt_logprobs,
+                            finish_reason=RequestStatus.finish_reason(RequestStatus.FINISHED_LENGTH_CAPPED),
+                            num_cached_tokens=max(request.num_cached_tokens, 0),
+                            scheduled_time=request.scheduled_time,
+                        )
+                    )
+                elif prompt_logprobs:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue  # a prefill chunk that did not reach the end of the known tokens
             request.append_output_token_ids([token_id])
@@ -266,6 +280,18 @@ class Scheduler:
                 out.stop_reason = request.stop_reason
             outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list:
+        """This step's prompt logprobs, less positions already reported before a preemption."""
+        rows = runner_output.prompt_logprobs.get(request.request_id)
+        if not rows:
+            return []
+        # The runner reports positions from where this step started, which num_computed_tokens has passed.
+        first = request.num_computed_tokens - scheduler_output.num_scheduled_tokens[request.request_id]
+        skip = max(0, request.num_prompt_logprobs_sent - first)
+        request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, first + len(rows))
+        return rows[skip:]
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params

@@ -39,6 +39,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.structured_output = None  # the engine's StructuredOutputManager, when it has one
         # Tokenizing runs on the engine thread: an 8 MiB prompt takes seconds and stalls every
         # stream, only to be refused as too long afterwards. Text that cannot fit the context
         # (twice over, for normalizers that merge characters) is refused before tokenizing.
@@ -103,6 +104,10 @@ class InputProcessor:
         for token_id in params.stop_token_ids or []:
             if not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"stop_token_ids token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured output is not available on this engine")
+            self.structured_output.validate(params.structured_outputs)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         if num_prompt_tokens >= self.max_model_len:

@@ -22,6 +22,7 @@ from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagellm.engine.stats import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,12 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
         self.model = model
         self.core = EngineCore(config, model, self.shape, self.max_model_len)
+        # Shared by the input processor (compiles, refusing bad grammars) and the runner (masks).
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.shape.vocab_size, self.eos_token_ids)
+        self.core.runner.structured_output = self.structured_output
         self.max_model_len = self.core.max_model_len  # may be lowered to what the KV cache holds
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids)
+        self.input_processor.structured_output = self.structured_output
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         self.load_time_s = time.perf_counter() - t0
@@ -168,6 +173,7 @@ class LLMEngine:
         self.core = None
         gc.collect()
         self.core = EngineCore(config, self.model, self.shape, self.max_model_len, kv_cache_manager, scheduler_cls)
+        self.core.runner.structured_output = self.structured_output
         self.config = config
         return self.core
 

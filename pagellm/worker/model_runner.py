@@ -17,6 +17,7 @@ from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOu
 from pagellm.sample.logprobs import compute_prompt_logprobs
 from pagellm.sample.metadata import LogprobsTensors, SamplingMetadata
 from pagellm.sample.sampler import Sampler
+from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.cuda_graphs import DecodeGraphRunner, model_supports_cuda_graphs
 from pagellm.worker.input_batch import InputBatch
 
@@ -50,6 +51,8 @@ class ModelRunner:
         max_num_blocks_per_req = -(-max_model_len // block_size)
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_blocks_per_req)
         self.sampler = Sampler()
+        # Set by the engine: grammar state of constrained requests (None: no structured output).
+        self.structured_output: Optional[StructuredOutputManager] = None
         # Seconds spent in each phase of the last step; cheap enough to always record.
         self.last_timings: dict[str, float] = {}
         # Decode steps replay CUDA graphs on a GPU; the CPU path never builds any.
@@ -82,12 +85,18 @@ class ModelRunner:
 
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.input_batch
+        so = self.structured_output
         for req_id in out.finished_req_ids:
             batch.remove_request(req_id)
+            if so is not None:
+                so.remove_request(req_id)
         for new in out.new_reqs:
             batch.add_request(
                 new.req_id, new.token_ids, new.num_prompt_tokens, new.sampling_params, new.block_ids, new.num_computed_tokens
             )
+            if so is not None and new.sampling_params.structured_outputs is not None:
+                # A resumed request replays the outputs it had, to put its grammar where it was.
+                so.add_request(new.req_id, new.sampling_params.structured_outputs, new.token_ids[new.num_prompt_tokens :])
         for cached in out.cached_reqs:
             row = batch.req_id_to_row[cached.req_id]
             batch.append_block_ids(row, cached.new_block_ids)
@@ -145,6 +154,8 @@ class ModelRunner:
 
         # Only sequences whose known tokens are now all computed produce a new token.
         sample_mask = seq_lens == batch.num_tokens[rows]
+        # max_tokens=0 (scoring only) rows run their prompt but sample nothing.
+        sample_mask &= np.fromiter((batch.params[r].max_tokens != 0 for r in rows.tolist()), dtype=bool, count=len(rows))
         sample_idx = np.nonzero(sample_mask)[0]
         result = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(req_ids, rows, start, num_sched, cu_end, hidden, result)
@@ -158,6 +169,8 @@ class ModelRunner:
             token = result.sampled_token_ids.get(req_id)
             if token is not None:
                 batch.append_token(row, token)
+                if self.structured_output is not None:
+                    self.structured_output.accept(req_id, token)
         self.last_timings["sample"] = time.perf_counter() - t2
         return result
 
@@ -175,6 +188,8 @@ class ModelRunner:
 
     def _sample_rows(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], result: ModelRunnerOutput) -> None:
         metadata = self._sampling_metadata(rows, logits.device)
+        if self.structured_output is not None:
+            logits = self.structured_output.apply_bitmask(logits, req_ids)
         output = self.sampler(logits, metadata)
         sampled = output.sampled_token_ids.tolist()
         result.sampled_token_ids.update(zip(req_ids, sampled))

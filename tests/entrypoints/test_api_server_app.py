@@ -122,6 +122,12 @@ def test_bad_requests_are_400_in_openai_shape(server):
     assert_error(chat, 400, "BadRequestError", "chat template")
     chat = request(app, "POST", "/v1/chat/completions", headers=AUTH, json={"messages": [{"content": "hi"}]})
     assert_error(chat, 400, "BadRequestError", "role")
+    for role in ("robot", "User", ""):
+        chat = request(app, "POST", "/v1/chat/completions", headers=AUTH, json={"messages": [{"role": role, "content": "hi"}]})
+        err = assert_error(chat, 400, "BadRequestError", "unknown role")
+        assert err["param"] == "messages"
+    tok = request(app, "POST", "/tokenize", headers=AUTH, json={"messages": [{"role": "bot", "content": "hi"}]})
+    assert_error(tok, 400, "BadRequestError", "unknown role")
     # And the server still serves.
     assert post(json={"prompt": "x", "max_tokens": 1}).status_code == 200
 

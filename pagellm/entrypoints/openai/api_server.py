@@ -158,6 +158,8 @@ def build_app(
     trust_request_chat_template: bool = False,
     dashboard: bool = True,
     dashboard_show_text: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: Optional[str] = None,
 ) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__)
     state = ServerState(api_key=api_key, max_request_body_bytes=max_request_body_bytes)
@@ -166,7 +168,7 @@ def build_app(
     app.state.metrics = metrics
     name = async_llm.model_name
     completions = OpenAIServingCompletion(async_llm, name)
-    chat = OpenAIServingChat(async_llm, name, trust_request_chat_template)
+    chat = OpenAIServingChat(async_llm, name, trust_request_chat_template, enable_auto_tool_choice, tool_call_parser)
     tokenization = OpenAIServingTokenization(async_llm, name, trust_request_chat_template)
 
     @app.exception_handler(APIError)
@@ -313,6 +315,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show prompt and block text on /dashboard (off by default: prompts are users' data)",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes"], help="how to read tool calls out of the model's text")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
 
@@ -336,6 +344,8 @@ def run_server(args: argparse.Namespace) -> int:
         args.max_request_body_bytes,
         engine.model_path,
         args.trust_request_chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         dashboard=not args.no_dashboard,
         dashboard_show_text=args.dashboard_show_text,
     )

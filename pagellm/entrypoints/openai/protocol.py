@@ -10,9 +10,9 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -37,6 +37,19 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
     completion_tokens: Optional[int] = 0
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    # "schema" would shadow BaseModel.schema(); the JSON key stays "schema".
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class SamplingRequestMixin(OpenAIBaseModel):
@@ -66,6 +79,35 @@ class SamplingRequestMixin(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
     cache_salt: Optional[str] = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* extras and newer structured_outputs.
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The one output constraint the request asks for, if any; ValueError when several."""
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            asked.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.json_schema)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, StructuredOutputsParams(**{kind: getattr(self, name)})))
+        if self.structured_outputs is not None:
+            try:
+                asked.append(("structured_outputs", StructuredOutputsParams(**self.structured_outputs)))
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        if len(asked) > 1:
+            raise ValueError(f"only one output constraint may be given, got {', '.join(name for name, _ in asked)}")
+        return asked[0][1] if asked else None
 
     def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError (-> 400) for any out-of-range value."""
@@ -100,6 +142,7 @@ class SamplingRequestMixin(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=logit_bias,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     @property
@@ -164,6 +207,11 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # -- /v1/chat/completions -------------------------------------------------------------------------
 
 
+# OpenAI's roles ("function" is its deprecated predecessor of "tool"); anything else is a typo
+# the template would silently render or drop, so it is refused up front.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(OpenAIBaseModel):
     model_config = ConfigDict(extra="allow")  # tool_call_id, name, ... pass through to the template
 
@@ -171,9 +219,71 @@ class ChatMessage(OpenAIBaseModel):
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
 
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}")
+        return role
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
 
 class ChatCompletionRequest(SamplingRequestMixin):
     messages: list[ChatMessage]
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = True
     max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
@@ -203,6 +313,7 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -225,6 +336,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

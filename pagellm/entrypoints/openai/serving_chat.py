@@ -20,7 +20,11 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     random_id,
 )
 from pagellm.entrypoints.openai.serving_base import (
@@ -33,6 +37,8 @@ from pagellm.entrypoints.openai.serving_base import (
     sse,
     sse_error,
 )
+from pagellm.entrypoints.openai.tool_parsers import HermesToolParser, ParsedToolCall, get_tool_parser
+from pagellm.entrypoints.openai.tools import add_tools_to_messages, forced_constraint, forced_tool_calls, resolve_tool_choice
 from pagellm.outputs import CompletionOutput, SampleLogprobs
 
 
@@ -43,6 +49,8 @@ class _Choice:
     logprobs: list[ChatCompletionLogProbsContent] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    parser: Optional[HermesToolParser] = None  # streaming with tool_choice "auto"
+    num_tool_calls: int = 0
 
 
 def make_chat_prompt(
@@ -84,6 +92,20 @@ def make_chat_prompt(
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self,
+        async_llm,
+        served_model_name: str,
+        trust_request_chat_template: bool = False,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: Optional[str] = None,
+    ) -> None:
+        super().__init__(async_llm, served_model_name, trust_request_chat_template)
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.tool_parser_cls = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         if not request.messages:
@@ -95,9 +117,20 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         n = 1 if request.n is None else request.n
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         params = self.check_params(request.to_sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None))
         messages = messages_to_dicts(request.messages)
         tokenizer = self.async_llm.tokenizer
+        tool_mode = resolve_tool_choice(request, self.enable_auto_tool_choice and self.tool_parser_cls is not None)
+        if tool_mode in ("named", "required"):
+            if params.structured_outputs is not None:
+                raise APIError("a forced tool_choice cannot be combined with another output constraint", param="tool_choice")
+            params.structured_outputs = forced_constraint(request, tool_mode)
+        if tool_mode != "none":
+            messages = add_tools_to_messages(messages, request, getattr(tokenizer, "chat_template", None))
+        if tool_mode == "auto" and request.n not in (None, 1) and request.stream:
+            raise APIError("streamed tool calls support n=1 only", param="n")
 
         def prompt() -> dict[str, Any]:
             return make_chat_prompt(
@@ -121,10 +154,10 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.add_requests(request_id, [prompt], params, time.monotonic())
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, created, streams[0], n, role, echo), media_type="text/event-stream"
+                self._stream(request, request_id, created, streams[0], n, role, echo, tool_mode), media_type="text/event-stream"
             )
         response = await run_until_disconnected(
-            raw_request, lambda: self._full(request, request_id, created, streams[0], n, role, echo)
+            raw_request, lambda: self._full(request, request_id, created, streams[0], n, role, echo, tool_mode)
         )
         if response is None:
             return Response(status_code=499)
@@ -170,8 +203,58 @@ class OpenAIServingChat(OpenAIServing):
             choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
         return completion.text, logprobs
 
+    def _message(self, request: ChatCompletionRequest, choice: _Choice, role: str, echo: str, tool_mode: str) -> ChatResponseMessage:
+        """The reply, with tool calls read out of the text when tools are in play."""
+        calls: list[ParsedToolCall] = []
+        content: Optional[str] = echo + choice.text
+        if tool_mode in ("named", "required"):
+            forced = forced_tool_calls(request, tool_mode, choice.text)
+            if forced is not None:  # else cut short: the text goes back as content, finish_reason "length"
+                calls, content = forced, None
+        elif tool_mode == "auto" and self.tool_parser_cls is not None:
+            parsed = self.tool_parser_cls().extract(choice.text)
+            calls, content = parsed.tool_calls, (echo + parsed.content) if parsed.content is not None else (echo or None)
+        if calls and tool_mode != "named" and choice.finish_reason == "stop":
+            choice.finish_reason = "tool_calls"
+        tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+        return ChatResponseMessage(role=role, content=content, tool_calls=tool_calls)
+
+    def _stream_tool_calls(
+        self, request: ChatCompletionRequest, choice: _Choice, text: str, tool_mode: str, finished: bool
+    ) -> tuple[str, list[ParsedToolCall]]:
+        """A streamed piece of text split into content to send and tool calls now complete."""
+        if choice.parser is not None:
+            delta = choice.parser.extract_streaming(text, finished)
+            return delta.content, [call for _, call in delta.tool_calls]
+        # Forced calls are JSON that only parses whole: held back until the reply ends.
+        if not finished:
+            return "", []
+        forced = forced_tool_calls(request, tool_mode, choice.text)
+        return ("", forced) if forced is not None else (choice.text, [])
+
+    @staticmethod
+    def _tool_call_deltas(choice: _Choice, calls: list[ParsedToolCall]) -> list[DeltaMessage]:
+        """Each call as OpenAI streams one: id, type and name first, then the arguments."""
+        deltas = []
+        for call in calls:
+            index = choice.num_tool_calls
+            choice.num_tool_calls += 1
+            deltas.append(DeltaMessage(tool_calls=[
+                DeltaToolCall(index=index, id=call.id, type="function", function=DeltaFunctionCall(name=call.name, arguments=""))
+            ]))
+            deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]))
+        return deltas
+
     async def _full(
-        self, request: ChatCompletionRequest, request_id: str, created: int, stream: RequestStream, n: int, role: str, echo: str
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        stream: RequestStream,
+        n: int,
+        role: str,
+        echo: str,
+        tool_mode: str = "none",
     ) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(n)]
         num_prompt = num_cached = 0
@@ -183,6 +266,7 @@ class OpenAIServingChat(OpenAIServing):
                 choice = choices[completion.index]
                 if choice.finish_reason is None:  # finished samples of n > 1 repeat in later outputs
                     self._update_choice(request, choice, completion)
+        messages = [self._message(request, c, role, echo, tool_mode) for c in choices]
         return ChatCompletionResponse(
             id=request_id,
             created=created,
@@ -190,20 +274,31 @@ class OpenAIServingChat(OpenAIServing):
             choices=[
                 ChatCompletionResponseChoice(
                     index=j,
-                    message=ChatResponseMessage(role=role, content=echo + c.text),
+                    message=message,
                     logprobs=ChatCompletionLogProbs(content=c.logprobs) if request.logprobs else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
-                for j, c in enumerate(choices)
+                for j, (c, message) in enumerate(zip(choices, messages))
             ],
             usage=make_usage(num_prompt, sum(c.num_tokens for c in choices), num_cached),
         )
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, created: int, stream: RequestStream, n: int, role: str, echo: str
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        stream: RequestStream,
+        n: int,
+        role: str,
+        echo: str,
+        tool_mode: str = "none",
     ) -> AsyncIterator[str]:
         choices = [_Choice() for _ in range(n)]
+        if tool_mode == "auto" and self.tool_parser_cls is not None:
+            for c in choices:
+                c.parser = self.tool_parser_cls()
         num_prompt = num_cached = 0
         exclude = None if request.include_usage else {"usage"}
 
@@ -237,13 +332,22 @@ class OpenAIServingChat(OpenAIServing):
                     if choice.finish_reason is not None:
                         continue
                     text, logprobs = self._update_choice(request, choice, completion)
-                    if not text and not logprobs and completion.finish_reason is None:
+                    finish_reason = completion.finish_reason
+                    if tool_mode != "none":
+                        text, calls = self._stream_tool_calls(request, choice, text, tool_mode, finish_reason is not None)
+                        for delta in self._tool_call_deltas(choice, calls):
+                            yield chunk(completion.index, delta)
+                        if calls and tool_mode != "named" and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                        if choice.num_tool_calls and finish_reason == "stop" and tool_mode != "named":
+                            finish_reason = "tool_calls"
+                    if not text and not logprobs and finish_reason is None:
                         continue
                     yield chunk(
                         completion.index,
-                        DeltaMessage(content=text) if text or completion.finish_reason is None else DeltaMessage(),
+                        DeltaMessage(content=text) if text or finish_reason is None else DeltaMessage(),
                         ChatCompletionLogProbs(content=logprobs) if request.logprobs else None,
-                        completion.finish_reason,
+                        finish_reason,
                         completion.stop_reason,
                     )
             if request.include_usage:

@@ -64,6 +64,9 @@ class OpenAIServingCompletion(OpenAIServing):
         n = 1 if request.n is None else request.n
         if request.best_of is not None and request.best_of != n:
             raise APIError("best_of must be unset or equal to n", param="best_of")
+        if request.max_tokens == 0 and not request.echo:
+            # Scoring only makes sense when the prompt comes back (with its logprobs).
+            raise APIError("max_tokens must be at least 1, or 0 with echo=true to score the prompt", param="max_tokens")
         params = self.check_params(request.to_sampling_params(request.max_tokens, request.logprobs))
         num_prompts = len(_prompt_items(request.prompt))
         if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
