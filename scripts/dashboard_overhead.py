@@ -48,8 +48,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_r(url: str, out_dir: str, name: str, num_prompts: int = 64) -> dict:
-    args = list(R_ARGS)
+def run_r(url: str, out_dir: str, name: str, seed: int, num_prompts: int = 64) -> dict:
+    # A new seed per run: the same prompts again would be served from the prefix cache.
+    args = [*R_ARGS, "--seed", str(seed)]
     args[args.index("--num-prompts") + 1] = str(num_prompts)
     cmd = [sys.executable, "-m", "pagellm.cli", "--log-level", "warning", "bench", "serve", "--base-url", url, *args,
            "--save-result", "--result-dir", out_dir, "--result-filename", f"{name}.json"]
@@ -82,7 +83,7 @@ def main() -> int:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError("server did not start; see server.log")
             time.sleep(0.5)
-        run_r(url, args.out_dir, "warmup", num_prompts=32)
+        run_r(url, args.out_dir, "warmup", seed=1000, num_prompts=32)
         rows = []
         for turn in range(args.turns):
             for with_page in (False, True):
@@ -92,7 +93,7 @@ def main() -> int:
                     reader = subprocess.Popen([sys.executable, "-c", SSE_READER, url], stdout=subprocess.PIPE, text=True)
                     time.sleep(1.0)  # connected, full snapshot sent
                 cost0 = httpx.get(url + "/dashboard/api/cost").json()
-                result = run_r(url, args.out_dir, name)
+                result = run_r(url, args.out_dir, name, seed=len(rows) + 1)
                 cost1 = httpx.get(url + "/dashboard/api/cost").json()
                 sse = ""
                 if reader is not None:
