@@ -52,6 +52,12 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--tensor-parallel-size", type=int, default=1, help="ranks that split every layer (by KV-head groups); default 1"
     )
     parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="serve: engine replicas behind one server, requests routed by cached prefix (default 1)",
+    )
+    parser.add_argument(
         "--distributed-executor-backend",
         choices=["mp", "ray"],
         default=None,
