@@ -204,8 +204,12 @@ class DPAsyncLLM:
     async def add_request(
         self, request_id: str, prompt: LazyPrompt, params: SamplingParams, arrival_time: Optional[float] = None
     ) -> RequestStream:
-        resolved = prompt() if callable(prompt) else prompt
-        tokens = await asyncio.to_thread(self._route_tokens, resolved)
+        def resolve() -> tuple[Any, list[int]]:
+            # Off the event loop: a chat template's rendering, and tokenizing for the router.
+            resolved = prompt() if callable(prompt) else prompt
+            return resolved, self._route_tokens(resolved)
+
+        resolved, tokens = await asyncio.to_thread(resolve)
         salt = resolved.get("cache_salt") if isinstance(resolved, dict) else None
         replica = self.router.choose(tokens, salt, [r.num_in_flight for r in self.replicas])
         self._owner[request_id] = replica

@@ -78,3 +78,26 @@ def test_two_real_replicas_route_prefixes_and_answer_like_one():
         assert all(len(t) == 4 for t in outputs)
     finally:
         dp.shutdown()
+
+
+@pytest.mark.slow
+def test_server_with_two_replicas_serves_and_reports_per_replica_metrics():
+    import httpx
+    from openai_server_utils import API_KEY, RemoteServer
+
+    server = RemoteServer(
+        ["--data-parallel-size", "2", "--num-kv-blocks", "128", "--max-model-len", "256", "--api-key", API_KEY], use_cli=True
+    )
+    try:
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        for i in range(4):
+            body = {"prompt": {"0": "A", "1": "B"}[str(i % 2)] * 40, "max_tokens": 3, "temperature": 0}
+            resp = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=120)
+            assert resp.status_code == 200, resp.text
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        assert 'pagellm:dp_num_requests_running{replica="0"}' in text and 'replica="1"' in text
+        assert "pagellm:generation_tokens_total" in text
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert server.terminate() == 0
+    finally:
+        server.cleanup()
