@@ -70,6 +70,8 @@ def main() -> None:
 
     makers = {
         "tp1": lambda: AsyncLLM.from_config(config()),
+        # One engine on one thread: what each TP rank and DP replica gets on a 2-core machine.
+        "tp1-1t": lambda: AsyncLLM.from_config(config(num_threads=1)),
         "tp2": lambda: AsyncLLM.from_config(config(tensor_parallel_size=2)),
         "dp2": lambda: DPAsyncLLM.from_config(config(), 2),
     }

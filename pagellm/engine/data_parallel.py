@@ -189,6 +189,8 @@ class DPAsyncLLM:
             "hits": Gauge("pagellm:dp_prefix_cache_hits", "Prefix-cache hit tokens so far, per replica.", ["replica"], registry=reg),
         }
         for i, replica in enumerate(self.replicas):
+            for gauge in gauges.values():
+                gauge.labels(str(i)).set(0)  # every replica shows from the start, busy or not
             replica.stat_logger = _ReplicaStatLogger(self, metrics, i, gauges)
 
     # -- requests ----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import pytest
 
@@ -90,12 +91,20 @@ def test_server_with_two_replicas_serves_and_reports_per_replica_metrics():
     )
     try:
         auth = {"Authorization": f"Bearer {API_KEY}"}
-        for i in range(4):
-            body = {"prompt": {"0": "A", "1": "B"}[str(i % 2)] * 40, "max_tokens": 3, "temperature": 0}
-            resp = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=120)
-            assert resp.status_code == 200, resp.text
+        from concurrent.futures import ThreadPoolExecutor
+
+        def post(i: int) -> httpx.Response:
+            body = {"prompt": f"Topic {i}: " + "word " * 40, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            return httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=120)
+
+        with ThreadPoolExecutor(4) as pool:  # at once: new prefixes spread by load over both replicas
+            for resp in pool.map(post, range(4)):
+                assert resp.status_code == 200, resp.text
         text = httpx.get(f"{server.url}/metrics", timeout=30).text
-        assert 'pagellm:dp_num_requests_running{replica="0"}' in text and 'replica="1"' in text
+        assert 'pagellm:dp_num_requests_running{replica="0"}' in text
+        assert 'pagellm:dp_num_requests_running{replica="1"}' in text
+        hits = re.findall(r'^pagellm:dp_prefix_cache_hits\{replica="\d"\} ([0-9.]+)$', text, re.MULTILINE)
+        assert len(hits) == 2
         assert "pagellm:generation_tokens_total" in text
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
         assert server.terminate() == 0
