@@ -48,6 +48,21 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--gpu-memory-utilization", type=float, default=0.9, help="GPU: share of device memory to use; sizes the KV cache"
     )
     parser.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs, every step runs eagerly")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks that split every layer (by KV-head groups); default 1"
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="serve: engine replicas behind one server, requests routed by cached prefix (default 1)",
+    )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default=None,
+        help="how tensor-parallel ranks run: mp (local processes, default) or ray (Ray actors)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,6 +85,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_threads=args.num_threads,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs

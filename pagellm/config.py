@@ -92,6 +92,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # GPU only: run decode steps eagerly instead of replaying CUDA graphs (vLLM's name).
     enforce_eager: bool = False
+    # Tensor parallelism: ranks that each hold a shard of every layer (by KV-head groups) and of
+    # the KV cache. 1 keeps the model in the engine's own process ("uni").
+    tensor_parallel_size: int = 1
+    # How ranks run (vLLM's names): "mp" local processes, "ray" Ray actors; None -> "uni" for one
+    # rank, "mp" for more.
+    distributed_executor_backend: Optional[str] = None
     # Whether dtype / kv_cache_dtype were "auto", so that a GPU engine may refine them.
     auto_dtype: bool = field(default=False, init=False, repr=False)
     auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
@@ -127,6 +133,16 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be mp or ray (uni: one rank), got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("the uni executor runs one rank; use mp or ray for tensor_parallel_size > 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -70,6 +70,10 @@ def main(args: argparse.Namespace) -> int:
             f"Prefill: {result['prefill_tokens_per_second']:.1f} prompt tokens/s over steps with prompt tokens; "
             f"decode: {result['decode_tokens_per_second']:.1f} tokens/s over decode-only steps"
         )
+    if stats.steps.comm_s:
+        result["comm_share_of_step_time"] = stats.steps.comm_s / stats.steps.steps_s
+        print(f"Tensor parallel: {100 * result['comm_share_of_step_time']:.1f}% of step time in rank 0's collectives")
+    llm.shutdown()
     print(f"Total num prompt tokens:  {num_prompt_tokens}")
     print(f"Total num output tokens:  {num_output_tokens}")
     save_result(result, args, "throughput")

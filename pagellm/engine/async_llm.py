@@ -42,6 +42,9 @@ T = TypeVar("T")
 LazyPrompt = Union[PromptType, Callable[[], PromptType]]
 
 
+HEALTH_CHECK_INTERVAL_S = 1.0
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread crashed; no request can be served any more."""
 
@@ -278,11 +281,15 @@ class AsyncLLM:
             return
         built.set_result(engine)
         prefault_pending = True  # until the engine says the KV cache is all faulted in
+        # Tensor-parallel ranks are checked while idle too, so a dead one shows on /health at once.
+        health_interval = HEALTH_CHECK_INTERVAL_S if getattr(getattr(engine, "config", None), "tensor_parallel_size", 1) > 1 else None
         try:
             while True:
                 with self._cond:
                     while (idle := self._idle(engine)) and not prefault_pending:
-                        self._cond.wait()
+                        self._cond.wait(health_interval)
+                        if health_interval is not None:
+                            engine.check_health()
                     if self._shutdown:
                         break
                     commands, self._commands = self._commands, []
@@ -309,8 +316,10 @@ class AsyncLLM:
             with self._cond:
                 self._dead_error = e
             self._fail_all(f"the engine crashed: {e!r}")
+            _shutdown_engine(engine)
             return
         self._fail_all("the engine was shut down")
+        _shutdown_engine(engine)
 
     def _idle(self, engine: LLMEngine) -> bool:
         """Nothing to do: no command, no shutdown, no request in the engine (hold ``_cond``)."""
@@ -374,6 +383,15 @@ class AsyncLLM:
         self._streams.clear()
         for loop, items in by_loop.items():
             _deliver_threadsafe(loop, items)
+
+
+def _shutdown_engine(engine: LLMEngine) -> None:
+    """Stops the engine's tensor-parallel ranks, if it has any."""
+    try:
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
+    except Exception:
+        logger.exception("shutting the engine's ranks down failed")
 
 
 def _deliver(items: list[tuple[RequestStream, Any]]) -> None:

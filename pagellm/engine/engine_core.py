@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -15,7 +15,9 @@ from pagellm.core.kv_cache_base import create_kv_cache_manager
 from pagellm.core.kv_cache_manager import KVCacheManager  # noqa: F401  (registers "paged")
 from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.core.scheduler import Scheduler
+from pagellm.distributed.partition import max_kv_heads_per_rank
 from pagellm.engine.stats import EngineStats, StepStats, StepTotals
+from pagellm.executor.base import Executor, UniProcExecutor
 from pagellm.request import Request, RequestStatus
 from pagellm.worker.kv_cache import (
     KVCachePrefaulter,
@@ -56,24 +58,34 @@ class EngineCore:
 
     ``kv_cache_manager`` names a registered manager and ``scheduler_cls`` picks the admission
     policy; pagellm serves with the defaults, and the benchmarks swap in the traditional design.
+
+    With ``model`` the runner lives in this process (the ``uni`` executor). Under tensor
+    parallelism ``model`` is None and ``executor_factory(num_blocks, max_model_len)`` starts the
+    ranks, each with its shard of the model and ``num_blocks`` blocks of its own KV heads; the KV
+    cache budget is then per rank (sized by the rank holding the most KV heads).
     """
 
     def __init__(
         self,
         config: EngineConfig,
-        model: torch.nn.Module,
+        model: Optional[torch.nn.Module],
         shape: ModelShape,
         max_model_len: int,
         kv_cache_manager: str = "paged",
         scheduler_cls: type[Scheduler] = Scheduler,
+        executor_factory: Optional[Callable[[int, int], Executor]] = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
-        block_bytes = bytes_per_block(
-            shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, config.kv_cache_dtype
-        )
+        kv_heads = max_kv_heads_per_rank(shape.num_kv_heads, config.tensor_parallel_size)
+        block_bytes = bytes_per_block(shape.num_layers, config.block_size, kv_heads, shape.head_dim, config.kv_cache_dtype)
         kv_cache_memory_bytes = config.kv_cache_memory_bytes
-        if kv_cache_memory_bytes is None and config.num_kv_blocks is None and config.device.type == "cuda":
+        if (
+            kv_cache_memory_bytes is None
+            and config.num_kv_blocks is None
+            and config.device.type == "cuda"
+            and model is not None
+        ):
             kv_cache_memory_bytes = self._gpu_kv_cache_budget(config, model, shape)
         self.num_blocks = determine_num_blocks(
             config.num_kv_blocks,
@@ -95,16 +107,23 @@ class EngineCore:
             logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d to %d", capacity, max_model_len, capacity)
             max_model_len = capacity
         self.max_model_len = max_model_len
-        kv_caches = allocate_kv_caches(
-            shape.num_layers,
-            self.num_blocks,
-            config.block_size,
-            shape.num_kv_heads,
-            shape.head_dim,
-            config.kv_cache_dtype,
-            config.device,
-        )
-        self.kv_cache_prefaulter = KVCachePrefaulter(kv_caches)
+        self.runner: Optional[ModelRunner] = None
+        if executor_factory is None:
+            kv_caches = allocate_kv_caches(
+                shape.num_layers,
+                self.num_blocks,
+                config.block_size,
+                shape.num_kv_heads,
+                shape.head_dim,
+                config.kv_cache_dtype,
+                config.device,
+            )
+            self.runner = ModelRunner(
+                model, kv_caches, config.block_size, config.max_num_seqs, max_model_len, shape.vocab_size, config.enforce_eager
+            )
+            self.executor: Executor = UniProcExecutor(self.runner, KVCachePrefaulter(kv_caches))
+        else:
+            self.executor = executor_factory(self.num_blocks, max_model_len)
         self.kv_cache_manager = create_kv_cache_manager(
             kv_cache_manager, self.num_blocks, config.block_size, max_model_len, config.enable_prefix_caching
         )
@@ -113,9 +132,6 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
-        )
-        self.runner = ModelRunner(
-            model, kv_caches, config.block_size, config.max_num_seqs, max_model_len, shape.vocab_size, config.enforce_eager
         )
         self.block_hasher = make_block_hasher(config.block_size) if config.enable_prefix_caching else None
         self._last_step: Optional[StepStats] = None
@@ -162,11 +178,11 @@ class EngineCore:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        runner_out = self.runner.execute_model(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         t3 = time.perf_counter()
-        phases = self.runner.last_timings
+        phases = self.executor.last_timings
         self._last_step = StepStats(
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             num_reqs=len(sched_out.num_scheduled_tokens),
@@ -177,13 +193,17 @@ class EngineCore:
             forward_s=phases.get("forward", 0.0),
             sample_s=phases.get("sample", 0.0),
             update_s=t3 - t2,
+            comm_s=phases.get("comm", 0.0),
         )
         self._step_totals.add(self._last_step)
         return outputs
 
     def prefault_kv_cache(self) -> bool:
         """Faults in one more slice of the KV cache's memory (for idle time); whether any remain."""
-        return self.kv_cache_prefaulter.prefault_next()
+        return self.executor.prefault_kv_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         """A read-only snapshot: queues, KV cache, prefix cache and step counters (all cumulative)."""

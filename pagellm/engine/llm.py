@@ -37,6 +37,10 @@ class LLM:
             self._step_thread.shutdown(wait=False)
             raise
 
+    def shutdown(self) -> None:
+        """Stops tensor-parallel ranks (they also stop when this process exits)."""
+        self._step_thread.submit(self.llm_engine.shutdown).result()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

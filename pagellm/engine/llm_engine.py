@@ -48,6 +48,8 @@ def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, Sam
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from pagellm.attention.selector import get_attn_backend
+        from pagellm.distributed.partition import check_tp_size
+        from pagellm.executor.factory import create_executor
         from pagellm.kernels.tuning import measure_cpu_tuning
         from pagellm.models.loader import (
             default_model_path,
@@ -73,28 +75,51 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len}")
         self.max_model_len = config.max_model_len or model_max_len
-        attn_backend = get_attn_backend(config.attention_backend, config.device)
-        model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend)
-        # Measured once, on this machine and the model's own packed weights, then handed to its users.
-        attention = attn_backend.name == "cpu_paged"
-        self.cpu_tuning = measure_cpu_tuning(config.device, model.packed_weights(), attention=attention)
-        attn_backend.use_cpu_tuning(self.cpu_tuning)
-        model.use_cpu_tuning(self.cpu_tuning)
-        logger.info("CPU tuning: %s", self.cpu_tuning.to_json())
         self.shape = ModelShape.from_hf_config(self.hf_config)
         self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
-        self.model = model
-        self.core = EngineCore(config, model, self.shape, self.max_model_len)
+        self.cpu_tuning = None
+        if config.distributed_executor_backend == "uni":
+            attn_backend = get_attn_backend(config.attention_backend, config.device)
+            model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend)
+            # Measured once, on this machine and the model's own packed weights, then handed to its users.
+            attention = attn_backend.name == "cpu_paged"
+            self.cpu_tuning = measure_cpu_tuning(config.device, model.packed_weights(), attention=attention)
+            attn_backend.use_cpu_tuning(self.cpu_tuning)
+            model.use_cpu_tuning(self.cpu_tuning)
+            logger.info("CPU tuning: %s", self.cpu_tuning.to_json())
+            attn_name = attn_backend.name
+            self.model = model
+            self._executor_factory = None
+        else:
+            # Tensor parallelism: the ranks load their own shards; this process keeps the scheduler.
+            hf = self.hf_config
+            check_tp_size(
+                config.tensor_parallel_size,
+                hf.num_attention_heads,
+                self.shape.num_kv_heads,
+                hf.intermediate_size,
+            )
+            self.model = None
+            tp, backend = config.tensor_parallel_size, config.distributed_executor_backend
+            attn_name = f"{config.attention_backend or 'default'} on {tp} ranks ({backend})"
+            eos = self.eos_token_ids
+
+            def executor_factory(num_blocks: int, max_len: int):
+                return create_executor(config, model_path, num_blocks, max_len, eos)
+
+            self._executor_factory = executor_factory
+        self.core = EngineCore(config, self.model, self.shape, self.max_model_len, executor_factory=self._executor_factory)
         # Shared by the input processor (compiles, refusing bad grammars) and the runner (masks).
         self.structured_output = StructuredOutputManager(self.tokenizer, self.shape.vocab_size, self.eos_token_ids)
-        self.core.runner.structured_output = self.structured_output
+        if self.core.runner is not None:
+            self.core.runner.structured_output = self.structured_output
         self.max_model_len = self.core.max_model_len  # may be lowered to what the KV cache holds
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids)
         self.input_processor.structured_output = self.structured_output
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         self.load_time_s = time.perf_counter() - t0
-        logger.info("engine ready in %.1f s: %s, attention %s", self.load_time_s, model_path, attn_backend.name)
+        logger.info("engine ready in %.1f s: %s, attention %s", self.load_time_s, model_path, attn_name)
 
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
@@ -170,12 +195,25 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("cannot rebuild the engine core while requests are in flight")
         # Drop the old cache first: two full KV budgets at once may not fit in memory.
+        self.core.shutdown()
         self.core = None
         gc.collect()
-        self.core = EngineCore(config, self.model, self.shape, self.max_model_len, kv_cache_manager, scheduler_cls)
-        self.core.runner.structured_output = self.structured_output
+        self.core = EngineCore(
+            config, self.model, self.shape, self.max_model_len, kv_cache_manager, scheduler_cls, self._executor_factory
+        )
+        if self.core.runner is not None:
+            self.core.runner.structured_output = self.structured_output
         self.config = config
         return self.core
+
+    def check_health(self) -> None:
+        """Raises if a tensor-parallel rank is gone."""
+        self.core.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks, if any; the engine is unusable afterwards."""
+        if self.core is not None:
+            self.core.shutdown()
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()

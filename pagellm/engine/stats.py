@@ -20,6 +20,7 @@ class StepStats:
     forward_s: float = 0.0
     sample_s: float = 0.0
     update_s: float = 0.0
+    comm_s: float = 0.0  # tensor parallelism: rank 0's time in collectives (all-reduce, all-gather, broadcast)
 
 
 @dataclass
@@ -31,9 +32,13 @@ class StepTotals:
     prefill_tokens: int = 0
     decode_steps_s: float = 0.0
     decode_tokens: int = 0
+    steps_s: float = 0.0
+    comm_s: float = 0.0
 
     def add(self, step: StepStats) -> None:
         self.num_steps += 1
+        self.steps_s += step.duration_s
+        self.comm_s += step.comm_s
         if step.num_prefill_tokens:
             self.prefill_steps_s += step.duration_s
             self.prefill_tokens += step.num_prefill_tokens

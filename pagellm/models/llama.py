@@ -14,6 +14,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.distributed.partition import TPShard
 from pagellm.kernels import ops
 from pagellm.kernels.tuning import CpuTuning
 from pagellm.models.layers import (
@@ -35,6 +37,16 @@ _STACKED_PROJECTIONS = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
+
+
+def tp_shard_of(hf_config: PretrainedConfig) -> TPShard:
+    """This process's slice of the model under its tensor-parallel group (all of it without one)."""
+    tp = get_tp_group()
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    return TPShard.of(tp.rank, tp.world_size, num_heads, num_kv_heads, hf_config.intermediate_size, hf_config.vocab_size)
+
+
 # Buffers some checkpoints carry that we compute ourselves instead.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -51,12 +63,18 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.attn_backend = attn_backend
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        if self.num_heads % self.num_kv_heads != 0:
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
+        if total_heads % total_kv_heads != 0:
             raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})."
+                f"num_attention_heads ({total_heads}) must be a multiple of num_key_value_heads ({total_kv_heads})."
             )
+        # Under tensor parallelism: this rank's KV heads and the query heads that read them
+        # (column-parallel q/k/v), and the matching input columns of o_proj (row-parallel).
+        self.tp = get_tp_group()
+        self.shard = tp_shard_of(hf_config)
+        self.num_heads = self.shard.num_q_heads
+        self.num_kv_heads = self.shard.num_kv_heads
         self.head_dim = head_dim_of(hf_config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -69,6 +87,13 @@ class LlamaAttention(nn.Module):
         return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size), "v": (self.q_size + self.kv_size, self.kv_size)}[
             shard
         ]
+
+    def tp_source_range(self, shard: str) -> tuple[int, int]:
+        """(offset, length) of this rank's part of a checkpoint projection: rows of q/k/v, columns of o."""
+        d = self.head_dim
+        if shard in ("q", "o"):
+            return self.shard.q_head_start * d, self.q_size
+        return self.shard.kv_head_start * d, self.kv_size
 
     def forward(self, hidden: torch.Tensor, rope: RotaryArgs, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -85,7 +110,7 @@ class LlamaAttention(nn.Module):
         if not self.attn_backend.accepts_strided_qkv:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
@@ -94,7 +119,10 @@ class LlamaMLP(nn.Module):
         act = getattr(hf_config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; Llama-family models here use 'silu'.")
-        self.intermediate_size = hf_config.intermediate_size
+        # Column-parallel gate/up, row-parallel down: one all-reduce after down under TP.
+        self.tp = get_tp_group()
+        self.shard = tp_shard_of(hf_config)
+        self.intermediate_size = self.shard.inter_size
         # Returns silu(gate) * up directly (the activation fused into the projection's kernel).
         self.gate_up_proj = SiluAndMulLinear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
@@ -103,8 +131,12 @@ class LlamaMLP(nn.Module):
         """(row offset, rows) of one checkpoint projection inside ``gate_up_proj``."""
         return {"gate": (0, self.intermediate_size), "up": (self.intermediate_size, self.intermediate_size)}[shard]
 
+    def tp_source_range(self, shard: str) -> tuple[int, int]:
+        """(offset, length) of this rank's part of a checkpoint projection: rows of gate/up, columns of down."""
+        return self.shard.inter_start, self.intermediate_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -143,12 +175,33 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding table, split by vocabulary rows under tensor parallelism (padded to equal
+    pieces): each rank looks up the ids it holds, zeros the others, and one all-reduce sums them.
+    Without a group it is ``nn.Embedding``. A tied LM head multiplies by the same rows."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        self.tp = get_tp_group()
+        self.shard = tp_shard_of(hf_config)
+        rows = hf_config.vocab_size if self.tp.world_size == 1 else self.shard.vocab_padded
+        super().__init__(rows, hf_config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_size)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self, hf_config: PretrainedConfig, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool, mlp_bias: bool
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, i, attn_backend, qkv_bias, o_bias, mlp_bias)
             for i in range(hf_config.num_hidden_layers)
@@ -179,10 +232,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tp = get_tp_group()
+        self.shard = tp_shard_of(hf_config)
+        self.vocab_size = hf_config.vocab_size
         qkv_bias, o_bias, mlp_bias = self.bias_flags(hf_config)
         self.model = LlamaModel(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias)
         # Tied models reuse the embedding matrix directly rather than carrying an alias module.
-        self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        head_rows = hf_config.vocab_size if self.tp.world_size == 1 else self.shard.vocab_padded
+        self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, head_rows, bias=False)
         self._packed_tied_head: PackedWeight | None = None
 
     @staticmethod
@@ -210,8 +267,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[N, vocab]`` in float32 for the rows of ``hidden`` that need them."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.model.embed_tokens.weight, None, self._packed_tied_head).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = linear(hidden, self.model.embed_tokens.weight, None, self._packed_tied_head)
+        if self.tp.world_size > 1:
+            # Vocab-parallel head: each rank's rows of the vocabulary, gathered in rank order.
+            logits = self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]
+        return logits.float()
 
     def pack_weights(self, max_extra_bytes: int) -> int:
         """Packs projection weights for the small-batch CPU kernel, the vocabulary head first (the
@@ -282,6 +344,8 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}.")
             dest = param.data
+            if self.tp.world_size > 1:
+                tensor, dest = self._tp_slice(target, shard, tensor, dest, modules)
             if shard is not None:
                 # The owning attention/MLP module knows where this projection's rows sit.
                 offset, num_rows = modules[target.rsplit(".", 2)[0]].shard_range(shard)
@@ -294,6 +358,28 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         return {n for n, _ in filled}
+
+
+    def _tp_slice(
+        self, target: str, shard: str | None, tensor: torch.Tensor, dest: torch.Tensor, modules: dict[str, nn.Module]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of checkpoint tensor ``tensor`` for parameter ``target``, and where it goes."""
+        parts = target.rsplit(".", 2)
+        owner, proj, kind = (modules.get(parts[0]), parts[1], parts[2]) if len(parts) == 3 else (None, "", "")
+        if target.endswith(("embed_tokens.weight", "lm_head.weight")):
+            # Vocabulary rows; the padding rows past the real vocabulary stay zero.
+            dest.zero_()
+            rows = self.shard.vocab_size
+            return tensor.narrow(0, self.shard.vocab_start, rows), dest.narrow(0, 0, rows)
+        if shard is not None:  # column-parallel q/k/v, gate/up: this rank's output rows
+            offset, length = owner.tp_source_range(shard)
+            return tensor.narrow(0, offset, length), dest
+        if proj in ("o_proj", "down_proj"):  # row-parallel: input columns; the bias is added once
+            if kind == "bias":
+                return (tensor if self.tp.rank == 0 else torch.zeros_like(tensor)), dest
+            offset, length = owner.tp_source_range("o" if proj == "o_proj" else "down")
+            return tensor.narrow(1, offset, length), dest
+        return tensor, dest  # norms: replicated
 
 
 class MistralForCausalLM(LlamaForCausalLM):

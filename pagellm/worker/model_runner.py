@@ -14,6 +14,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
+from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.sample.logprobs import compute_prompt_logprobs
 from pagellm.sample.metadata import LogprobsTensors, SamplingMetadata
 from pagellm.sample.sampler import Sampler
@@ -164,7 +165,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.from_numpy(cu_end[sample_idx] - 1).to(dev)])
         sample_rows = rows[sample_idx]
         sample_req_ids = [req_ids[i] for i in sample_idx]
-        self._sample(logits, sample_rows, sample_req_ids, result)
+        tp = get_tp_group()
+        if tp.is_first:
+            self._sample(logits, sample_rows, sample_req_ids, result)
+        if tp.world_size > 1:
+            # Rank 0 samples; the others take its tokens, so every rank's batch stays the same.
+            if tp.is_first:
+                ids = [result.sampled_token_ids.get(r, -1) for r in sample_req_ids]
+                tokens = torch.tensor(ids, dtype=torch.int64, device=dev)
+            else:
+                tokens = torch.empty(len(sample_req_ids), dtype=torch.int64, device=dev)
+            ids = tp.broadcast(tokens, src=0).tolist()
+            if not tp.is_first:
+                result.sampled_token_ids = {r: t for r, t in zip(sample_req_ids, ids) if t >= 0}
         for req_id, row in zip(sample_req_ids, sample_rows.tolist()):
             token = result.sampled_token_ids.get(req_id)
             if token is not None:

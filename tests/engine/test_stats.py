@@ -13,8 +13,16 @@ def test_step_totals_split_prefill_and_decode_steps():
     totals = StepTotals()
     totals.add(StepStats(num_scheduled_tokens=300, num_reqs=3, num_prefill_tokens=298, duration_s=0.5))
     totals.add(StepStats(num_scheduled_tokens=3, num_reqs=3, num_prefill_tokens=0, duration_s=0.1))
-    totals.add(StepStats(num_scheduled_tokens=3, num_reqs=3, num_prefill_tokens=0, duration_s=0.2))
-    assert totals == StepTotals(num_steps=3, prefill_steps_s=0.5, prefill_tokens=298, decode_steps_s=pytest.approx(0.3), decode_tokens=6)
+    totals.add(StepStats(num_scheduled_tokens=3, num_reqs=3, num_prefill_tokens=0, duration_s=0.2, comm_s=0.05))
+    assert totals == StepTotals(
+        num_steps=3,
+        prefill_steps_s=0.5,
+        prefill_tokens=298,
+        decode_steps_s=pytest.approx(0.3),
+        decode_tokens=6,
+        steps_s=pytest.approx(0.8),
+        comm_s=0.05,
+    )
     stats = EngineStats(scheduler=None, steps=totals)
     assert stats.prefill_tokens_per_s == pytest.approx(596)
     assert stats.decode_tokens_per_s == pytest.approx(20)

@@ -333,7 +333,15 @@ def run_server(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     api_key = args.api_key if args.api_key is not None else envs.api_key()
     config = EngineConfig(**engine_kwargs(args), max_waiting_requests=args.max_waiting_requests)
-    async_llm = AsyncLLM.from_config(config)
+    dp = getattr(args, "data_parallel_size", 1) or 1
+    if dp < 1:
+        raise ValueError(f"data_parallel_size must be positive, got {dp}")
+    if dp > 1:
+        from pagellm.engine.data_parallel import DPAsyncLLM
+
+        async_llm = DPAsyncLLM.from_config(config, dp)
+    else:
+        async_llm = AsyncLLM.from_config(config)
     engine = async_llm.engine
     metrics = EngineMetrics(engine.model_name)
     async_llm.stat_logger = metrics  # before any request: the engine thread reads it per step

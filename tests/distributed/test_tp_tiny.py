@@ -1,0 +1,29 @@
+"""Tensor parallelism on a tiny random Llama (``tiny_model`` in conftest.py) with every awkward split: 3 KV heads over 2 ranks,
+an odd intermediate size, a vocabulary that pads the last rank's rows, and biases on q/k/v, o
+and the MLP (row-parallel biases must be added once). Small enough to run in seconds."""
+from __future__ import annotations
+
+from pagellm import LLM, SamplingParams
+from pagellm.models.loader import default_model_path
+
+
+def _run(model: str, **kwargs):
+    llm = LLM(model=model, tokenizer=default_model_path(), num_kv_blocks=64, max_num_seqs=4, max_model_len=128, **kwargs)
+    try:
+        prompts = [{"prompt_token_ids": [5 + 7 * i + j for j in range(3 + 9 * i)]} for i in range(4)]
+        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_tiny_tp2_matches_tp1(tiny_model):
+    ref = _run(tiny_model)
+    tp2 = _run(tiny_model, tensor_parallel_size=2)
+    for r, t in zip(ref, tp2):
+        assert t.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(r.outputs[0].logprobs, t.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[k].logprob - b[k].logprob) < 1e-3 for k in a)
+        for a, b in zip(r.prompt_logprobs[1:], t.prompt_logprobs[1:]):
+            assert all(abs(a[k].logprob - b[k].logprob) < 1e-3 for k in a.keys() & b.keys())
