@@ -19,6 +19,7 @@ from pagellm.distributed.partition import max_kv_heads_per_rank
 from pagellm.engine.stats import EngineStats, StepStats, StepTotals
 from pagellm.executor.base import Executor, UniProcExecutor
 from pagellm.request import Request, RequestStatus
+from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.kv_cache import (
     KVCachePrefaulter,
     activation_reserve_bytes,
@@ -74,6 +75,7 @@ class EngineCore:
         kv_cache_manager: str = "paged",
         scheduler_cls: type[Scheduler] = Scheduler,
         executor_factory: Optional[Callable[[int, int], Executor]] = None,
+        structured_output: Optional[StructuredOutputManager] = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -119,7 +121,14 @@ class EngineCore:
                 config.device,
             )
             self.runner = ModelRunner(
-                model, kv_caches, config.block_size, config.max_num_seqs, max_model_len, shape.vocab_size, config.enforce_eager
+                model,
+                kv_caches,
+                config.block_size,
+                config.max_num_seqs,
+                max_model_len,
+                shape.vocab_size,
+                config.enforce_eager,
+                structured_output,
             )
             self.executor: Executor = UniProcExecutor(self.runner, KVCachePrefaulter(kv_caches))
         else:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output import StructuredOutputManager
 
 # A prompt is text, or pre-tokenized as vLLM's TokensPrompt: {"prompt_token_ids": [...]}.
 PromptType = Union[str, dict[str, Any]]
@@ -34,12 +35,19 @@ def max_chars_per_token(tokenizer) -> Optional[int]:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        structured_output: Optional[StructuredOutputManager] = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.structured_output = None  # the engine's StructuredOutputManager, when it has one
+        self.structured_output = structured_output  # compiles grammars, refusing bad ones before admission
         # Tokenizing runs on the engine thread: an 8 MiB prompt takes seconds and stalls every
         # stream, only to be refused as too long afterwards. Text that cannot fit the context
         # (twice over, for normalizers that merge characters) is refused before tokenizing.

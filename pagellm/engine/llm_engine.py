@@ -108,14 +108,20 @@ class LLMEngine:
                 return create_executor(config, model_path, num_blocks, max_len, eos)
 
             self._executor_factory = executor_factory
-        self.core = EngineCore(config, self.model, self.shape, self.max_model_len, executor_factory=self._executor_factory)
         # Shared by the input processor (compiles, refusing bad grammars) and the runner (masks).
         self.structured_output = StructuredOutputManager(self.tokenizer, self.shape.vocab_size, self.eos_token_ids)
-        if self.core.runner is not None:
-            self.core.runner.structured_output = self.structured_output
+        self.core = EngineCore(
+            config,
+            self.model,
+            self.shape,
+            self.max_model_len,
+            executor_factory=self._executor_factory,
+            structured_output=self.structured_output,
+        )
         self.max_model_len = self.core.max_model_len  # may be lowered to what the KV cache holds
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids)
-        self.input_processor.structured_output = self.structured_output
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids, self.structured_output
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         self.load_time_s = time.perf_counter() - t0
@@ -199,10 +205,15 @@ class LLMEngine:
         self.core = None
         gc.collect()
         self.core = EngineCore(
-            config, self.model, self.shape, self.max_model_len, kv_cache_manager, scheduler_cls, self._executor_factory
+            config,
+            self.model,
+            self.shape,
+            self.max_model_len,
+            kv_cache_manager,
+            scheduler_cls,
+            self._executor_factory,
+            self.structured_output,
         )
-        if self.core.runner is not None:
-            self.core.runner.structured_output = self.structured_output
         self.config = config
         return self.core
 

@@ -81,16 +81,24 @@ class TPWorker:
             config.kv_cache_dtype,
             config.device,
         )
-        # CUDA graphs around collectives are not attempted: ranks run eagerly.
-        self.runner = ModelRunner(
-            model, kv_caches, config.block_size, config.max_num_seqs, spec.max_model_len, hf_config.vocab_size, True
-        )
+        structured_output = None
         if rank == 0:  # only rank 0 samples, so only it masks logits by grammar
             from pagellm.structured_output import StructuredOutputManager
             from pagellm.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(config.tokenizer or spec.model_path)
-            self.runner.structured_output = StructuredOutputManager(tokenizer, hf_config.vocab_size, spec.eos_token_ids)
+            structured_output = StructuredOutputManager(tokenizer, hf_config.vocab_size, spec.eos_token_ids)
+        # CUDA graphs around collectives are not attempted: ranks run eagerly.
+        self.runner = ModelRunner(
+            model,
+            kv_caches,
+            config.block_size,
+            config.max_num_seqs,
+            spec.max_model_len,
+            hf_config.vocab_size,
+            True,
+            structured_output,
+        )
         logger.info(
             "rank %d/%d ready: q heads %d-%d, kv heads %d-%d, %d threads",
             rank,

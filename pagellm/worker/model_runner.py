@@ -42,6 +42,7 @@ class ModelRunner:
         max_model_len: int,
         vocab_size: int,
         enforce_eager: bool = False,
+        structured_output: Optional[StructuredOutputManager] = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -52,8 +53,8 @@ class ModelRunner:
         max_num_blocks_per_req = -(-max_model_len // block_size)
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_blocks_per_req)
         self.sampler = Sampler()
-        # Set by the engine: grammar state of constrained requests (None: no structured output).
-        self.structured_output: Optional[StructuredOutputManager] = None
+        # Grammar state of constrained requests (None: this runner does not sample, or masks nothing).
+        self.structured_output = structured_output
         # Seconds spent in each phase of the last step; cheap enough to always record.
         self.last_timings: dict[str, float] = {}
         # Decode steps replay CUDA graphs on a GPU; the CPU path never builds any.
