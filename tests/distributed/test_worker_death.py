@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 import time
 
 import httpx
 import pytest
-from openai_server_utils import API_KEY, RemoteServer
+from openai_server_utils import API_KEY, HealthWatcher, RemoteServer
 
 from pagellm import LLM, SamplingParams
 from pagellm.executor.base import WorkerDiedError
@@ -76,19 +75,6 @@ def test_killed_rank_mid_stream_fails_requests_503_and_exit_1():
         ["--tensor-parallel-size", "2", "--num-kv-blocks", "256", "--max-model-len", "512", "--api-key", API_KEY], use_cli=True
     )
     url = server.url
-    health: list[int] = []
-    stop = threading.Event()
-
-    def watch_health() -> None:
-        for _ in range(2000):
-            if stop.is_set():
-                return
-            try:
-                health.append(httpx.get(f"{url}/health", timeout=5).status_code)
-            except httpx.HTTPError:
-                if server.proc.poll() is not None:
-                    return
-            time.sleep(0.02)
 
     async def stream(client: httpx.AsyncClient, i: int, first: asyncio.Event) -> tuple[int, list[str]]:
         body = {"prompt": f"Stream {i} says", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -114,16 +100,14 @@ def test_killed_rank_mid_stream_fails_requests_503_and_exit_1():
             results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
             return results, time.monotonic() - t0
 
-    watcher = threading.Thread(target=watch_health, daemon=True)
-    watcher.start()
+    health = HealthWatcher(server).start()
     try:
         results, elapsed = asyncio.run(scenario())
         t0 = time.monotonic()
         code = server.proc.wait(10)
         exit_s = time.monotonic() - t0
     finally:
-        stop.set()
-        watcher.join(30)
+        health.stop()
         log = server.read_log()
         server.cleanup()
     assert elapsed < 10
@@ -134,5 +118,5 @@ def test_killed_rank_mid_stream_fails_requests_503_and_exit_1():
         assert any('"error"' in line and "rank" in line for line in lines), (status, lines[-3:])
     assert code == 1, log
     assert exit_s + elapsed < 10
-    assert health and health[0] == 200 and 503 in health, health
+    assert health.statuses and health.statuses[0] == 200 and 503 in health.statuses, health.statuses
     assert all(_gone(p) for p in ranks)

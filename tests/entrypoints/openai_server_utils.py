@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional
 
@@ -95,3 +96,33 @@ class RemoteServer:
             os.unlink(self.log.name)
         except OSError:
             pass
+
+
+class HealthWatcher:
+    """Polls a server's /health from a thread and keeps every status seen, to show a dying server
+    going from 200 to 503. Bounded: it stops when told, when the server exits, or after 2000 probes."""
+
+    def __init__(self, server: RemoteServer) -> None:
+        self.server = server
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def start(self) -> "HealthWatcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _watch(self) -> None:
+        for _ in range(2000):
+            if self._stop.is_set():
+                return
+            try:
+                self.statuses.append(httpx.get(f"{self.server.url}/health", timeout=5).status_code)
+            except httpx.HTTPError:
+                if self.server.proc.poll() is not None:
+                    return
+            time.sleep(0.02)

@@ -6,12 +6,11 @@ monkeypatching the model runner of an offline ``LLM``.
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import httpx
 import pytest
 from instrumented_server import CRASH_SEED, FAIL_SEED
+from openai_server_utils import HealthWatcher
 from reliability_utils import AUTH, MAIN_SERVER_ARGS, MODEL, assert_openai_error, run, start_server, stream_request
 
 pytestmark = pytest.mark.slow
@@ -108,20 +107,6 @@ def test_offline_llm_isolates_a_sampling_failure(monkeypatch):
 def test_engine_crash_fails_in_flight_requests_and_exits_nonzero():
     server = start_server([a for a in MAIN_SERVER_ARGS if a != "--no-enable-prefix-caching"], faults=True)
     url = server.url
-    health: list[int] = []
-    stop = threading.Event()
-
-    def watch_health() -> None:
-        # Bounded: stops when the server is gone or after 2000 probes.
-        for _ in range(2000):
-            if stop.is_set():
-                return
-            try:
-                health.append(httpx.get(f"{url}/health", timeout=5).status_code)
-            except httpx.HTTPError:
-                if server.proc.poll() is not None:
-                    return
-            time.sleep(0.02)
 
     async def scenario():
         async with httpx.AsyncClient(timeout=300) as client:
@@ -140,14 +125,12 @@ def test_engine_crash_fails_in_flight_requests_and_exits_nonzero():
             )
             return crash, await plain, await asyncio.gather(*streams)
 
-    watcher = threading.Thread(target=watch_health, daemon=True)
-    watcher.start()
+    health = HealthWatcher(server).start()
     try:
         crash, plain, streams = run(scenario())
         code = server.proc.wait(60)
     finally:
-        stop.set()
-        watcher.join(30)
+        health.stop()
         server.kill()
     log = server.read_log()
     server.cleanup()
@@ -158,6 +141,6 @@ def test_engine_crash_fails_in_flight_requests_and_exits_nonzero():
         # Each stream was cut with an error event and a clean end, not left hanging.
         assert result.status == 200 and result.done, result
         assert len(result.errors) == 1 and result.errors[0]["code"] == 503 and "crashed" in result.errors[0]["message"]
-    assert 503 in health and health[0] == 200, health
+    assert 503 in health.statuses and health.statuses[0] == 200, health.statuses
     assert code == 1, log
     assert "the engine loop crashed" in log
