@@ -30,18 +30,28 @@ def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: list[int], ex
     return h.digest()
 
 
+def hash_full_blocks(
+    token_ids: list[int],
+    block_size: int,
+    cache_salt: Optional[str] = None,
+    start: int = 0,
+    parent: Optional[BlockHash] = None,
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``token_ids`` from block ``start`` on, ``parent``
+    being block ``start - 1``'s hash (None from the first block)."""
+    hashes: list[BlockHash] = []
+    for i in range(start, len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], cache_salt if i == 0 else None)
+        hashes.append(parent)
+    return hashes
+
+
 def make_block_hasher(block_size: int) -> Callable[["Request"], list[BlockHash]]:
     """Returns a function giving the hashes of a request's full blocks not hashed yet."""
 
     def hasher(request: "Request") -> list[BlockHash]:
         start = len(request.block_hashes)
-        num_full = len(request.all_token_ids) // block_size
         parent = request.block_hashes[-1] if start else None
-        new_hashes: list[BlockHash] = []
-        for i in range(start, num_full):
-            tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
-            parent = hash_block_tokens(parent, tokens, request.cache_salt if i == 0 else None)
-            new_hashes.append(parent)
-        return new_hashes
+        return hash_full_blocks(request.all_token_ids, block_size, request.cache_salt, start, parent)
 
     return hasher

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from pagellm.config import EngineConfig
-from pagellm.core.block_hash import BlockHash, hash_block_tokens
+from pagellm.core.block_hash import BlockHash, hash_full_blocks
 from pagellm.engine.async_llm import AsyncLLM, LazyPrompt, RequestStream
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -44,11 +44,7 @@ class PrefixAwareRouter:
         self._lock = threading.Lock()
 
     def block_hashes(self, token_ids: list[int], cache_salt: Optional[str] = None) -> list[BlockHash]:
-        hashes, parent = [], None
-        for i in range(len(token_ids) // self.block_size):
-            parent = hash_block_tokens(parent, token_ids[i * self.block_size : (i + 1) * self.block_size], cache_salt if i == 0 else None)
-            hashes.append(parent)
-        return hashes
+        return hash_full_blocks(token_ids, self.block_size, cache_salt)
 
     def _match(self, replica: int, hashes: list[BlockHash]) -> int:
         index, n = self.index[replica], 0
