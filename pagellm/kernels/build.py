@@ -29,7 +29,7 @@ from pagellm import envs
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "sampling.cpp"))
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_bf16.cpp", "sampling.cpp"))
 HEADERS = (CSRC / "vec.h", CSRC / "quant_blocks.h", CSRC / "kv_types.h")
 LIB_NAME = "pagellm_cpu_kernels"
 

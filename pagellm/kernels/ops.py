@@ -203,3 +203,26 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     torch.ops.pagellm_sample.argmax_rows(out, logits)
     return out
+
+
+# --- low-precision matmul (gemm_bf16.cpp, gemm_int8.cpp) ---------------------------------------
+
+
+def bf16_matmul_available() -> bool:
+    """Whether the library has the bfloat16 dot-product matmul (built for a CPU with AVX512_BF16)."""
+    return available() and bool(torch.ops.pagellm_gemm_bf16.bf16_supported())
+
+
+def pack_weight_bf16(weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """A float32 weight ``[N, K]`` rounded to bfloat16 panels for :func:`linear_bf16`; with
+    ``silu_mul`` a gate/up weight ``[2d, K]`` for the fused activation (ValueError unless ``d`` is
+    a multiple of 16)."""
+    return torch.ops.pagellm_gemm_bf16.pack_weight_bf16(weight, silu_mul)
+
+
+def linear_bf16(
+    out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool = False
+) -> None:
+    """``out = x @ W.T (+ bias)`` with ``x`` rounded to bfloat16 and float32 sums; with
+    ``silu_mul``, ``silu(x @ gate.T) * (x @ up.T)``. ``packed`` from :func:`pack_weight_bf16`."""
+    torch.ops.pagellm_gemm_bf16.linear_bf16(out, x, packed, bias, silu_mul)

@@ -1,0 +1,247 @@
+// Matrix multiply in bfloat16 with float32 accumulation: y = x W^T (+ b) on CPUs with AVX512_BF16.
+//
+// `vdpbf16ps` multiplies 16 pairs of bfloat16 numbers and adds each pair's two products to one
+// float32 lane: twice the multiply-adds of a float32 FMA per instruction, from half the bytes of
+// weight. So the weight is rounded to bfloat16 once, at load, and packed as panels of NR = 32
+// output columns with each column's inputs k and k + 1 side by side: [ceil(N / NR), K / 2, NR, 2].
+// A product rounds x to bfloat16 once per call; a micro-tile of up to MR rows then broadcasts one
+// (k, k + 1) pair of each row against two panel vectors per step, 2 x MR accumulators in
+// registers. Unlike the float32 panels (gemm.cpp) the whole K is walked per tile: a panel is half
+// the bytes, and at the depths of the models served here (K up to a few thousand) one panel stays
+// in L2 while every row block passes over it.
+//
+// Everything around the products (norms, attention, the residual stream) stays float32: only the
+// two inputs of each product are rounded, as a bfloat16 GEMM with float32 accumulation does.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "vec.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGELLM_BF16_DOT 1
+#endif
+
+namespace pagellm {
+namespace {
+
+#if defined(PAGELLM_BF16_DOT)
+
+constexpr int NR_BF16 = 32;  // output columns per panel: two vectors of 16 float32 sums
+constexpr int MR_BF16 = 12;  // 24 accumulators, 2 panel vectors and a broadcast of 32 registers
+
+// Rows [begin, end) of x rounded to bfloat16, each padded with a zero to an even length `kp`:
+// one 32-bit pair per k step of the panels.
+void round_rows(const float* x, int64_t ldx, int64_t k, int64_t kp, int64_t begin, int64_t end, uint16_t* dst) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* src = x + r * ldx;
+    uint16_t* row = dst + r * kp;
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    }
+    if (i < k) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (k - i)) - 1);
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i));
+      _mm256_mask_storeu_epi16(row + i, mask, rounded);
+    }
+    if (kp > k) row[k] = 0;
+  }
+}
+
+inline __m512 silu512(__m512 g) {
+  vfloat v;
+  std::memcpy(&v, &g, sizeof(v));
+  v = silu(v);
+  __m512 out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+
+// out[r, 0:ncols) = bias + sum over the k pairs of x[r] . panel, for R rows of x (bfloat16 pairs,
+// `ldx` pairs apart) and one panel of `k2` pairs. With kSiluMul the panel's first 16 columns are
+// gate and the last 16 the matching up columns, and silu(gate) * up (16 values a row) is stored.
+template <int R, bool kSiluMul>
+void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t k2, float* out, int64_t ldo, int ncols,
+               const float* bias) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = _mm512_setzero_ps();
+    acc1[r] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < k2; ++i) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + i * NR_BF16 * 2);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + i * NR_BF16 * 2 + 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + i]));
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], b0, a);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], b1, a);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* row = out + r * ldo;
+    if constexpr (kSiluMul) {
+      _mm512_storeu_ps(row, _mm512_mul_ps(silu512(acc0[r]), acc1[r]));
+      continue;
+    }
+    if (bias != nullptr) {
+      const __mmask16 m0 = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
+      const __mmask16 m1 = static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1);
+      acc0[r] = _mm512_add_ps(acc0[r], _mm512_maskz_loadu_ps(m0, bias));
+      acc1[r] = _mm512_add_ps(acc1[r], _mm512_maskz_loadu_ps(m1, bias + 16));
+    }
+    if (ncols == NR_BF16) {
+      _mm512_storeu_ps(row, acc0[r]);
+      _mm512_storeu_ps(row + 16, acc1[r]);
+    } else {
+      const __mmask16 m0 = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
+      const __mmask16 m1 = static_cast<__mmask16>(ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1);
+      _mm512_mask_storeu_ps(row, m0, acc0[r]);
+      _mm512_mask_storeu_ps(row + 16, m1, acc1[r]);
+    }
+  }
+}
+
+using TileBf16 = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int, const float*);
+
+template <bool kSiluMul, size_t... I>
+constexpr auto make_bf16_tiles(std::index_sequence<I...>) {
+  return std::array<TileBf16, sizeof...(I)>{&tile_bf16<static_cast<int>(I) + 1, kSiluMul>...};
+}
+constexpr std::array<std::array<TileBf16, MR_BF16>, 2> kBf16Tiles = {
+    make_bf16_tiles<false>(std::make_index_sequence<MR_BF16>{}),
+    make_bf16_tiles<true>(std::make_index_sequence<MR_BF16>{}),
+};
+
+// [N, K] float32 -> bfloat16 [ceil(N / NR), ceil(K / 2), NR, 2], zero-padded past N and K.
+at::Tensor pack_bf16_panels(const at::Tensor& w) {
+  const int64_t n = w.size(0), k = w.size(1), k2 = (k + 1) / 2, panels = (n + NR_BF16 - 1) / NR_BF16;
+  at::Tensor packed = at::zeros({panels, k2, NR_BF16, 2}, w.options().dtype(at::kBFloat16));
+  const at::Tensor rounded = w.to(at::kBFloat16);  // round to nearest even, as the activations
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(rounded.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min<int64_t>(NR_BF16, n - p * NR_BF16);
+      for (int64_t j = 0; j < cols; ++j) {
+        const uint16_t* row = src + (p * NR_BF16 + j) * k;
+        uint16_t* col = dst + p * k2 * NR_BF16 * 2 + j * 2;
+        for (int64_t i = 0; i < k; ++i) col[(i / 2) * NR_BF16 * 2 + (i % 2)] = row[i];
+      }
+    }
+  });
+  return packed;
+}
+
+#endif  // PAGELLM_BF16_DOT
+
+bool bf16_supported() {
+#if defined(PAGELLM_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_weight_bf16(const at::Tensor& weight, bool silu_mul) {
+  TORCH_CHECK_VALUE(bf16_supported(), "pack_weight_bf16: this build has no AVX512_BF16 kernel");
+  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+                    "pack_weight_bf16: weight must be a 2-D float32 CPU tensor");
+#if defined(PAGELLM_BF16_DOT)
+  at::Tensor w = weight.contiguous();
+  if (silu_mul) {
+    const int64_t d = w.size(0) / 2, k = w.size(1);
+    constexpr int64_t half = NR_BF16 / 2;
+    TORCH_CHECK_VALUE(w.size(0) % 2 == 0 && d % half == 0,
+                      "pack_weight_bf16: a gate/up weight needs 2d rows with d a multiple of ", half, "; got ",
+                      w.size(0));
+    // Each panel: 16 gate columns, then the 16 up columns of the same outputs.
+    w = w.view({2, d / half, half, k}).transpose(0, 1).contiguous().view({2 * d, k});
+  }
+  return pack_bf16_panels(w);
+#else
+  return at::Tensor();
+#endif
+}
+
+// out = x W^T (+ bias), or with `silu_mul` silu(x G^T) * (x U^T) for a gate/up weight, W packed by
+// pack_weight_bf16 with the same `silu_mul`.
+void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                 bool silu_mul) {
+  TORCH_CHECK_VALUE(bf16_supported(), "linear_bf16: this build has no AVX512_BF16 kernel");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+                    "linear_bf16: x must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
+                    "linear_bf16: out must be float32 [rows of x, N] with contiguous rows");
+#if defined(PAGELLM_BF16_DOT)
+  const int64_t m = x.size(0), k = x.size(1), kp = (k + 1) / 2 * 2, n = out.size(1);
+  TORCH_CHECK_VALUE(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
+                        packed.size(2) == NR_BF16 && packed.size(3) == 2 && packed.size(1) * 2 == kp,
+                    "linear_bf16: packed must come from pack_weight_bf16 for this input width");
+  const int64_t panels = packed.size(0);
+  if (silu_mul) {
+    TORCH_CHECK_VALUE(panels * (NR_BF16 / 2) == n, "linear_bf16: out has ", n, " columns, packed holds ", panels,
+                      " gate/up panels of ", NR_BF16 / 2);
+    TORCH_CHECK_VALUE(!(bias.has_value() && bias->defined()), "linear_bf16: no bias with silu_mul");
+  } else {
+    TORCH_CHECK_VALUE(n <= panels * NR_BF16 && n > (panels - 1) * NR_BF16, "linear_bf16: out has ", n,
+                      " columns, packed holds ", panels, " panels of ", NR_BF16);
+  }
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                      "linear_bf16: bias must be contiguous float32 of N elements");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  // x in bfloat16 pairs; a few rows round on this thread, a prefill's rows in parallel.
+  thread_local std::vector<uint16_t> xb;
+  xb.resize(m * kp);
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  uint16_t* xb_data = xb.data();
+  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) { round_rows(xp, ldx, k, kp, begin, end, xb_data); });
+  const uint32_t* x2 = reinterpret_cast<const uint32_t*>(xb_data);
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  float* c = out.data_ptr<float>();
+  const int64_t ldc = out.stride(0), k2 = kp / 2;
+  const auto& tiles = kBf16Tiles[silu_mul];
+  const int64_t cols_per_panel = silu_mul ? NR_BF16 / 2 : NR_BF16;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = b + p * k2 * NR_BF16 * 2;
+      const int ncols = static_cast<int>(std::min<int64_t>(cols_per_panel, n - p * cols_per_panel));
+      for (int64_t m0 = 0; m0 < m; m0 += MR_BF16) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR_BF16, m - m0));
+        tiles[rows - 1](x2 + m0 * k2, k2, panel, k2, c + m0 * ldc + p * cols_per_panel, ldc, ncols,
+                        bias_ptr == nullptr ? nullptr : bias_ptr + p * NR_BF16);
+      }
+    }
+  });
+#else
+  (void)packed;
+  (void)bias;
+  (void)silu_mul;
+#endif
+}
+
+}  // namespace
+}  // namespace pagellm
+
+TORCH_LIBRARY(pagellm_gemm_bf16, m) {
+  m.def("bf16_supported() -> bool", &pagellm::bf16_supported);
+  m.def("pack_weight_bf16(Tensor weight, bool silu_mul) -> Tensor");
+  m.def("linear_bf16(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, bool silu_mul) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagellm_gemm_bf16, CPU, m) {
+  m.impl("pack_weight_bf16", &pagellm::pack_weight_bf16);
+  m.impl("linear_bf16", &pagellm::linear_bf16);
+}

@@ -1,0 +1,66 @@
+"""The bfloat16 dot-product matmul against float64 products of the same bfloat16-rounded inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pagellm.kernels import ops
+
+pytestmark = pytest.mark.skipif(
+    not ops.bf16_matmul_available(), reason="no bfloat16 dot products (AVX512_BF16) in this build"
+)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes: both inputs rounded to bfloat16, the sums exact."""
+    return x.bfloat16().double() @ weight.bfloat16().double().T
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 200])  # below, at and past a 12-row micro-tile
+# (50, 70): a part panel; (33, 1201): an odd input width, padded with a zero input.
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 70), (576, 1536), (33, 1201)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_bf16_sums_bfloat16_products_in_float32(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 31 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    out = torch.empty(rows, out_features)
+    ops.linear_bf16(out, x, ops.pack_weight_bf16(weight), bias)
+    want = _reference(x, weight) + (bias.double() if bias is not None else 0)
+    # float32 accumulation over K terms of size ~0.05: a few ulps of the running sum
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-5)
+    # and bfloat16's rounding of both inputs is all that separates it from the float32 product
+    exact = F.linear(x, weight, bias)
+    assert (out - exact).norm() / exact.norm() < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 13, 64])
+def test_fused_silu_and_mul(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    half, in_features = 96, 200
+    weight = torch.randn(2 * half, in_features, generator=gen) * 0.1
+    x = torch.randn(rows, in_features, generator=gen)
+    out = torch.empty(rows, half)
+    ops.linear_bf16(out, x, ops.pack_weight_bf16(weight, silu_mul=True), None, silu_mul=True)
+    product = _reference(x, weight)
+    want = F.silu(product[:, :half]) * product[:, half:]
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_strided_rows_and_bad_inputs() -> None:
+    weight = torch.randn(40, 64)
+    packed = ops.pack_weight_bf16(weight)
+    x = torch.randn(6, 100)[:, :64]  # rows 100 apart
+    out = torch.empty(6, 40)
+    ops.linear_bf16(out, x, packed, None)
+    torch.testing.assert_close(out.double(), _reference(x, weight), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="input width"):
+        ops.linear_bf16(out, torch.randn(6, 66), packed, None)
+    with pytest.raises(ValueError, match="columns"):
+        ops.linear_bf16(torch.empty(6, 80), x, packed, None)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.pack_weight_bf16(torch.randn(40, 64), silu_mul=True)  # halves of 20 columns
+    with pytest.raises(ValueError, match="float32"):
+        ops.pack_weight_bf16(torch.randn(40, 64, dtype=torch.float64))
