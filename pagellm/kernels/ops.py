@@ -186,6 +186,26 @@ def linear_packed_silu_mul(out: torch.Tensor, x: torch.Tensor, packed: torch.Ten
     torch.ops.pagellm_gemm.linear_packed_silu_mul(out, x, packed)
 
 
+# --- int8 dot products for GGUF block weights (gemm_int8.cpp) ----------------------------------
+
+
+def int8_matmul_available() -> bool:
+    """Whether :func:`linear_int8` can run: the library is loaded and was built with AVX512-VNNI or AVX-VNNI."""
+    return available() and bool(torch.ops.pagellm_gemm_int8.int8_supported())
+
+
+def pack_weight_int8(weight: torch.Tensor, silu_mul: bool = False) -> Optional[torch.Tensor]:
+    """The weight's exact 4- or 8-bit GGUF blocks as int8-kernel panels (gate/up paired for ``silu_mul``), else None."""
+    return torch.ops.pagellm_gemm_int8.pack_weight_int8(weight, silu_mul)
+
+
+def linear_int8(
+    out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool = False
+) -> None:
+    """``out = x @ W.T (+ bias)`` (silu(gate) * up with ``silu_mul``) on x quantized per 32 inputs: int8 dot products are faster."""
+    torch.ops.pagellm_gemm_int8.linear_int8(out, x, packed, bias, silu_mul)
+
+
 # --- sampling (sampling.cpp) ------------------------------------------------------------------
 
 
