@@ -36,10 +36,24 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU, the model's own dtype on a GPU), float32, bfloat16 or float16"
+        "--dtype",
+        default="auto",
+        help="auto (the checkpoint's dtype; on a CPU only the linear layers' products take it, bfloat16 where the "
+        "CPU has AVX512_BF16), float32 (exact), bfloat16 or float16",
     )
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", help="KV cache element type: auto (the model's dtype), float16 or bfloat16"
+        "--quantization",
+        "-q",
+        choices=["gguf"],
+        default=None,
+        help="gguf: a GGUF model's 4/8-bit blocks dotted with int8-quantized inputs (VNNI); "
+        "the default for a GGUF model unless --dtype is given",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache element type: auto (the model's dtype; on a CPU bfloat16 under low-precision linear layers, "
+        "else float32), float32, float16 or bfloat16",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--attention-backend", default=None, help="cpu_paged, triton_paged, torch_sdpa or torch_ref (default: fastest)")
@@ -79,6 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         dtype=args.dtype,
+        quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         attention_backend=args.attention_backend,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 
@@ -17,6 +17,34 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+
+# What --quantization takes (pagellm.models.precision implements it).
+QUANTIZATION_METHODS = ("gguf",)
+
+LinearKind = Literal["float32", "bfloat16", "int8"]
+
+
+@dataclass(frozen=True)
+class LinearPrecision:
+    """The resolved choice: ``kind`` for the weights that are GGUF blocks, ``fallback`` for the
+    others (a GGUF file's float tensors, or every weight of a float checkpoint)."""
+
+    kind: LinearKind = "float32"
+    fallback: LinearKind = "float32"
+
+    @property
+    def exact(self) -> bool:
+        return self.kind == "float32" and self.fallback == "float32"
+
+    def describe(self) -> str:
+        if self.kind == self.fallback:
+            return self.kind
+        return f"{self.kind} (GGUF blocks), {self.fallback} (other weights)"
+
+
+# Float32 products throughout: the exact path, and what off-CPU devices report.
+EXACT_LINEAR = LinearPrecision()
+
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 2 << 30  # 2 GiB: ~46k tokens of SmolLM2-135M in fp32
 
@@ -76,12 +104,17 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
     seed: int = 0
-    # "auto": float32 on CPU (exact, and what the CPU kernels are built for); on a GPU the model's
-    # own dtype from its config (bfloat16 for SmolLM2), set by ``apply_model_dtype``.
+    # "auto": the checkpoint's own dtype (bfloat16 for SmolLM2, and for a GGUF file). On a CPU the
+    # tensors stay float32 and only the linear layers' products take it (bfloat16 dot products
+    # where the CPU has them; pagellm.models.precision); float32 asks for the exact path.
     dtype: Union[str, torch.dtype] = "auto"
-    # The KV cache's element type; "auto" is the model's dtype (as in vLLM). float16 or bfloat16
-    # under a float32 model halves the cache's memory and the bytes decode attention reads; keys
-    # and values are rounded once, on their way into the cache, and attention still runs in float32.
+    # "gguf": a GGUF model's 4/8-bit weight blocks dotted with int8-quantized inputs (VNNI). None:
+    # that for a GGUF model under dtype "auto", else none.
+    quantization: Optional[str] = None
+    # The KV cache's element type; "auto" is the model's dtype on a GPU, and on a CPU bfloat16
+    # when the linear layers run in low precision (else float32). float16 or bfloat16 under a
+    # float32 model halves the cache's memory and the bytes decode attention reads; keys and values
+    # are rounded once, on their way into the cache, and attention still runs in float32.
     kv_cache_dtype: Union[str, torch.dtype] = "auto"
     device: Optional[Union[str, torch.device]] = None
     attention_backend: Optional[str] = None  # None -> the fastest available
@@ -101,9 +134,16 @@ class EngineConfig:
     # Whether dtype / kv_cache_dtype were "auto", so that a GPU engine may refine them.
     auto_dtype: bool = field(default=False, init=False, repr=False)
     auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
+    # What the linear layers compute in, once resolved for the model and machine
+    # (pagellm.models.precision); kept here so that every rank and rebuild uses the same.
+    linear_precision: Optional[LinearPrecision] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.auto_dtype = isinstance(self.dtype, str) and self.dtype == "auto"
+        if self.quantization is not None:
+            self.quantization = str(self.quantization).lower()
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(f"unsupported quantization {self.quantization!r}; choose one of {list(QUANTIZATION_METHODS)}")
         self.auto_kv_cache_dtype = isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype == "auto"
         self.dtype = parse_dtype(self.dtype)
         if self.kv_cache_dtype == "auto":
@@ -145,6 +185,20 @@ class EngineConfig:
             raise ValueError("the uni executor runs one rank; use mp or ray for tensor_parallel_size > 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def apply_linear_precision(self, precision: LinearPrecision) -> None:
+        """Records the resolved precision. On a CPU the model's tensors are float32 whatever the
+        linear layers compute in (a requested bfloat16 goes to the products only), and an "auto"
+        KV cache is bfloat16 under low-precision products, where decode attention reads half the bytes."""
+        self.linear_precision = precision
+        if self.device.type != "cpu":
+            return
+        if self.dtype == torch.bfloat16:
+            self.dtype = torch.float32
+            if self.auto_kv_cache_dtype:
+                self.kv_cache_dtype = torch.float32
+        if self.auto_kv_cache_dtype and not precision.exact:
+            self.kv_cache_dtype = torch.bfloat16
 
     def apply_model_dtype(self, dtype: torch.dtype) -> None:
         """Resolves ``dtype="auto"`` on an accelerator to the model's dtype (the KV cache's too, if auto)."""

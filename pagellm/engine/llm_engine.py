@@ -55,9 +55,12 @@ class LLMEngine:
             default_model_path,
             eos_token_ids,
             get_max_model_len,
+            is_gguf,
             load_hf_config,
             load_model,
+            resolve_model_path,
         )
+        from pagellm.models.precision import resolve_linear_precision
         from pagellm.tokenizer import load_tokenizer
 
         t0 = time.perf_counter()
@@ -70,6 +73,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or config.model or "SmolLM2-135M-Instruct"
         self.hf_config = load_hf_config(model_path)
         config.apply_model_dtype(model_dtype(self.hf_config))
+        precision = resolve_linear_precision(config, model_dtype(self.hf_config), is_gguf(resolve_model_path(model_path)))
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
         model_max_len = get_max_model_len(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > model_max_len:
@@ -80,7 +84,7 @@ class LLMEngine:
         self.cpu_tuning = None
         if config.distributed_executor_backend == "uni":
             attn_backend = get_attn_backend(config.attention_backend, config.device)
-            model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend)
+            model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend, precision)
             # Measured once, on this machine and the model's own packed weights, then handed to its users.
             attention = attn_backend.name == "cpu_paged"
             self.cpu_tuning = measure_cpu_tuning(config.device, model.packed_weights(), attention=attention)
@@ -125,7 +129,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         self.load_time_s = time.perf_counter() - t0
-        logger.info("engine ready in %.1f s: %s, attention %s", self.load_time_s, model_path, attn_name)
+        logger.info(
+            "engine ready in %.1f s: %s, linear layers %s, KV cache %s, attention %s",
+            self.load_time_s,
+            model_path,
+            precision.describe(),
+            str(config.kv_cache_dtype).removeprefix("torch."),
+            attn_name,
+        )
 
     def next_request_id(self) -> str:
         return str(next(self._request_counter))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.kernels import ops
 from pagellm.kernels.tuning import CpuTuning, weight_format
 
@@ -26,9 +27,10 @@ PACKED_MAX_ROWS = 96
 
 @dataclass
 class PackedWeight:
-    """A weight ``[N, K]`` laid out for the small-batch CPU kernel (``ops.linear_packed``)."""
+    """A weight ``[N, K]`` laid out for the CPU kernels: float32 panels (and GGUF blocks) for the
+    exact small-batch kernel (``ops.linear_packed``), or one low-precision form for every batch."""
 
-    panels: torch.Tensor  # float32 panels
+    panels: Optional[torch.Tensor]  # float32 panels; None when a low-precision form serves instead
     # The weight's own 4- or 8-bit GGUF blocks when it is exactly that (a GGUF model's projections):
     # 0.75 or 1.125 bytes a weight, expanded by the kernel to the same float32 values, so the
     # results are bit for bit the panels'. Faster up to `blocks_max_rows` rows.
@@ -39,26 +41,40 @@ class PackedWeight:
     # next to their W up columns. They serve only :func:`linear_silu_and_mul`; the blocks keep the
     # weight's own order.
     silu_and_mul: bool = False
+    # bfloat16 panels ("bfloat16") or int8-dotted GGUF blocks ("int8"), from
+    # pagellm.models.precision: they take batches of every size, since they beat float32 BLAS
+    # even at a long prefill's rows (docs/kernels.md).
+    lowp: Optional[torch.Tensor] = None
+    lowp_kind: Optional[str] = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.panels, self.blocks) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.panels, self.blocks, self.lowp) if t is not None)
 
     def use_cpu_tuning(self, tuning: CpuTuning) -> None:
         """Takes the row limits measured for this weight's format, if they were measured."""
+        if self.panels is None:
+            return
         limits = tuning.limits_for(weight_format(self.blocks))
         if limits is not None:
             self.blocks_max_rows = limits.blocks_max_rows
             self.packed_max_rows = limits.packed_max_rows
 
 
-def pack_weight(weight: torch.Tensor, silu_and_mul: bool = False) -> Optional[PackedWeight]:
-    """``weight`` ``[N, K]`` packed for the small-batch kernel, or None where that kernel does not
-    apply (not float32 on CPU, or no kernels). With ``silu_and_mul`` (a gate/up projection) the
-    panels are packed for :func:`linear_silu_and_mul` where its halves split into whole vectors."""
+def pack_weight(weight: torch.Tensor, silu_and_mul: bool = False, precision: LinearPrecision = EXACT_LINEAR) -> Optional[PackedWeight]:
+    """``weight`` ``[N, K]`` packed for the CPU kernels, or None where they do not apply (not
+    float32 on CPU, or no kernels). ``precision`` picks the form (see pagellm.models.precision).
+    With ``silu_and_mul`` (a gate/up projection) the form is one for the fused activation where its
+    halves split into whole vectors."""
     if not ops.supports(weight):
         return None
     weight = weight.detach()
+    if precision.kind == "int8":
+        lowp = _pack_int8(weight, silu_and_mul)
+        if lowp is not None:
+            return lowp
+    if precision.fallback == "bfloat16":
+        return _pack_bf16(weight, silu_and_mul)
     blocks = ops.pack_weight_blocks(weight)
     # The kernel's own default until a CpuTuning gives this machine's limit.
     max_rows = ops.blocks_max_rows(blocks) if blocks is not None else 0
@@ -70,9 +86,43 @@ def pack_weight(weight: torch.Tensor, silu_and_mul: bool = False) -> Optional[Pa
     return PackedWeight(ops.pack_weight(weight), blocks, max_rows)
 
 
+def _pack_int8(weight: torch.Tensor, silu_and_mul: bool) -> Optional[PackedWeight]:
+    """The weight's GGUF blocks for the int8 kernel, or None when it is not exactly blocks."""
+    if silu_and_mul:
+        try:
+            packed = ops.pack_weight_int8(weight, True)
+            return None if packed is None else PackedWeight(None, None, silu_and_mul=True, lowp=packed, lowp_kind="int8")
+        except ValueError:  # halves of a width the fused epilogue cannot split
+            pass
+    packed = ops.pack_weight_int8(weight, False)
+    return None if packed is None else PackedWeight(None, None, lowp=packed, lowp_kind="int8")
+
+
+def _pack_bf16(weight: torch.Tensor, silu_and_mul: bool) -> PackedWeight:
+    if silu_and_mul:
+        try:
+            return PackedWeight(None, None, silu_and_mul=True, lowp=ops.pack_weight_bf16(weight, True), lowp_kind="bfloat16")
+        except ValueError:
+            pass
+    return PackedWeight(None, None, lowp=ops.pack_weight_bf16(weight, False), lowp_kind="bfloat16")
+
+
+def _linear_lowp(x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype, device=x.device)
+    if packed.lowp_kind == "int8":
+        ops.linear_int8(out, x, packed.lowp, bias, packed.silu_and_mul)
+    else:
+        ops.linear_bf16(out, x, packed.lowp, bias, packed.silu_and_mul)
+    return out
+
+
+def _takes_lowp(x: torch.Tensor, packed: Optional[PackedWeight]) -> bool:
+    return packed is not None and packed.lowp is not None and x.dim() == 2 and x.stride(-1) == 1 and ops.supports(x)
+
+
 def _packed_operand(x: torch.Tensor, packed: Optional[PackedWeight]) -> Optional[torch.Tensor]:
     """What ``linear_packed`` multiplies ``x`` by: the blocks, the plain panels, or None for BLAS."""
-    if packed is None or x.dim() != 2 or x.stride(-1) != 1 or not ops.supports(x):
+    if packed is None or packed.panels is None or x.dim() != 2 or x.stride(-1) != 1 or not ops.supports(x):
         return None
     rows = x.shape[0]
     if packed.blocks is not None and rows <= packed.blocks_max_rows:
@@ -84,6 +134,10 @@ def _packed_operand(x: torch.Tensor, packed: Optional[PackedWeight]) -> Optional
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]) -> torch.Tensor:
     """``x @ weight.T + bias``; small batches go through ``packed`` (from :func:`pack_weight`) when given."""
+    if _takes_lowp(x, packed):
+        if packed.silu_and_mul:  # a fused form used through its plain product: not built so
+            raise ValueError("a gate/up weight packed for the fused activation goes through linear_silu_and_mul")
+        return _linear_lowp(x, packed, bias, weight.shape[0])
     operand = _packed_operand(x, packed)
     if operand is None:
         return F.linear(x, weight, bias)
@@ -99,8 +153,11 @@ def linear_silu_and_mul(
     first). Where the float32 panels would serve, one kernel does both and never writes the
     ``[T, 2d]`` product; elsewhere it is :func:`linear` then :func:`silu_and_mul`, same values."""
     rows = x.shape[0]
+    if _takes_lowp(x, packed) and packed.silu_and_mul and bias is None:
+        return _linear_lowp(x, packed, None, weight.shape[0] // 2)
     if (
         packed is not None
+        and packed.lowp is None
         and packed.silu_and_mul
         and bias is None
         and x.dim() == 2
@@ -124,9 +181,9 @@ class Linear(nn.Linear):
 
     packed: Optional[PackedWeight] = None
 
-    def pack(self) -> int:
+    def pack(self, precision: LinearPrecision = EXACT_LINEAR) -> int:
         """Packs the current weight (call again after changing it); returns the bytes added."""
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(self.weight, precision=precision)
         return 0 if self.packed is None else self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,8 +194,8 @@ class SiluAndMulLinear(Linear):
     """A gate/up projection (weight ``[2d, K]``, gate rows first) whose forward returns
     ``silu(gate) * up``, ``[T, d]``: the product and the activation in one pass where it can."""
 
-    def pack(self) -> int:
-        self.packed = pack_weight(self.weight, silu_and_mul=self.bias is None)
+    def pack(self, precision: LinearPrecision = EXACT_LINEAR) -> int:
+        self.packed = pack_weight(self.weight, silu_and_mul=self.bias is None, precision=precision)
         return 0 if self.packed is None else self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import TPShard
 from pagellm.kernels import ops
@@ -275,22 +276,22 @@ class LlamaForCausalLM(nn.Module):
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]
         return logits.float()
 
-    def pack_weights(self, max_extra_bytes: int) -> int:
-        """Packs projection weights for the small-batch CPU kernel, the vocabulary head first (the
-        largest gain per byte), then layer by layer, while the copies fit in ``max_extra_bytes``.
-        Returns the bytes used; 0 off the CPU or for dtypes other than float32. Small batches go
-        to the packed copies up to the kernels' default row limits until :meth:`use_cpu_tuning`
-        gives this machine's."""
+    def pack_weights(self, max_extra_bytes: int, precision: LinearPrecision = EXACT_LINEAR) -> int:
+        """Packs projection weights for the CPU kernels in the form ``precision`` asks for, the
+        vocabulary head first (the largest gain per byte), then layer by layer, while the copies
+        fit in ``max_extra_bytes``. Returns the bytes used; 0 off the CPU or for dtypes other than
+        float32. Float32 panels take small batches up to the kernels' default row limits until
+        :meth:`use_cpu_tuning` gives this machine's; low-precision forms take every batch."""
         used = 0
         if self.lm_head is None:
-            packed = pack_weight(self.model.embed_tokens.weight)
+            packed = pack_weight(self.model.embed_tokens.weight, precision=precision)
             if packed is None:
                 return 0
             if packed.nbytes <= max_extra_bytes:
                 self._packed_tied_head, used = packed, packed.nbytes
         heads = [self.lm_head] if self.lm_head is not None else []
         for module in heads + [m for m in self.model.modules() if isinstance(m, Linear)]:
-            added = module.pack()
+            added = module.pack(precision)
             if added == 0 or used + added > max_extra_bytes:
                 module.packed = None
                 break
@@ -303,7 +304,8 @@ class LlamaForCausalLM(nn.Module):
             packed.use_cpu_tuning(tuning)
 
     def packed_weights(self) -> list[tuple[torch.Tensor, PackedWeight]]:
-        """``(weight, packed copy)`` of every packed projection, the vocabulary head first."""
+        """``(weight, packed copy)`` of every projection packed as float32 panels (the forms whose
+        row limits :meth:`use_cpu_tuning` measures), the vocabulary head first."""
         pairs = []
         if self._packed_tied_head is not None:
             pairs.append((self.model.embed_tokens.weight, self._packed_tied_head))
@@ -311,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         for module in heads + [m for m in self.model.modules() if isinstance(m, Linear)]:
             if module.packed is not None:
                 pairs.append((module.weight, module.packed))
-        return pairs
+        return [(weight, packed) for weight, packed in pairs if packed.panels is not None]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this model, stacking the fused projections.

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend
+from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights, load_gguf_config
 from pagellm.models.registry import get_model_class
 from pagellm.models.rope import max_rope_positions
@@ -118,8 +119,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     attn_backend: AttentionBackend,
+    precision: LinearPrecision = EXACT_LINEAR,
 ) -> nn.Module:
-    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``model_path``."""
+    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``model_path``;
+    on a CPU its linear layers are packed for ``precision``."""
     path = resolve_model_path(model_path)
     model_cls = get_model_class(hf_config)
     # Built on the meta device so no time goes into random initialization we would overwrite.
@@ -130,9 +133,9 @@ def load_model(
     with torch.no_grad():
         model.load_weights(weights)
         if hasattr(model, "pack_weights"):
-            packed = model.pack_weights(PACKED_WEIGHTS_MAX_BYTES)
+            packed = model.pack_weights(PACKED_WEIGHTS_MAX_BYTES, precision)
             if packed:
-                logger.info("packed %.0f MiB of weights for small-batch CPU matmuls", packed / 2**20)
+                logger.info("packed %.0f MiB of weights for %s CPU matmuls", packed / 2**20, precision.describe())
     return model.eval()
 
 

@@ -3,7 +3,10 @@
 One batch of varied prompts (English, Chinese, emoji, code, a prompt over 1,500 tokens, token-id
 prompts around block boundaries, chat conversations), under several engine configurations:
 block sizes 8/16/32, a KV budget so small that requests get preempted, and chunked prefill at a
-tiny token budget, a float16 or bfloat16 KV cache. Each must match transformers by vLLM's rule.
+tiny token budget, a float16 or bfloat16 KV cache, all on the exact float32 path. Each must match
+transformers by vLLM's rule. Then each low-precision path of the linear layers (the default: int8
+dot products on the GGUF blocks, and bfloat16), which must meet vLLM's rule on every prompt;
+how many stay identical is reported (``scripts/precision_quality.py`` prints the table).
 """
 from __future__ import annotations
 
@@ -84,27 +87,48 @@ def references(prompts):
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
 
+EXACT = dict(dtype="float32")
 CONFIGS = {
-    "default": dict(),
-    "block8": dict(block_size=8),
-    "block32": dict(block_size=32),
+    "float32": EXACT,
+    "block8": dict(EXACT, block_size=8),
+    "block32": dict(EXACT, block_size=32),
     # Too small for everything at once: the long prompt alone needs ~133 of the 140 blocks.
-    "preemption": dict(num_kv_blocks=140, max_num_batched_tokens=2048),
-    "chunked": dict(max_num_batched_tokens=64, max_num_seqs=4),
+    "preemption": dict(EXACT, num_kv_blocks=140, max_num_batched_tokens=2048),
+    "chunked": dict(EXACT, max_num_batched_tokens=64, max_num_seqs=4),
     # Keys and values rounded to 16 bits in the cache, everything else float32.
-    "kv_float16": dict(kv_cache_dtype="float16"),
-    "kv_bfloat16": dict(kv_cache_dtype="bfloat16"),
+    "kv_float16": dict(EXACT, kv_cache_dtype="float16"),
+    "kv_bfloat16": dict(EXACT, kv_cache_dtype="bfloat16"),
 }
+# The linear layers in low precision (where this CPU has the instructions; float32 elsewhere):
+# vLLM's rule on every prompt is the bar, identical tokens are only counted.
+LOW_PRECISION = {
+    "default": dict(),  # int8 on the GGUF blocks, a bfloat16 KV cache
+    "int8_float32_kv": dict(quantization="gguf", dtype="float32"),
+    "bfloat16": dict(dtype="bfloat16"),
+}
+
+
+def run_and_check(llm: LLM, name: str, prompts, references) -> int:
+    """Generates, checks every output by vLLM's rule, and returns how many are identical."""
+    outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert [o.request_id for o in outputs] == sorted((o.request_id for o in outputs), key=int)
+    return sum(check_close(o, ref, f"{name}/{i}") for i, (o, ref) in enumerate(zip(outputs, references)))
+
+
+@pytest.mark.parametrize("name", list(LOW_PRECISION))
+def test_low_precision_paths_meet_vllms_rule(name, prompts, references):
+    llm = LLM(**LOW_PRECISION[name])
+    num_identical = run_and_check(llm, name, prompts, references)
+    print(f"{name} ({llm.llm_engine.config.linear_precision.describe()}): {num_identical}/{len(prompts)} identical")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_transformers(name, prompts, references):
     llm = LLM(**CONFIGS[name])
-    outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    assert [o.request_id for o in outputs] == sorted((o.request_id for o in outputs), key=int)
-    num_identical = sum(check_close(o, ref, f"{name}/{i}") for i, (o, ref) in enumerate(zip(outputs, references)))
+    num_identical = run_and_check(llm, name, prompts, references)
     # Near-ties may flip under a different batch shape, but almost everything must be identical.
     assert num_identical >= len(prompts) - 2, f"only {num_identical} of {len(prompts)} identical"
+    assert llm.llm_engine.config.linear_precision.exact
     core = llm.llm_engine.core
     if name == "preemption":
         assert core.stats().scheduler.num_preemptions > 0
@@ -115,7 +139,7 @@ def test_greedy_matches_transformers(name, prompts, references):
 
 
 def test_chat_api_equals_templated_prompt(prompts):
-    llm = LLM()
+    llm = LLM(**EXACT)
     chat_out = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     gen_out = llm.generate(prompts[-2:], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in chat_out] == [o.outputs[0].token_ids for o in gen_out]

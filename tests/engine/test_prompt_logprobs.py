@@ -52,7 +52,7 @@ def token_prompts(llm: LLM) -> list[dict]:
 
 @pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 8, "block_size": 8}], ids=["one-pass", "chunked"])
 def test_prompt_logprobs_scoring_only(engine_kwargs):
-    llm = LLM(max_model_len=256, **engine_kwargs)
+    llm = LLM(max_model_len=256, dtype="float32", **engine_kwargs)
     outs = llm.generate(token_prompts(llm), SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)
     for out in outs:
         assert out.outputs[0].token_ids == [] and out.outputs[0].text == ""
@@ -61,7 +61,7 @@ def test_prompt_logprobs_scoring_only(engine_kwargs):
 
 
 def test_prompt_logprobs_with_cached_prefix_and_generation():
-    llm = LLM(max_model_len=256, block_size=8, enable_prefix_caching=True)
+    llm = LLM(max_model_len=256, block_size=8, enable_prefix_caching=True, dtype="float32")
     tok = llm.get_tokenizer()
     prefix = tok.encode(PROMPTS[3])
     # Fill the prefix cache, then score a prompt that starts with the cached blocks.
@@ -74,7 +74,7 @@ def test_prompt_logprobs_with_cached_prefix_and_generation():
 
 def test_prompt_logprobs_survive_preemption():
     # 10 blocks of 8 tokens for 4 requests of ~25 prompt + 24 output tokens: preemptions happen.
-    llm = LLM(max_model_len=80, block_size=8, num_kv_blocks=10, enable_prefix_caching=False)
+    llm = LLM(max_model_len=80, block_size=8, num_kv_blocks=10, enable_prefix_caching=False, dtype="float32")
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=1)
     outs = llm.generate(token_prompts(llm), params, use_tqdm=False)
     assert llm.llm_engine.core.scheduler.num_preemptions > 0

@@ -28,7 +28,8 @@ CONTINUATIONS = [" Paris.", " blue", " 100 degrees Celsius.", " the lazy dog"]
 
 @pytest.fixture(scope="module")
 def server():
-    args = ["--max-model-len", "512", "--kv-cache-memory", "48MiB", "--max-num-batched-tokens", "16",
+    # The exact path: scores are compared with transformers' float32 ones.
+    args = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "48MiB", "--max-num-batched-tokens", "16",
             "--api-key", API_KEY, "--disable-uvicorn-access-log"]
     srv = RemoteServer(args)
     yield srv
