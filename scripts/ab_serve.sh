@@ -5,6 +5,7 @@
 # and stopped. Both trees run with this checkout's .venv; PYTHONPATH picks the tree.
 #   scripts/ab_serve.sh OLD_TREE NEW_TREE OUTDIR [ROUNDS]
 # e.g. git worktree add /tmp/before <commit>; scripts/ab_serve.sh /tmp/before . /tmp/ab 2
+# OLD_ARGS / NEW_ARGS add `pagellm serve` flags for one tree (e.g. NEW_ARGS="--dtype float32").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 3 ] || { echo "usage: $0 OLD_TREE NEW_TREE OUTDIR [ROUNDS]" >&2; exit 2; }
@@ -14,8 +15,9 @@ rounds=${4:-2}
 mkdir -p "$out"
 port=8231
 
-run_one() {  # tree label
-  PYTHONPATH="$1" .venv/bin/python -m pagellm.cli serve --port $port > "$out/$2-server.log" 2>&1 &
+run_one() {  # tree label [serve flags]
+  # shellcheck disable=SC2086  # the flags are meant to split into words
+  PYTHONPATH="$1" .venv/bin/python -m pagellm.cli serve --port $port ${3:-} > "$out/$2-server.log" 2>&1 &
   local pid=$!
   until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
     kill -0 $pid 2>/dev/null || { echo "server $2 died; see $out/$2-server.log" >&2; return 1; }
@@ -30,6 +32,6 @@ run_one() {  # tree label
 }
 
 for i in $(seq 1 "$rounds"); do
-  run_one "${trees[0]}" "old-$i"
-  run_one "${trees[1]}" "new-$i"
+  run_one "${trees[0]}" "old-$i" "${OLD_ARGS:-}"
+  run_one "${trees[1]}" "new-$i" "${NEW_ARGS:-}"
 done

@@ -12,6 +12,10 @@
 # directory in /tmp/models/smollm2-135m-instruct, vLLM in /tmp/peers/vllm-venv).
 # Usage: [PEERS_DIR=DIR] scripts/peer_compare.sh OUTDIR [skip-vllm]
 # PAGELLM_SERVE_ARGS adds flags to `pagellm serve` (e.g. "--kv-cache-dtype float16").
+# VLLM_DTYPE: vLLM's --dtype (default bfloat16 on a CPU with AVX512_BF16, where it is vLLM's best,
+# else float32). PAGELLM_FLOAT32=1 (default) also serves `pagellm serve --dtype float32` (the exact
+# path) as "pagellm-fp32". WITH_LLAMACPP=1 also runs llama.cpp's llama-server (llamacpp-install.sh,
+# the same GGUF file, 2 threads, 32 slots) on R and P. summary.md tables every run against vLLM.
 #
 # AVX2_ONLY=1 measures this machine as one without AVX-512 (the reference class): torch,
 # MKL and oneDNN are held to AVX2 and pagellm's kernels are built for x86-64-v3, so the servers
@@ -52,8 +56,12 @@ wait_ready() {  # port pid -> seconds until /health answers 200
   echo $((SECONDS - start))
 }
 
+if [ -z "${VLLM_DTYPE:-}" ]; then
+  if grep -qw avx512_bf16 /proc/cpuinfo; then VLLM_DTYPE=bfloat16; else VLLM_DTYPE=float32; fi
+fi
+echo "vLLM --dtype $VLLM_DTYPE" > "$out/vllm-dtype.txt"
 if [ "${2:-}" != skip-vllm ]; then
-  bash "$peers/vllm-serve.sh" 8100 > "$out/vllm-server.log" 2>&1 &
+  DTYPE=$VLLM_DTYPE bash "$peers/vllm-serve.sh" 8100 > "$out/vllm-server.log" 2>&1 &
   vpid=$!
   echo "vLLM ready after $(wait_ready 8100 $vpid) s" | tee "$out/vllm-ready.txt"
   WITH_V=1 bash "$peers/peer_bench.sh" vllm 8100 "$out"
@@ -72,5 +80,24 @@ WITH_V=1 bash "$peers/peer_bench.sh" pagellm 8000 "$out"
   --random-output-len 128 --num-prompts 64 --max-concurrency 32 --request-rate inf --seed 0 --disable-tqdm \
   --save-result --result-dir "$out" --result-filename pagellm-own-random.json > "$out/pagellm-own-random.log"
 kill -TERM $ppid; wait $ppid || true
+
+if [ "${PAGELLM_FLOAT32:-1}" = 1 ]; then
+  # shellcheck disable=SC2086
+  .venv/bin/pagellm serve --port 8000 --dtype float32 ${PAGELLM_SERVE_ARGS:-} > "$out/pagellm-fp32-server.log" 2>&1 &
+  ppid=$!
+  echo "pagellm --dtype float32 ready after $(wait_ready 8000 $ppid) s" | tee "$out/pagellm-fp32-ready.txt"
+  WITH_V=1 bash "$peers/peer_bench.sh" pagellm-fp32 8000 "$out"
+  kill -TERM $ppid; wait $ppid || true
+fi
+
+if [ "${WITH_LLAMACPP:-0}" = 1 ]; then
+  PARALLEL=32 CTX_PER_SLOT=1024 THREADS=2 bash "$peers/llama-server-serve.sh" 8201 > "$out/llamacpp-server.log" 2>&1 &
+  lpid=$!
+  echo "llama.cpp ready after $(wait_ready 8201 $lpid) s" | tee "$out/llamacpp-ready.txt"
+  bash "$peers/peer_bench.sh" llamacpp 8201 "$out"
+  kill -TERM $lpid; wait $lpid || true
+fi
+
+.venv/bin/python scripts/peer_summary.py "$out" | tee "$out/summary.md"
 
 .venv/bin/pagellm bench mfu --peak-floor "$peak_before" --result "$out"/*-random.json "$out"/*-prefix.json "$out"/*-variable.json | tee "$out/mfu.txt"
