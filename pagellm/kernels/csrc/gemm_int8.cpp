@@ -79,6 +79,8 @@ inline vint round_to_int(vfloat v) { return (vint)_mm256_cvtps_epi32((__m256)v);
 #endif
 static_assert(sizeof(ivec) == kQuadBytes, "one k-quad of a column vector is one register");
 
+typedef int8_t vbyte __attribute__((vector_size(W)));
+
 // 4 bytes as one int32 lane value; memcpy, which the compiler folds into the broadcast's load.
 inline int32_t quad_at(const int8_t* p) {
   int32_t v;
@@ -128,18 +130,18 @@ void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t 
       // As llama.cpp's quantize_row_q8_1: the scale, then its inverse, so that |qa| <= 127.
       const float d = hmax(amax) / 127.f;
       const float id = d != 0.f ? 1.f / d : 0.f;
-      alignas(64) int32_t q[QK];
+      int8_t q[QK];
       vint sum{};
       for (int i = 0; i < QK / W; ++i) {
         const vint t = round_to_int(v[i] * id);
         sum += t;
-        std::memcpy(q + i * W, &t, sizeof(t));
+        const vbyte bytes = __builtin_convertvector(t, vbyte);
+        std::memcpy(q + i * W, &bytes, sizeof(bytes));
       }
-      int32_t s = 0;
-      for (int i = 0; i < W; ++i) s += sum[i];
+      // |sum| < 2^24: exact in float, and a shuffle reduction rather than W lane extractions.
+      const int32_t s = static_cast<int32_t>(hsum(to_float(sum)));
       int8_t* dst = qa + (rb * (k / 4) + b * QUADS) * MR_MAX * 4 + lane * 4;
-      for (int j = 0; j < QUADS; ++j)
-        for (int t = 0; t < 4; ++t) dst[j * MR_MAX * 4 + t] = static_cast<int8_t>(q[j * 4 + t]);
+      for (int j = 0; j < QUADS; ++j) std::memcpy(dst + j * MR_MAX * 4, q + j * 4, 4);
       const int64_t at = (rb * num_blocks + b) * MR_MAX + lane;
       da[at] = d;
       da_sum[at] = d * static_cast<float>(s);
@@ -242,8 +244,9 @@ constexpr std::array<std::array<std::array<MicroTile, MR_MAX>, 2>, 2> kTiles = {
       make_tiles<true, true>(std::make_index_sequence<MR_MAX>{})}},
 }};
 
-// Quantizing costs about one pass over x; below this many rows the threads' wake-up costs more.
-constexpr int64_t kQuantizeParallelRows = 64;
+// Quantizing is a serial pass over x before the panels' threads start; from this many rows on it
+// is split over the threads too (waking them costs less than the pass).
+constexpr int64_t kQuantizeParallelRows = 16;
 
 // [N, K] -> uint8 [ceil(N / NR), K / QK, block bytes] in the layout above, or an undefined tensor
 // as soon as one block is not exactly a block of that form.
@@ -363,7 +366,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
     int8_t* qa_ptr = qa.data();
     float *da_ptr = da.data(), *da_sum_ptr = da_sum.data();
     int32_t* neg_ptr = neg128_sum.data();
-    at::parallel_for(0, m, MR, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
       quantize_rows(xp, ldx, r0, r1, k, row_blocks, qa_ptr, da_ptr, da_sum_ptr, neg_ptr);
     });
   } else {
