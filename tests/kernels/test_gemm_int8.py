@@ -10,7 +10,8 @@ from pagellm.kernels.tuning import block_quantized
 
 pytestmark = pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build")
 
-ROWS = (1, 5, 6, 7, 13, 32, 200)  # around the micro-tiles (6 rows with AVX-512, 2 with AVX2) and past them
+# Around the micro-tiles (AVX-512: 6 rows, or one of up to 8; AVX2: 3) and past them.
+ROWS = (1, 5, 6, 7, 8, 9, 13, 32, 200)
 
 
 def quantized_x(x: torch.Tensor) -> torch.Tensor:
@@ -22,11 +23,11 @@ def quantized_x(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse).double() * d.double()).reshape(x.shape)
 
 
-def check(out: torch.Tensor, exact: torch.Tensor, full: torch.Tensor) -> None:
+def check(out: torch.Tensor, exact: torch.Tensor, full: torch.Tensor, tolerance: float = 1e-2) -> None:
     # Exact: the same quantization of x, so only float32 rounding of the block sums remains.
     torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
-    # Full precision: the error of 8-bit activations.
-    assert (out - full).norm() / full.norm() < 1e-2
+    # Full precision: the error of 8-bit activations (~0.5% for Gaussian x).
+    assert (out - full).norm() / full.norm() < tolerance
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -62,7 +63,8 @@ def test_silu_mul_mode_fuses_the_activation(bits: int) -> None:
             product = quantized_x(x) @ weight.double().T + (0 if b is None else b.double())
             exact = F.silu(product[:, :half]) * product[:, half:]
             full = F.linear(x, weight, b)
-            check(out, exact, F.silu(full[:, :half]) * full[:, half:])
+            # A product of two such sums: about twice the relative error.
+            check(out, exact, F.silu(full[:, :half]) * full[:, half:], tolerance=2e-2)
 
 
 def test_weights_that_are_not_exactly_blocks_are_not_packed() -> None:

@@ -11,14 +11,14 @@
 //   8-bit (w = d q, q in -128..127):  stored as q + 128 (vpdpbusd multiplies unsigned bytes by
 //     signed ones), so the sum starts at -128 sum(qa) to cancel the offset.
 // The result is exactly the product of W with the quantized x (up to float rounding): the error
-// against float32 is that of 8-bit activations, about 0.3% of the output's scale.
+// against float32 is that of 8-bit activations (figures in docs/kernels.md).
 //
 // Weights are packed once into panels of NR = 2 W output columns, block-major; in each block the
 // bytes are ordered so that one vector load holds, for the W columns of one vector, 4 consecutive
 // k of each column (a "k-quad"), the order vpdpbusd sums in; 4-bit blocks hold two k-quads per
-// byte (low and high nibbles). The activations are stored by row block of MR rows, k-quad-major,
-// so a micro-tile's broadcasts are fixed offsets from one pointer. A micro-tile multiplies one
-// panel by MR rows over the whole K (a panel is at most a few dozen KiB: it stays in L2).
+// byte (low and high nibbles). The activations are stored by row block, k-quad-major, so a
+// micro-tile's broadcasts are fixed offsets from one pointer. A micro-tile multiplies one panel by
+// one row block over the whole K (a panel is at most a few dozen KiB: it stays in L2).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -55,7 +55,10 @@ constexpr int64_t kI8BlockBytes = NR * 4 + QK * NR;  // float d[NR], bytes q + 1
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 using ivec = __m512i;
-constexpr int MR = 6;  // 4 accumulators a row (2 int, 2 float) x 6, 4 weight vectors and a mask: 29 of 32 registers
+// Rows per micro-tile: 4 accumulators a row (2 int, 2 float) x 6, 4 weight vectors and a mask use
+// 29 of the 32 registers. A batch of up to 8 rows is one tile even so: reading and unpacking the
+// panel once outweighs the spills (docs/kernels.md).
+constexpr int MR = 6, MR_MAX = 8;
 inline ivec load_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline ivec splat_i32(int32_t v) { return _mm512_set1_epi32(v); }
 inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
@@ -64,7 +67,9 @@ inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm512_dpbusd_epi32(acc,
 inline vint round_to_int(vfloat v) { return (vint)_mm512_cvtps_epi32((__m512)v); }
 #else
 using ivec = __m256i;
-constexpr int MR = 2;  // 16 registers: 4 accumulators a row, weights, mask and broadcasts
+// 4 accumulators a row do not leave room for 3 rows in 16 registers, but the float ones are
+// touched once per block, and spilling them cost less than a third tile's unpacking (docs/kernels.md).
+constexpr int MR = 3, MR_MAX = 3;
 inline ivec load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline ivec splat_i32(int32_t v) { return _mm256_set1_epi32(v); }
 inline ivec low_nibbles(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
@@ -74,6 +79,8 @@ inline vint round_to_int(vfloat v) { return (vint)_mm256_cvtps_epi32((__m256)v);
 #endif
 static_assert(sizeof(ivec) == kQuadBytes, "one k-quad of a column vector is one register");
 
+typedef int8_t vbyte __attribute__((vector_size(W)));
+
 // 4 bytes as one int32 lane value; memcpy, which the compiler folds into the broadcast's load.
 inline int32_t quad_at(const int8_t* p) {
   int32_t v;
@@ -81,8 +88,8 @@ inline int32_t quad_at(const int8_t* p) {
   return v;
 }
 
-// x quantized per block of 32 inputs, by row block of MR rows: qa [row blocks][K / 4][MR][4],
-// and per [row block][block][MR]: da, da * sum(qa) (4-bit) and -128 * sum(qa) (8-bit).
+// x quantized per block of 32 inputs, by row block of up to MR_MAX rows: qa [row blocks][K / 4]
+// [MR_MAX][4], and per [row block][block][MR_MAX]: da, da * sum(qa) (4-bit) and -128 * sum(qa) (8-bit).
 struct Activations {
   const int8_t* qa;
   const float* da;
@@ -91,11 +98,12 @@ struct Activations {
   int64_t k, num_blocks;
 };
 
-// m rows split into ceil(m / MR) row blocks of as even sizes as can be (32 rows: 6, 6, 5, 5, 5, 5
-// rather than 5 x 6 and 2): a tile of few rows spends more per row on unpacking the weights.
+// m rows split into one row block (up to MR_MAX rows) or ceil(m / MR) of as even sizes as can be
+// (32 rows: 6, 6, 5, 5, 5, 5 rather than 5 x 6 and 2): a tile of few rows spends more per row on
+// unpacking the weights.
 struct RowBlocks {
   int64_t count, base, extra;  // the first `extra` blocks have base + 1 rows, the others base
-  explicit RowBlocks(int64_t m) : count((m + MR - 1) / MR), base(m / count), extra(m % count) {}
+  explicit RowBlocks(int64_t m) : count(m <= MR_MAX ? 1 : (m + MR - 1) / MR), base(m / count), extra(m % count) {}
   int64_t start(int64_t j) const { return j * base + std::min(j, extra); }
   int rows(int64_t j) const { return static_cast<int>(base + (j < extra ? 1 : 0)); }
   int64_t block_of(int64_t r) const {
@@ -122,19 +130,19 @@ void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t 
       // As llama.cpp's quantize_row_q8_1: the scale, then its inverse, so that |qa| <= 127.
       const float d = hmax(amax) / 127.f;
       const float id = d != 0.f ? 1.f / d : 0.f;
-      alignas(64) int32_t q[QK];
+      int8_t q[QK];
       vint sum{};
       for (int i = 0; i < QK / W; ++i) {
         const vint t = round_to_int(v[i] * id);
         sum += t;
-        std::memcpy(q + i * W, &t, sizeof(t));
+        const vbyte bytes = __builtin_convertvector(t, vbyte);
+        std::memcpy(q + i * W, &bytes, sizeof(bytes));
       }
-      int32_t s = 0;
-      for (int i = 0; i < W; ++i) s += sum[i];
-      int8_t* dst = qa + (rb * (k / 4) + b * QUADS) * MR * 4 + lane * 4;
-      for (int j = 0; j < QUADS; ++j)
-        for (int t = 0; t < 4; ++t) dst[j * MR * 4 + t] = static_cast<int8_t>(q[j * 4 + t]);
-      const int64_t at = (rb * num_blocks + b) * MR + lane;
+      // |sum| < 2^24: exact in float, and a shuffle reduction rather than W lane extractions.
+      const int32_t s = static_cast<int32_t>(hsum(to_float(sum)));
+      int8_t* dst = qa + (rb * (k / 4) + b * QUADS) * MR_MAX * 4 + lane * 4;
+      for (int j = 0; j < QUADS; ++j) std::memcpy(dst + j * MR_MAX * 4, q + j * 4, 4);
+      const int64_t at = (rb * num_blocks + b) * MR_MAX + lane;
       da[at] = d;
       da_sum[at] = d * static_cast<float>(s);
       neg128_sum[at] = -128 * s;
@@ -155,14 +163,14 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
     acc0[r] = b0;
     acc1[r] = b1;
   }
-  const int8_t* qa = act.qa + rb * act.k * MR;
-  const int64_t scales = rb * act.num_blocks * MR;
-  for (int64_t b = 0; b < act.num_blocks; ++b, qa += QK * MR) {
+  const int8_t* qa = act.qa + rb * act.k * MR_MAX;
+  const int64_t scales = rb * act.num_blocks * MR_MAX;
+  for (int64_t b = 0; b < act.num_blocks; ++b, qa += QK * MR_MAX) {
     const uint8_t* block = panel + b * kBlockBytes;
     if (ahead != nullptr)
       for (int64_t line = 0; line < kBlockBytes; line += 64) __builtin_prefetch(ahead + b * kBlockBytes + line, 0, 2);
     const float* d = reinterpret_cast<const float*>(block);
-    const int64_t s = scales + b * MR;
+    const int64_t s = scales + b * MR_MAX;
     ivec i0[R], i1[R];
     if constexpr (kQ4) {
       for (int r = 0; r < R; ++r) i0[r] = i1[r] = splat_i32(0);
@@ -171,8 +179,8 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
         const ivec w0 = load_bytes(qs + (2 * i) * kQuadBytes), w1 = load_bytes(qs + (2 * i + 1) * kQuadBytes);
         const ivec lo0 = low_nibbles(w0), hi0 = high_nibbles(w0), lo1 = low_nibbles(w1), hi1 = high_nibbles(w1);
         for (int r = 0; r < R; ++r) {
-          const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR + r) * 4));
-          const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR + r) * 4));
+          const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
+          const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
           i0[r] = dpbusd(dpbusd(i0[r], lo0, a_lo), hi0, a_hi);
           i1[r] = dpbusd(dpbusd(i1[r], lo1, a_lo), hi1, a_hi);
         }
@@ -192,7 +200,7 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
       for (int j = 0; j < QUADS; ++j) {
         const ivec w0 = load_bytes(qs + (2 * j) * kQuadBytes), w1 = load_bytes(qs + (2 * j + 1) * kQuadBytes);
         for (int r = 0; r < R; ++r) {
-          const ivec a = splat_i32(quad_at(qa + (j * MR + r) * 4));
+          const ivec a = splat_i32(quad_at(qa + (j * MR_MAX + r) * 4));
           i0[r] = dpbusd(i0[r], w0, a);
           i1[r] = dpbusd(i1[r], w1, a);
         }
@@ -228,15 +236,17 @@ template <bool kQ4, bool kSiluMul, size_t... I>
 constexpr auto make_tiles(std::index_sequence<I...>) {
   return std::array<MicroTile, sizeof...(I)>{&micro_tile<static_cast<int>(I) + 1, kQ4, kSiluMul>...};
 }
-// [4-bit][silu * up]: tiles of 1..MR rows.
-constexpr std::array<std::array<std::array<MicroTile, MR>, 2>, 2> kTiles = {{
-    {{make_tiles<false, false>(std::make_index_sequence<MR>{}),
-      make_tiles<false, true>(std::make_index_sequence<MR>{})}},
-    {{make_tiles<true, false>(std::make_index_sequence<MR>{}), make_tiles<true, true>(std::make_index_sequence<MR>{})}},
+// [4-bit][silu * up]: tiles of 1..MR_MAX rows.
+constexpr std::array<std::array<std::array<MicroTile, MR_MAX>, 2>, 2> kTiles = {{
+    {{make_tiles<false, false>(std::make_index_sequence<MR_MAX>{}),
+      make_tiles<false, true>(std::make_index_sequence<MR_MAX>{})}},
+    {{make_tiles<true, false>(std::make_index_sequence<MR_MAX>{}),
+      make_tiles<true, true>(std::make_index_sequence<MR_MAX>{})}},
 }};
 
-// Quantizing costs about one pass over x; below this many rows the threads' wake-up costs more.
-constexpr int64_t kQuantizeParallelRows = 64;
+// Quantizing is a serial pass over x before the panels' threads start; from this many rows on it
+// is split over the threads too (waking them costs less than the pass).
+constexpr int64_t kQuantizeParallelRows = 16;
 
 // [N, K] -> uint8 [ceil(N / NR), K / QK, block bytes] in the layout above, or an undefined tensor
 // as soon as one block is not exactly a block of that form.
@@ -343,8 +353,8 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   thread_local std::vector<int8_t> qa;
   thread_local std::vector<float> da, da_sum;
   thread_local std::vector<int32_t> neg128_sum;
-  qa.resize(row_blocks.count * MR * k);
-  da.resize(row_blocks.count * MR * num_blocks);
+  qa.resize(row_blocks.count * MR_MAX * k);
+  da.resize(row_blocks.count * MR_MAX * num_blocks);
   da_sum.resize(da.size());
   neg128_sum.resize(da.size());
   const float* xp = x.data_ptr<float>();
@@ -356,7 +366,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
     int8_t* qa_ptr = qa.data();
     float *da_ptr = da.data(), *da_sum_ptr = da_sum.data();
     int32_t* neg_ptr = neg128_sum.data();
-    at::parallel_for(0, m, MR, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
       quantize_rows(xp, ldx, r0, r1, k, row_blocks, qa_ptr, da_ptr, da_sum_ptr, neg_ptr);
     });
   } else {
