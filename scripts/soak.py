@@ -39,8 +39,11 @@ from urllib.parse import urlparse
 import httpx
 
 DEFAULT_API_KEY = "sk-soak"
-# A small KV pool and a bounded queue, so preemption and overload answers are part of the soak.
+# A small KV pool and a bounded queue, so preemption and overload answers are part of the soak;
+# the exact float32 path, since greedy answers are checked against each prompt's answer alone
+# (a preempted request's recomputation may round apart under int8 activations).
 DEFAULT_SERVER_ARGS = [
+    "--dtype", "float32",
     "--max-model-len", "256",
     "--num-kv-blocks", "32",
     "--max-num-seqs", "16",

@@ -71,7 +71,11 @@ class InstrumentedServer(RemoteServer):
 
 # Prompts of ~32 tokens and 16 new tokens take 3 blocks of 16 at the end: 256 such requests need
 # ~770 blocks; 80 blocks hold about a tenth of them, so the scheduler must queue and preempt.
+# The servers run the exact float32 path: the tests catch corruption by comparing each answer
+# with the one its prompt gets alone, and a preempted request's recomputation sums its attention
+# in another order, which int8 activations can round into another token.
 MAIN_SERVER_ARGS = [
+    "--dtype", "float32",
     "--num-kv-blocks", "80",
     "--max-num-seqs", "64",
     "--max-model-len", "96",
@@ -81,6 +85,7 @@ MAIN_SERVER_ARGS = [
     "--disable-uvicorn-access-log",
 ]
 CACHED_SERVER_ARGS = [
+    "--dtype", "float32",
     "--num-kv-blocks", "96",
     "--max-num-seqs", "16",
     "--max-model-len", "128",

@@ -82,7 +82,7 @@ def test_offline_llm_isolates_a_sampling_failure(monkeypatch):
     from pagellm import LLM, SamplingParams
     from pagellm.worker.model_runner import ModelRunner
 
-    llm = LLM(max_model_len=128, num_kv_blocks=32, enable_prefix_caching=False)
+    llm = LLM(max_model_len=128, num_kv_blocks=32, enable_prefix_caching=False, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     alone = [o.outputs[0].text for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
 
