@@ -11,8 +11,9 @@
 # 4. lm_eval --model hf (fp32, CPU, batch 8) and lm_eval --model local-completions against
 #    `pagellm serve` (started here on $PORT, stopped at exit); prints acc / acc_norm of both, the
 #    differences, and per-item agreement; exits 1 when acc or acc_norm differ by more than 0.5 points.
-# Env: LMEVAL_VENV, LMEVAL_WORK (default /tmp/lmeval), PORT (default 18231), SERVE_ARGS (extra
-#      `pagellm serve` flags), SKIP_HF=1 (reuse the last HF result in $WORK/out_hf), LIMIT (items, for a smoke run).
+# Env: LMEVAL_VENV, LMEVAL_WORK (default /tmp/lmeval), PORT (default 18231), SERVE_ARGS (
+#      `pagellm serve` flags; default "--dtype float32", the exact path the 0.5-point check is for;
+#      SERVE_ARGS="" scores the default int8 path), SKIP_HF=1 (reuse the last HF result in $WORK/out_hf), LIMIT (items, for a smoke run).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -62,8 +63,9 @@ if [[ "${SKIP_HF:-0}" != 1 || ! -d "$WORK/out_hf" ]]; then
 fi
 
 # 4b. lm-eval's local-completions backend against pagellm serve
-echo "== pagellm serve --port $PORT ${SERVE_ARGS:-}"
-"$PAGELLM" serve --port "$PORT" --disable-uvicorn-access-log ${SERVE_ARGS:-} > "$WORK/serve.log" 2>&1 &
+SERVE_ARGS=${SERVE_ARGS---dtype float32}
+echo "== pagellm serve --port $PORT $SERVE_ARGS"
+"$PAGELLM" serve --port "$PORT" --disable-uvicorn-access-log $SERVE_ARGS > "$WORK/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do

@@ -91,7 +91,8 @@ if [ "${PAGELLM_FLOAT32:-1}" = 1 ]; then
 fi
 
 if [ "${WITH_LLAMACPP:-0}" = 1 ]; then
-  PARALLEL=32 CTX_PER_SLOT=1024 THREADS=2 bash "$peers/llama-server-serve.sh" 8201 > "$out/llamacpp-server.log" 2>&1 &
+  # One HTTP thread per client: with its default pool, 32 clients got connections reset.
+  LLAMA_ARG_THREADS_HTTP=40 PARALLEL=32 CTX_PER_SLOT=1024 THREADS=2 bash "$peers/llama-server-serve.sh" 8201 > "$out/llamacpp-server.log" 2>&1 &
   lpid=$!
   echo "llama.cpp ready after $(wait_ready 8201 $lpid) s" | tee "$out/llamacpp-ready.txt"
   bash "$peers/peer_bench.sh" llamacpp 8201 "$out"
