@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagellm.config import EXACT_LINEAR, LinearPrecision
+from pagellm.config import EXACT_LINEAR, LinearKind, LinearPrecision
 from pagellm.kernels import ops
 from pagellm.kernels.tuning import CpuTuning, weight_format
 
@@ -45,7 +45,7 @@ class PackedWeight:
     # pagellm.models.precision: they take batches of every size, since they beat float32 BLAS
     # even at a long prefill's rows (docs/kernels.md).
     lowp: Optional[torch.Tensor] = None
-    lowp_kind: Optional[str] = None
+    lowp_kind: Optional[LinearKind] = None
 
     @property
     def nbytes(self) -> int:
