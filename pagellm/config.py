@@ -50,7 +50,8 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 2 << 30  # 2 GiB: ~46k tokens of SmolLM2-135M in
 
 
 def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
-    """A dtype name -> torch dtype; "auto" is float32 here (a GPU engine then takes the model's own)."""
+    """A dtype name -> torch dtype; "auto" is float32 here (the model's tensors on a CPU; a GPU
+    engine then takes the model's own, and pagellm.models.precision the CPU's linear layers')."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
