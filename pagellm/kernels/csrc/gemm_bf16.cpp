@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -57,14 +56,7 @@ void round_rows(const float* x, int64_t ldx, int64_t k, int64_t kp, int64_t begi
   }
 }
 
-inline __m512 silu512(__m512 g) {
-  vfloat v;
-  std::memcpy(&v, &g, sizeof(v));
-  v = silu(v);
-  __m512 out;
-  std::memcpy(&out, &v, sizeof(out));
-  return out;
-}
+inline __m512 silu512(__m512 g) { return (__m512)silu((vfloat)g); }
 
 // out[r, 0:ncols) = bias + sum over the k pairs of x[r] . panel, for R rows of x (bfloat16 pairs,
 // `ldx` pairs apart) and one panel of `k2` pairs. With kSiluMul the panel's first 16 columns are
