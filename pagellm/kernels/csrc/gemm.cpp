@@ -23,13 +23,13 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "quant_blocks.h"
 #include "vec.h"
+#include "weight_layout.h"
 
 namespace pagellm {
 namespace {
@@ -150,50 +150,19 @@ at::Tensor pack_f32(const at::Tensor& w) {
 // quant_blocks.h, or an undefined tensor as soon as one block is not exactly of that form.
 template <bool Q4>
 at::Tensor pack_blocks(const at::Tensor& w) {
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + NR - 1) / NR, num_blocks = k / QK;
-  const int64_t block_bytes = Q4 ? kQ4BlockBytes : kQ8BlockBytes;
-  at::Tensor packed = at::zeros({panels, num_blocks, block_bytes}, w.options().dtype(at::kByte));
-  const float* src = w.data_ptr<float>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  std::atomic<bool> exact{true};
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    uint8_t q[QK];
-    for (int64_t p = begin; p < end && exact.load(std::memory_order_relaxed); ++p) {
-      const int64_t cols = std::min<int64_t>(NR, n - p * NR);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        uint8_t* block = dst + (p * num_blocks + b) * block_bytes;
-        float* d = reinterpret_cast<float*>(block);
-        for (int64_t j = 0; j < cols; ++j) {
-          const float* v = src + (p * NR + j) * k + b * QK;
-          if constexpr (Q4) {
-            uint8_t* qs = block + NR * 8;
-            if (!find_q4_block(v, d[j], d[NR + j], q)) {
-              exact = false;
-              return;
-            }
-            // Column j's nibble goes low in byte j, column W + j's high in byte j.
-            const int shift = j < W ? 0 : 4;
-            for (int i = 0; i < QK; ++i) qs[i * W + j % W] |= static_cast<uint8_t>(q[i] << shift);
-          } else {
-            int8_t* qs = reinterpret_cast<int8_t*>(block + NR * 4);
-            if (!find_q8_block(v, d[j], reinterpret_cast<int8_t*>(q))) {
-              exact = false;
-              return;
-            }
-            for (int i = 0; i < QK; ++i) qs[i * NR + j] = static_cast<int8_t>(q[i]);
-          }
-        }
-      }
-    }
-  });
-  return exact ? packed : at::Tensor();
-}
-
-// The weight to pack, checked and contiguous.
-at::Tensor weight_to_pack(const at::Tensor& weight, const char* op) {
-  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2, op,
-                    ": weight must be a 2-D float32 CPU tensor");
-  return weight.contiguous();
+  if constexpr (Q4) {
+    return pack_exact_blocks<true>(w, kQ4BlockBytes, at::kByte, [](uint8_t* block, int64_t j, const uint8_t* q) {
+      // Column j's nibble goes low in byte j, column W + j's high in byte j.
+      uint8_t* qs = block + NR * 8;
+      const int shift = j < W ? 0 : 4;
+      for (int i = 0; i < QK; ++i) qs[i * W + j % W] |= static_cast<uint8_t>(q[i] << shift);
+    });
+  } else {
+    return pack_exact_blocks<false>(w, kQ8BlockBytes, at::kByte, [](uint8_t* block, int64_t j, const uint8_t* q) {
+      uint8_t* qs = block + NR * 4;
+      for (int i = 0; i < QK; ++i) qs[i * NR + j] = q[i];
+    });
+  }
 }
 
 at::Tensor pack_weight(const at::Tensor& weight) { return pack_f32(weight_to_pack(weight, "pack_weight")); }
@@ -351,11 +320,7 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 // panels of different threads).
 at::Tensor pack_weight_silu_mul(const at::Tensor& weight) {
   const at::Tensor w = weight_to_pack(weight, "pack_weight_silu_mul");
-  const int64_t d = w.size(0) / 2, k = w.size(1);
-  TORCH_CHECK_VALUE(w.size(0) % 2 == 0 && d % W == 0,
-                    "pack_weight_silu_mul: the weight needs 2d rows with d a multiple of ", W, "; got ", w.size(0));
-  // [2, d / W, W, K] -> [d / W, 2, W, K]: each chunk of W gate rows followed by its W up rows.
-  return pack_f32(w.view({2, d / W, W, k}).transpose(0, 1).contiguous().view({2 * d, k}));
+  return pack_f32(gate_up_interleaved(w, W, "pack_weight_silu_mul"));
 }
 
 // out = silu(x G^T) * (x U^T) for a gate/up weight packed by pack_weight_silu_mul.

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "weight_layout.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -145,19 +146,10 @@ bool bf16_supported() {
 
 at::Tensor pack_weight_bf16(const at::Tensor& weight, bool silu_mul) {
   TORCH_CHECK_VALUE(bf16_supported(), "pack_weight_bf16: this build has no AVX512_BF16 kernel");
-  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-                    "pack_weight_bf16: weight must be a 2-D float32 CPU tensor");
+  at::Tensor w = weight_to_pack(weight, "pack_weight_bf16");
 #if defined(PAGELLM_BF16_DOT)
-  at::Tensor w = weight.contiguous();
-  if (silu_mul) {
-    const int64_t d = w.size(0) / 2, k = w.size(1);
-    constexpr int64_t half = NR_BF16 / 2;
-    TORCH_CHECK_VALUE(w.size(0) % 2 == 0 && d % half == 0,
-                      "pack_weight_bf16: a gate/up weight needs 2d rows with d a multiple of ", half, "; got ",
-                      w.size(0));
-    // Each panel: 16 gate columns, then the 16 up columns of the same outputs.
-    w = w.view({2, d / half, half, k}).transpose(0, 1).contiguous().view({2 * d, k});
-  }
+  // Each panel: 16 gate columns, then the 16 up columns of the same outputs.
+  if (silu_mul) w = gate_up_interleaved(w, NR_BF16 / 2, "pack_weight_bf16");
   return pack_bf16_panels(w);
 #else
   return at::Tensor();

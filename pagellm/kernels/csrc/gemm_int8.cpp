@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -34,6 +33,7 @@
 
 #include "quant_blocks.h"
 #include "vec.h"
+#include "weight_layout.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGELLM_INT8 1
@@ -248,48 +248,28 @@ constexpr std::array<std::array<std::array<MicroTile, MR_MAX>, 2>, 2> kTiles = {
 // is split over the threads too (waking them costs less than the pass).
 constexpr int64_t kQuantizeParallelRows = 16;
 
-// [N, K] -> uint8 [ceil(N / NR), K / QK, block bytes] in the layout above, or an undefined tensor
+// [N, K] -> int8 [ceil(N / NR), K / QK, block bytes] in the layout above, or an undefined tensor
 // as soon as one block is not exactly a block of that form.
 template <bool Q4>
 at::Tensor pack_int8_blocks(const at::Tensor& w) {
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + NR - 1) / NR, num_blocks = k / QK;
-  const int64_t block_bytes = Q4 ? kI4BlockBytes : kI8BlockBytes;
-  at::Tensor packed = at::zeros({panels, num_blocks, block_bytes}, w.options().dtype(at::kChar));
-  const float* src = w.data_ptr<float>();
-  uint8_t* dst = reinterpret_cast<uint8_t*>(packed.data_ptr<int8_t>());
-  std::atomic<bool> exact{true};
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    uint8_t q[QK];
-    for (int64_t p = begin; p < end && exact.load(std::memory_order_relaxed); ++p) {
-      const int64_t cols = std::min<int64_t>(NR, n - p * NR);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        uint8_t* block = dst + (p * num_blocks + b) * block_bytes;
-        float* d = reinterpret_cast<float*>(block);
-        for (int64_t j = 0; j < cols; ++j) {
-          const float* v = src + (p * NR + j) * k + b * QK;
-          // Column j is byte lane (j % W) * 4 of the vectors of column vector j / W.
-          uint8_t* lane = block + (Q4 ? NR * 8 : NR * 4) + (j / W) * kQuadBytes + (j % W) * 4;
-          if constexpr (Q4) {
-            if (!find_q4_block(v, d[j], d[NR + j], q)) {
-              exact = false;
-              return;
-            }
-            // k-quads 2i (low nibbles) and 2i + 1 (high) share the vector of 8i..8i + 7.
-            for (int i = 0; i < QK; ++i)
-              lane[(i / 8) * 2 * kQuadBytes + i % 4] |= static_cast<uint8_t>(q[i] << (i % 8 < 4 ? 0 : 4));
-          } else {
-            int8_t* q8 = reinterpret_cast<int8_t*>(q);
-            if (!find_q8_block(v, d[j], q8)) {
-              exact = false;
-              return;
-            }
-            for (int i = 0; i < QK; ++i) lane[(i / 4) * 2 * kQuadBytes + i % 4] = static_cast<uint8_t>(q8[i] + 128);
-          }
-        }
-      }
-    }
-  });
-  return exact ? packed : at::Tensor();
+  // Column j is byte lane (j % W) * 4 of the vectors of column vector j / W.
+  auto lane_of = [](uint8_t* block, int64_t j) {
+    return block + (Q4 ? NR * 8 : NR * 4) + (j / W) * kQuadBytes + (j % W) * 4;
+  };
+  if constexpr (Q4) {
+    return pack_exact_blocks<true>(w, kI4BlockBytes, at::kChar, [&](uint8_t* block, int64_t j, const uint8_t* q) {
+      uint8_t* lane = lane_of(block, j);
+      // k-quads 2i (low nibbles) and 2i + 1 (high) share the vector of 8i..8i + 7.
+      for (int i = 0; i < QK; ++i)
+        lane[(i / 8) * 2 * kQuadBytes + i % 4] |= static_cast<uint8_t>(q[i] << (i % 8 < 4 ? 0 : 4));
+    });
+  } else {
+    return pack_exact_blocks<false>(w, kI8BlockBytes, at::kChar, [&](uint8_t* block, int64_t j, const uint8_t* q) {
+      uint8_t* lane = lane_of(block, j);
+      const int8_t* q8 = reinterpret_cast<const int8_t*>(q);
+      for (int i = 0; i < QK; ++i) lane[(i / 4) * 2 * kQuadBytes + i % 4] = static_cast<uint8_t>(q8[i] + 128);
+    });
+  }
 }
 
 #endif  // PAGELLM_INT8
@@ -300,16 +280,8 @@ bool int8_supported() { return PAGELLM_INT8 != 0; }
 // silu_mul, a gate/up weight [2d, K] (gate rows first) is reordered first as pack_weight_silu_mul
 // does, so each panel holds W gate columns then the matching W up columns.
 c10::optional<at::Tensor> pack_weight_int8(const at::Tensor& weight, bool silu_mul) {
-  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-                    "pack_weight_int8: weight must be a 2-D float32 CPU tensor");
-  at::Tensor w = weight.contiguous();
-  if (silu_mul) {
-    const int64_t d = w.size(0) / 2, k = w.size(1);
-    TORCH_CHECK_VALUE(w.size(0) % 2 == 0 && d % W == 0,
-                      "pack_weight_int8: with silu_mul the weight needs 2d rows with d a multiple of ", W, "; got ",
-                      w.size(0));
-    w = w.view({2, d / W, W, k}).transpose(0, 1).contiguous().view({2 * d, k});
-  }
+  at::Tensor w = weight_to_pack(weight, "pack_weight_int8");
+  if (silu_mul) w = gate_up_interleaved(w, W, "pack_weight_int8");
 #if PAGELLM_INT8
   if (w.size(1) % QK != 0 || w.size(1) == 0) return c10::nullopt;
   if (at::Tensor q4 = pack_int8_blocks<true>(w); q4.defined()) return q4;
