@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from block_weights import not_quite_blocks
 
 from pagellm.kernels import ops
 from pagellm.kernels.tuning import block_quantized
@@ -94,13 +95,7 @@ def test_gguf_block_weights_pack_as_blocks_with_bit_identical_results(
 
 
 def test_weights_that_are_not_exactly_blocks_have_no_block_copy() -> None:
-    gen = torch.Generator().manual_seed(0)
-    almost = block_quantized(64, 128, 4, gen)
-    almost[17, 40] = torch.nextafter(almost[17, 40], torch.tensor(1.0))  # one value off by one ulp
-    nan = block_quantized(64, 128, 8, gen)
-    nan[3, 3] = float("nan")
-    ragged = block_quantized(64, 128, 4, gen)[:, :100].contiguous()  # inputs not a multiple of 32
-    for weight in (almost, nan, ragged, torch.randn(64, 128)):
+    for weight in not_quite_blocks():
         packed = pack_weight(weight)
         assert packed.blocks is None and packed.panels.dtype == torch.float32
 

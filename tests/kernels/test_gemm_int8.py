@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from block_weights import not_quite_blocks
 from torch.nn import functional as F
 
 from pagellm.kernels import ops
@@ -68,13 +69,7 @@ def test_silu_mul_mode_fuses_the_activation(bits: int) -> None:
 
 
 def test_weights_that_are_not_exactly_blocks_are_not_packed() -> None:
-    gen = torch.Generator().manual_seed(0)
-    almost = block_quantized(64, 128, 4, gen)
-    almost[17, 40] = torch.nextafter(almost[17, 40], torch.tensor(1.0))  # one value off by one ulp
-    nan = block_quantized(64, 128, 8, gen)
-    nan[3, 3] = float("nan")
-    ragged = block_quantized(64, 128, 4, gen)[:, :100].contiguous()  # inputs not a multiple of 32
-    for weight in (almost, nan, ragged, torch.randn(64, 128)):
+    for weight in not_quite_blocks():
         assert ops.pack_weight_int8(weight) is None
 
 
