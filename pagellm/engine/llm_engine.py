@@ -9,11 +9,12 @@ import gc
 import itertools
 import logging
 import time
-from typing import Iterable, Optional
+from dataclasses import replace
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
-from pagellm.config import EngineConfig, model_dtype
+from pagellm.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, LinearPrecision, model_dtype
 from pagellm.core.kv_cache_base import KVCacheManagerBase
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.engine_core import EngineCore, ModelShape
@@ -23,8 +24,39 @@ from pagellm.engine.stats import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output import StructuredOutputManager
+from pagellm.worker.kv_cache import activation_reserve_bytes, bytes_per_block
+
+if TYPE_CHECKING:
+    from pagellm.engine.memory_plan import MemoryPlan
 
 logger = logging.getLogger(__name__)
+
+
+def plan_memory(
+    config: EngineConfig, model_path: str, hf_config, shape: ModelShape, precision: LinearPrecision
+) -> MemoryPlan:
+    """What the model, its KV cache and a step's activations will take, before any is allocated."""
+    from pagellm.engine.memory_plan import MemoryPlan, available_memory_bytes, estimate_weight_bytes
+    from pagellm.models.loader import checkpoint_files, is_gguf, resolve_model_path
+
+    files = checkpoint_files(model_path)
+    file_bytes, weight_bytes = estimate_weight_bytes(files, precision, is_gguf(resolve_model_path(model_path)))
+    block_bytes = bytes_per_block(shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, config.kv_cache_dtype)
+    if config.num_kv_blocks is not None:
+        kv_bytes = config.num_kv_blocks * block_bytes
+    else:
+        kv_bytes = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        kv_bytes -= kv_bytes % block_bytes
+    activations = activation_reserve_bytes(
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        hf_config.hidden_size,
+        getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
+        shape.vocab_size,
+        4,
+    )
+    available = available_memory_bytes() if config.device.type == "cpu" else None
+    return MemoryPlan(file_bytes, weight_bytes, kv_bytes, activations, available, kv_bytes // block_bytes * config.block_size)
 
 
 def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -50,14 +82,13 @@ class LLMEngine:
         from pagellm.attention.selector import get_attn_backend
         from pagellm.distributed.partition import check_tp_size
         from pagellm.executor.factory import create_executor
-        from pagellm.kernels.tuning import measure_cpu_tuning
         from pagellm.models.loader import (
             default_model_path,
             eos_token_ids,
             get_max_model_len,
             is_gguf,
             load_hf_config,
-            load_model,
+            load_model_for_engine,
             resolve_model_path,
         )
         from pagellm.models.precision import resolve_linear_precision
@@ -82,15 +113,13 @@ class LLMEngine:
         self.shape = ModelShape.from_hf_config(self.hf_config)
         self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
         self.cpu_tuning = None
+        # Checked before anything large is allocated: a model that cannot fit is refused here.
+        plan = plan_memory(config, model_path, self.hf_config, self.shape, precision)
+        logger.info("memory plan: %s", plan.describe())
+        plan.check()
         if config.distributed_executor_backend == "uni":
             attn_backend = get_attn_backend(config.attention_backend, config.device)
-            model = load_model(model_path, self.hf_config, config.dtype, config.device, attn_backend, precision)
-            # Measured once, on this machine and the model's own packed weights, then handed to its users.
-            attention = attn_backend.name == "cpu_paged"
-            self.cpu_tuning = measure_cpu_tuning(config.device, model.packed_weights(), attention=attention)
-            attn_backend.use_cpu_tuning(self.cpu_tuning)
-            model.use_cpu_tuning(self.cpu_tuning)
-            logger.info("CPU tuning: %s", self.cpu_tuning.to_json())
+            model, self.cpu_tuning = load_model_for_engine(config, model_path, self.hf_config, attn_backend)
             attn_name = attn_backend.name
             self.model = model
             self._executor_factory = None
@@ -123,6 +152,13 @@ class LLMEngine:
             structured_output=self.structured_output,
         )
         self.max_model_len = self.core.max_model_len  # may be lowered to what the KV cache holds
+        self.memory_plan = replace(
+            plan,
+            weight_bytes=self.model.weight_bytes() if self.model is not None else plan.weight_bytes,
+            kv_cache_bytes=self.core.kv_cache_bytes,
+            kv_cache_tokens=self.core.num_blocks * config.block_size,
+        )
+        logger.info("memory: %s", self.memory_plan.describe())
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids, self.structured_output
         )

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagellm.config import EXACT_LINEAR, EngineConfig, model_dtype
+from pagellm.config import EngineConfig, model_dtype
 from pagellm.distributed.parallel_state import get_tp_group, init_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class TPWorker:
 
     def __init__(self, rank: int, spec: WorkerSpec) -> None:
         from pagellm.attention.selector import get_attn_backend
-        from pagellm.models.loader import load_hf_config, load_model
+        from pagellm.models.loader import load_hf_config, load_model_for_engine
         from pagellm.worker.kv_cache import allocate_kv_caches
         from pagellm.worker.model_runner import ModelRunner
 
@@ -69,9 +69,9 @@ class TPWorker:
         hf_config = load_hf_config(spec.model_path)
         config.apply_model_dtype(model_dtype(hf_config))
         attn_backend = get_attn_backend(config.attention_backend, config.device)
-        # The driver resolved the precision into the config; a rank never re-decides it.
-        precision = config.linear_precision or EXACT_LINEAR
-        model = load_model(spec.model_path, hf_config, config.dtype, config.device, attn_backend, precision)
+        # The driver resolved the precision into the config; a rank never re-decides it, but
+        # measures its own tuning (its shard, its threads).
+        model, _ = load_model_for_engine(config, spec.model_path, hf_config, attn_backend)
         shard = model.shard
         head_dim = model.model.layers[0].self_attn.head_dim
         kv_caches = allocate_kv_caches(

@@ -160,24 +160,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.pagellm_gemm.pack_weight(weight)
 
 
-def pack_weight_blocks(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """The weight as its own 4- or 8-bit GGUF blocks (uint8 panels) when it is exactly such blocks, else None."""
-    return torch.ops.pagellm_gemm.pack_weight_blocks(weight)
-
-
 def pack_weight_silu_mul(weight: torch.Tensor) -> torch.Tensor:
     """A gate/up weight ``[2d, K]`` (gate rows first) as panels for :func:`linear_packed_silu_mul`;
     ValueError when ``d`` is not a whole number of vectors."""
     return torch.ops.pagellm_gemm.pack_weight_silu_mul(weight)
 
 
-def blocks_max_rows(blocks: torch.Tensor) -> int:
-    """The kernel's built-in row limit for these blocks against float32 panels, for an unmeasured machine."""
-    return int(torch.ops.pagellm_gemm.blocks_max_rows(blocks))
-
-
 def linear_packed(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-    """``out = x @ W.T (+ bias)`` with ``W`` as packed by :func:`pack_weight` or :func:`pack_weight_blocks`."""
+    """``out = x @ W.T (+ bias)`` with ``W``'s float32 panels from :func:`pack_weight`."""
     torch.ops.pagellm_gemm.linear_packed(out, x, packed, bias)
 
 
@@ -194,16 +184,43 @@ def int8_matmul_available() -> bool:
     return available() and bool(torch.ops.pagellm_gemm_int8.int8_supported())
 
 
-def pack_weight_int8(weight: torch.Tensor, silu_mul: bool = False) -> Optional[torch.Tensor]:
-    """The weight's exact 4- or 8-bit GGUF blocks as int8-kernel panels (gate/up paired for ``silu_mul``), else None."""
-    return torch.ops.pagellm_gemm_int8.pack_weight_int8(weight, silu_mul)
+def int8_types() -> frozenset[int]:
+    """The GGML type ids (``gguf.GGMLQuantizationType``) whose blocks :func:`pack_weight_int8`
+    takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K ... Q6_K; empty without the library or VNNI."""
+    if not available():
+        return frozenset()
+    return frozenset(int(t) for t in torch.ops.pagellm_gemm_int8.int8_types())
+
+
+def pack_weight_int8(raw: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
+    """A GGUF weight's blocks, uint8 ``[N, row bytes]`` (each row one output's blocks in file order,
+    rows contiguous), repacked for :func:`linear_int8`: uint8 panels of 32 outputs holding exactly
+    the values gguf dequantizes them to. For a fused SiLU-and-mul the caller interleaves the rows
+    first, 16 gate rows then the same outputs' 16 up rows. ValueError for a type not in
+    :func:`int8_types` or ``in_features`` not a multiple of its block."""
+    return torch.ops.pagellm_gemm_int8.pack_weight_int8(raw, ggml_type, in_features)
+
+
+def int8_rows(packed: torch.Tensor, ggml_type: int, in_features: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a weight packed by :func:`pack_weight_int8`, as float32 ``[len(ids), in_features]``:
+    exactly the values gguf dequantizes the file's blocks to (an embedding table kept only as panels)."""
+    return torch.ops.pagellm_gemm_int8.int8_rows(packed, ggml_type, in_features, ids)
 
 
 def linear_int8(
-    out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool = False
+    out: torch.Tensor,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    ggml_type: int,
+    bias: Optional[torch.Tensor],
+    silu_mul: bool = False,
 ) -> None:
-    """``out = x @ W.T (+ bias)`` (silu(gate) * up with ``silu_mul``) on x quantized per 32 inputs: int8 dot products are faster."""
-    torch.ops.pagellm_gemm_int8.linear_int8(out, x, packed, bias, silu_mul)
+    """``out = x @ W.T (+ bias)`` on x quantized per 32 inputs (int8 dot products are faster), ``packed``
+    from :func:`pack_weight_int8` for ``ggml_type``. ``x`` and ``out`` float32 with contiguous rows
+    (``out`` may be a column slice of a wider tensor). With ``silu_mul``, for rows interleaved in
+    groups of 16, ``out [M, d] = silu(x @ gate.T) * (x @ up.T)``, ``bias`` then gate's then up's
+    (``2d``, not interleaved); ValueError unless ``d`` is a multiple of 16."""
+    torch.ops.pagellm_gemm_int8.linear_int8(out, x, packed, ggml_type, bias, silu_mul)
 
 
 # --- sampling (sampling.cpp) ------------------------------------------------------------------
@@ -234,9 +251,10 @@ def bf16_matmul_available() -> bool:
 
 
 def pack_weight_bf16(weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """A float32 weight ``[N, K]`` rounded to bfloat16 panels for :func:`linear_bf16`; with
-    ``silu_mul`` a gate/up weight ``[2d, K]`` for the fused activation (ValueError unless ``d`` is
-    a multiple of 16)."""
+    """A float32 weight ``[N, K]`` rounded to bfloat16 panels for :func:`linear_bf16`, or a
+    bfloat16 one packed as it is (from its own bytes, no float32 copy); the same panels either way
+    for the same bfloat16 values. With ``silu_mul`` a gate/up weight ``[2d, K]`` for the fused
+    activation (ValueError unless ``d`` is a multiple of 16)."""
     return torch.ops.pagellm_gemm_bf16.pack_weight_bf16(weight, silu_mul)
 
 

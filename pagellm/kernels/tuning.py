@@ -4,16 +4,16 @@ Some kernel choices depend on the core more than on its instruction set, so a fi
 instruction set would be wrong on some machine (docs/kernels.md has the measurements):
 
 * whether decode attention prefetches the next keys and values into L2 only or into L1 too;
-* up to how many rows the packed matmul beats BLAS, and up to how many its 4- or 8-bit GGUF
-  block panels beat its float32 panels, per weight format.
+* up to how many rows the packed matmul's float32 panels beat BLAS (row limits are keyed by the
+  weight's ggml type and packed layout, :class:`TuningKey`; float32 panels are the one layout
+  measured today).
 
 :func:`measure_cpu_tuning` times each on the model's own weights (a few hundred milliseconds);
 the engine calls it once and hands the result to the attention backend and the model. Nothing
 here is cached or global: measuring twice measures twice. ``python -m pagellm.kernels.tuning``
 prints what this machine measures, as JSON.
 
-The choices never change results between block and float32 panels (bit-identical by
-construction); between BLAS and the panels they change only the order of float32 sums.
+Between BLAS and the panels the choice changes only the order of float32 sums.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -39,12 +39,10 @@ DECODE_PROBE_REPEATS = 3
 # L2 prefetches must win by this much to replace the default (L1).
 DECODE_MIN_GAIN = 1.03
 
-# Row counts probed for blocks against float32 panels, and for the panels against BLAS. A limit
-# is the last probe the faster path wins before it first loses, so one noisy loss only makes the
-# limit more conservative.
-BLOCK_PROBE_ROWS = (1, 4, 8, 16, 24, 32, 48, 64)
+# Row counts probed for the panels against BLAS. The limit is the last probe the panels win
+# before they first lose, so one noisy loss only makes the limit more conservative.
 BLAS_PROBE_ROWS = (64, 256, 1024)
-# Output rows kept from each probed weight, and weights probed per format: about one layer of a
+# Output rows kept from each probed weight, and weights probed in all: about one layer of a
 # small model, so that a 1,024-row product stays short.
 PROBE_MAX_OUT_FEATURES = 4096
 PROBE_MAX_WEIGHTS = 3_500_000
@@ -56,12 +54,22 @@ FLUSH_BYTES = 64 * 2**20
 UNLIMITED_ROWS = 1 << 30
 
 
+class TuningKey(NamedTuple):
+    """Which weights a :class:`RowLimits` is for: their ggml type name as the kernel multiplies
+    them (``"F32"``) and their packed layout (``"panels"``). A plain tuple compares equal."""
+
+    ggml_type: str
+    layout: str
+
+
+# The float32 panels of ops.pack_weight / ops.pack_weight_silu_mul, against BLAS.
+F32_PANELS = TuningKey("F32", "panels")
+
+
 @dataclass(frozen=True)
 class RowLimits:
-    """Up to ``blocks_max_rows`` rows the block panels are used, up to ``packed_max_rows`` the
-    packed kernel (blocks or float32 panels), and BLAS beyond."""
+    """Up to ``packed_max_rows`` rows the packed kernel is used, BLAS beyond."""
 
-    blocks_max_rows: int
     packed_max_rows: int
 
 
@@ -69,67 +77,57 @@ class RowLimits:
 class CpuTuning:
     """The start-up measurements the kernels' callers act on.
 
-    ``row_limits`` holds ``(weight format, limits)`` pairs (see :func:`weight_format`) for the
-    formats that were measured; a format without an entry keeps the kernel's built-in defaults.
+    ``row_limits`` holds ``(key, limits)`` pairs (:class:`TuningKey`) for what was measured; a
+    key without an entry keeps the caller's built-in default.
     """
 
     decode_prefetch_to_l2: bool = False
-    row_limits: tuple[tuple[str, RowLimits], ...] = ()
+    row_limits: tuple[tuple[TuningKey, RowLimits], ...] = ()
 
     @classmethod
     def untuned(cls) -> CpuTuning:
         """Nothing measured: the kernels' defaults (other devices, tests, no kernels)."""
         return cls()
 
-    def limits_for(self, fmt: str) -> Optional[RowLimits]:
-        """The measured limits for weights of format ``fmt``, or None if it was not measured."""
-        return dict(self.row_limits).get(fmt)
+    def limits_for(self, key: tuple[str, str]) -> Optional[RowLimits]:
+        """The measured limits for ``key`` (``(ggml type, layout)``, e.g. :data:`F32_PANELS`), or
+        None if it was not measured."""
+        return dict(self.row_limits).get(TuningKey(*key))
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "decode_prefetch_to_l2": self.decode_prefetch_to_l2,
-                "row_limits": {fmt: asdict(limits) for fmt, limits in self.row_limits},
+                "row_limits": {f"{key.ggml_type}/{key.layout}": asdict(limits) for key, limits in self.row_limits},
             }
         )
 
 
 class PackedForms(Protocol):
-    """A weight's packed forms as :mod:`pagellm.models.layers` keeps them."""
+    """A weight's packed form as :mod:`pagellm.models.layers` keeps it."""
 
-    panels: torch.Tensor
-    blocks: Optional[torch.Tensor]
+    panels: torch.Tensor  # float32 panels, from ops.pack_weight or ops.pack_weight_silu_mul
 
 
 @dataclass(frozen=True)
 class Probe:
     weight: torch.Tensor  # [n, k] as loaded, for BLAS
     panels: torch.Tensor
-    blocks: Optional[torch.Tensor]
-
-
-def weight_format(blocks: Optional[torch.Tensor]) -> str:
-    """A name for a packed weight's form: ``"float32"`` for panels only, else the block size in
-    bytes (4- and 8-bit blocks differ in size)."""
-    if blocks is None:
-        return "float32"
-    return f"{blocks.shape[2]}-byte block"
 
 
 def make_probe(weight: torch.Tensor, packed: PackedForms) -> Probe:
-    """The first output rows of ``weight`` and its packed forms, as their own smaller weight."""
+    """The first output rows of ``weight`` and its panels, as their own smaller weight."""
     cols_per_panel = packed.panels.shape[2]
     n = min(weight.shape[0], PROBE_MAX_OUT_FEATURES)
     panels = n // cols_per_panel if n < weight.shape[0] else packed.panels.shape[0]
     n = min(n, panels * cols_per_panel)
-    blocks = packed.blocks[:panels] if packed.blocks is not None else None
-    return Probe(weight[:n], packed.panels[:panels], blocks)
+    return Probe(weight[:n], packed.panels[:panels])
 
 
 def _time(fn: Callable[[], None], flush: torch.Tensor) -> float:
     """Best of a few calls of ``fn``, each with the probe's weights evicted from the caches first:
-    in a model step every layer's weights come from memory, which is where the blocks' smaller
-    size pays; a probe that stayed in the last-level cache would hide that."""
+    in a model step every layer's weights come from memory, and a probe that stayed in the
+    last-level cache would time something else."""
     fn()  # warm: first touch of buffers, thread pool wake-up
     best = float("inf")
     for _ in range(REPEATS):
@@ -141,7 +139,7 @@ def _time(fn: Callable[[], None], flush: torch.Tensor) -> float:
 
 
 def time_path(probes: Sequence[Probe], rows: int, path: str, flush: torch.Tensor) -> float:
-    """Seconds for ``rows`` rows through every probe by ``path``: "blas", "panels" or "blocks"."""
+    """Seconds for ``rows`` rows through every probe by ``path``: "blas" or "panels"."""
     inputs = [torch.randn(rows, p.weight.shape[1]) for p in probes]
     outs = [torch.empty(rows, p.weight.shape[0]) for p in probes]
 
@@ -150,7 +148,7 @@ def time_path(probes: Sequence[Probe], rows: int, path: str, flush: torch.Tensor
             if path == "blas":
                 F.linear(x, p.weight)
             else:
-                ops.linear_packed(out, x, p.blocks if path == "blocks" else p.panels, None)
+                ops.linear_packed(out, x, p.panels, None)
 
     return _time(run, flush)
 
@@ -166,7 +164,7 @@ def _last_win(probe_rows: Sequence[int], wins: Callable[[int], bool]) -> int:
 
 
 def measure_row_limits(probes: Sequence[Probe]) -> RowLimits:
-    """Times the three paths on ``probes`` (one weight format) and returns where each stops winning."""
+    """Times the panels against BLAS on ``probes`` and returns where the panels stop winning."""
     flush = torch.ones(FLUSH_BYTES // 4)
 
     def faster(rows: int, path: str, than: str) -> bool:
@@ -174,9 +172,6 @@ def measure_row_limits(probes: Sequence[Probe]) -> RowLimits:
         t_than = time_path(probes, rows, than, flush)
         return t_path * MIN_GAIN < t_than
 
-    blocks_max_rows = 0
-    if probes[0].blocks is not None:
-        blocks_max_rows = _last_win(BLOCK_PROBE_ROWS, lambda rows: faster(rows, "blocks", "panels"))
     packed_max_rows = _last_win(BLAS_PROBE_ROWS, lambda rows: faster(rows, "panels", "blas"))
     if packed_max_rows == BLAS_PROBE_ROWS[-1]:
         # Still ahead at the largest probe, where the kernel already runs at the arithmetic
@@ -186,39 +181,37 @@ def measure_row_limits(probes: Sequence[Probe]) -> RowLimits:
         # Behind BLAS even at the first probe: the packed kernel keeps the rows below it, where
         # BLAS was never timed and the kernel was ahead on every machine measured.
         packed_max_rows = BLAS_PROBE_ROWS[0]
-    return RowLimits(min(blocks_max_rows, packed_max_rows), packed_max_rows)
+    return RowLimits(packed_max_rows)
 
 
-def probes_by_format(weights: Sequence[tuple[torch.Tensor, PackedForms]]) -> dict[str, list[Probe]]:
-    """Probes from the first weights of each format among ``(weight, packed)`` pairs in model
-    order, up to :data:`PROBE_MAX_WEIGHTS` weights per format."""
-    probes: dict[str, list[Probe]] = {}
-    num_weights: dict[str, int] = {}
+def collect_probes(weights: Sequence[tuple[torch.Tensor, PackedForms]]) -> list[Probe]:
+    """Probes from the first ``(weight, packed)`` pairs in model order, up to
+    :data:`PROBE_MAX_WEIGHTS` weights in all."""
+    probes: list[Probe] = []
+    num_weights = 0
     for weight, packed in weights:
-        fmt = weight_format(packed.blocks)
-        if num_weights.get(fmt, 0) >= PROBE_MAX_WEIGHTS:
-            continue
+        if num_weights >= PROBE_MAX_WEIGHTS:
+            break
         probe = make_probe(weight, packed)
-        probes.setdefault(fmt, []).append(probe)
-        num_weights[fmt] = num_weights.get(fmt, 0) + probe.weight.numel()
+        probes.append(probe)
+        num_weights += probe.weight.numel()
     return probes
 
 
-def tune_row_limits(weights: Sequence[tuple[torch.Tensor, PackedForms]]) -> tuple[tuple[str, RowLimits], ...]:
-    """Measures the row limits for each weight format among ``(weight, packed)`` pairs."""
-    limits = []
-    for fmt, probes in probes_by_format(weights).items():
-        start = time.perf_counter()
-        measured = measure_row_limits(probes)
-        logger.info(
-            "packed matmul, %s weights: block panels up to %d rows, packed kernel up to %s rows (measured in %.2f s)",
-            fmt,
-            measured.blocks_max_rows,
-            "any number of" if measured.packed_max_rows >= UNLIMITED_ROWS else measured.packed_max_rows,
-            time.perf_counter() - start,
-        )
-        limits.append((fmt, measured))
-    return tuple(limits)
+def tune_row_limits(weights: Sequence[tuple[torch.Tensor, PackedForms]]) -> tuple[tuple[TuningKey, RowLimits], ...]:
+    """Measures the float32 panels' row limit on ``(weight, packed)`` pairs; nothing without any."""
+    probes = collect_probes(weights)
+    if not probes:
+        return ()
+    start = time.perf_counter()
+    measured = measure_row_limits(probes)
+    rows = measured.packed_max_rows
+    logger.info(
+        "packed matmul, float32 panels: %s (measured in %.2f s)",
+        "every batch size" if rows >= UNLIMITED_ROWS else f"up to {rows} rows, BLAS beyond",
+        time.perf_counter() - start,
+    )
+    return ((F32_PANELS, measured),)
 
 
 def _decode_probe() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -273,8 +266,9 @@ def measure_cpu_tuning(
     attention: bool = True,
 ) -> CpuTuning:
     """Measures this machine for a model on ``device``: the decode prefetch level (unless
-    ``attention`` is False, for a backend other than the C++ one) and the packed matmul's row
-    limits for each format among ``packed_weights`` (``(weight, packed)`` pairs in model order).
+    ``attention`` is False, for a backend other than the C++ one) and the float32 panels' row
+    limit on ``packed_weights`` (``(weight, packed)`` pairs in model order, ``packed.panels``
+    float32 panels).
     Off the CPU, or without the kernels, nothing is measured: :meth:`CpuTuning.untuned`."""
     if torch.device(device).type != "cpu" or not ops.available():
         return CpuTuning.untuned()
@@ -284,47 +278,29 @@ def measure_cpu_tuning(
     )
 
 
-def block_quantized(rows: int, cols: int, bits: int, generator: torch.Generator) -> torch.Tensor:
-    """Random float32 ``[rows, cols]`` whose every 32 inputs are GGUF blocks: 4-bit ``d * q + m``
-    (Q4_1) or 8-bit ``d * q`` (Q8_0), half-precision ``d`` and ``m``, as a dequantized model holds.
-    As llama.cpp's quantizers do, each block spans its whole range (q = 0 and 15; |q| = 127)."""
-    blocks = (rows, cols // 32, 1)
-    d = (torch.rand(blocks, generator=generator) * 0.004 + 0.001).half().float()
-    if bits == 4:
-        q = torch.randint(0, 16, (rows, cols // 32, 32), generator=generator).float()
-        q[..., 0], q[..., 1] = 0, 15
-        m = (-8 * d - torch.rand(blocks, generator=generator) * 0.001).half().float()
-        return (d * q + m).reshape(rows, cols)
-    q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=generator).float()
-    q[..., 0] = 127
-    return (d * q).reshape(rows, cols)
-
-
 @dataclass(frozen=True)
 class _Packed:
     panels: torch.Tensor
-    blocks: Optional[torch.Tensor]
 
 
-# (in, out) of SmolLM2-135M's fused projections, and the rows of its 8-bit vocabulary head that a
-# probe keeps: the default model's weights in its own formats, for the command line below.
+# (in, out) of SmolLM2-135M's fused projections, and the rows of its vocabulary head that a probe
+# keeps: the default model's shapes, for the command line below.
 SMOLLM2_LAYER_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 SMOLLM2_HEAD_SHAPE = (576, PROBE_MAX_OUT_FEATURES)
 
 
 def smollm2_like_weights(num_layers: int = 2) -> list[tuple[torch.Tensor, _Packed]]:
-    """Random weights of SmolLM2-135M's shapes and formats (8-bit head, 4-bit layers) plus one
-    float32 layer, in model order, with their packed forms."""
+    """Random float32 weights of SmolLM2-135M's shapes (head, then layers), in model order, with
+    their panels."""
     gen = torch.Generator().manual_seed(0)
-    weights = [block_quantized(SMOLLM2_HEAD_SHAPE[1], SMOLLM2_HEAD_SHAPE[0], 8, gen)]
-    weights += [block_quantized(n, k, 4, gen) for _ in range(num_layers) for k, n in SMOLLM2_LAYER_SHAPES]
-    weights += [torch.randn(n, k, generator=gen) for k, n in SMOLLM2_LAYER_SHAPES]
-    return [(w, _Packed(ops.pack_weight(w), ops.pack_weight_blocks(w))) for w in weights]
+    shapes = [SMOLLM2_HEAD_SHAPE] + [shape for _ in range(num_layers) for shape in SMOLLM2_LAYER_SHAPES]
+    weights = [torch.randn(n, k, generator=gen) * k**-0.5 for k, n in shapes]
+    return [(w, _Packed(ops.pack_weight(w))) for w in weights]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Print, as JSON, the CpuTuning this machine measures for weights of SmolLM2-135M's shapes and formats."
+        description="Print, as JSON, the CpuTuning this machine measures for weights of SmolLM2-135M's shapes."
     )
     parser.parse_args(argv)
     if not ops.available():

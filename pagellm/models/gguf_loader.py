@@ -1,30 +1,34 @@
-"""Reading GGUF files: metadata, a transformers config, and dequantized Hugging Face-named weights.
+"""Reading GGUF files: metadata, a transformers config, and Hugging Face-named weights as stored.
 
 ``gguf.GGUFReader`` turns every vocabulary string into numpy views and takes seconds on a 49k-token
 vocabulary, so the header is parsed here directly (strings arrays are skipped unless asked for).
-Tensor data is memory-mapped and dequantized with ``gguf.quants.dequantize``, and llama.cpp's
-Q/K row permutation is undone exactly as transformers does, so the weights are bit-identical to
-transformers' GGUF load.
+Tensor data is read as stored (GGUF blocks stay blocks), and llama.cpp's Q/K row permutation is
+undone on rows of blocks exactly as transformers does on values, so dequantized weights are
+bit-identical to transformers' GGUF load.
 """
 from __future__ import annotations
 
 import mmap
-import os
 import re
 import struct
-from collections import deque
 from collections.abc import Container, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from gguf.quants import dequantize
 from transformers import AutoConfig, PretrainedConfig
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+from pagellm.models.gguf_types import GGUFWeight
+
+WeightSource = GGUFWeight | torch.Tensor
+_FLOAT_DTYPES = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 _SCALAR_FORMATS: dict[int, str] = {
@@ -154,23 +158,27 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata["general.architecture"])
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor as stored: float values for F32/F16, ``uint8`` blocks ``[rows, bytes]`` otherwise."""
+    def read(self, name: str) -> GGUFWeight | torch.Tensor:
+        """The tensor as stored, read into memory of its own (not a view of the map, whose pages
+        would otherwise stay resident beside the packed copy): a float tensor for F32/F16/BF16,
+        a :class:`GGUFWeight` of its blocks otherwise."""
         info = self.tensors[name]
-        data = np.frombuffer(self._buf, dtype=np.uint8, count=info.num_bytes, offset=info.offset)
-        if info.ggml_type == GGMLQuantizationType.F32:
-            return data.view(np.float32).reshape(info.shape)
-        if info.ggml_type == GGMLQuantizationType.F16:
-            return data.view(np.float16).reshape(info.shape)
-        return data.reshape(*info.shape[:-1], -1)
+        data = torch.empty(info.num_bytes, dtype=torch.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(info.offset)
+            if f.readinto(data.numpy()) != info.num_bytes:
+                raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file")
+        if info.ggml_type in _FLOAT_DTYPES:
+            return data.view(_FLOAT_DTYPES[info.ggml_type]).reshape(info.shape)
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return GGUFWeight(info.ggml_type, data.view(rows, -1), info.shape[-1])
 
     def dequantized(self, name: str) -> torch.Tensor:
         """The tensor as float32, exactly as ``gguf.quants.dequantize`` computes it."""
-        info = self.tensors[name]
-        values = dequantize(self.raw(name), info.ggml_type)
-        if not values.flags.writeable:
-            values = values.copy()  # F32 tensors come straight from the read-only map
-        return torch.from_numpy(values).reshape(info.shape)
+        tensor = self.read(name)
+        if isinstance(tensor, GGUFWeight):
+            return tensor.dequantize().reshape(self.tensors[name].shape)
+        return tensor.float()
 
 
 def gguf_config_dict(gguf_file: GGUFFile) -> dict[str, Any]:
@@ -215,40 +223,38 @@ def _hf_name(gguf_name: str) -> str | None:
     return None  # e.g. rope_freqs.weight, which transformers ignores too
 
 
-def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaving of each head's rotary halves (transformers' reverse permute)."""
-    dim = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, dim, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+def _unpermute_qk(weight: WeightSource, num_heads: int) -> WeightSource:
+    """Undo llama.cpp's interleaving of each head's rotary halves (transformers' reverse permute);
+    a row permutation, so blocks move whole."""
+    rows = weight.shape[0]
+    dim = rows // num_heads // 2
+    order = torch.arange(rows).reshape(num_heads, dim, 2).transpose(1, 2).reshape(-1)
+    if isinstance(weight, GGUFWeight):
+        return weight.permute_rows(order)
+    return weight.index_select(0, order)
 
 
-def iter_gguf_weights(path: str, hf_config: PretrainedConfig, num_threads: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every weight in the file, dequantized.
-
-    Dequantization runs on a few threads (numpy releases the GIL inside its kernels), a bounded
-    number of tensors ahead of the consumer so memory stays near one model copy; tensors are
-    yielded in file order.
-    """
+def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, WeightSource]]:
+    """(Hugging Face name, tensor as stored) for every weight in the file, in file order: blocks
+    as :class:`GGUFWeight`, float tensors in their own dtype. Nothing is dequantized here: each
+    linear layer's method decides (pagellm.models.linear_method)."""
     gguf_file = GGUFFile(path)
     permute = gguf_file.architecture in _PERMUTED_QK_ARCHITECTURES
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    names = [(name, hf) for name in gguf_file.tensors if (hf := _hf_name(name)) is not None]
-
-    def load(item: tuple[str, str]) -> tuple[str, torch.Tensor]:
-        gguf_name, hf_name = item
-        tensor = gguf_file.dequantized(gguf_name)
+    for gguf_name in gguf_file.tensors:
+        hf_name = _hf_name(gguf_name)
+        if hf_name is None:
+            continue
+        tensor = gguf_file.read(gguf_name)
         if permute and ".attn_q." in gguf_name:
             tensor = _unpermute_qk(tensor, num_heads)
         elif permute and ".attn_k." in gguf_name:
             tensor = _unpermute_qk(tensor, num_kv_heads)
-        return hf_name, tensor
+        yield hf_name, tensor
 
-    num_threads = num_threads or min(4, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=num_threads) as pool:
-        pending: deque[Future[tuple[str, torch.Tensor]]] = deque()
-        for item in names:
-            pending.append(pool.submit(load, item))
-            if len(pending) > 2 * num_threads:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+
+def iter_dequantized_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_gguf_weights` with every tensor as float32, as transformers' GGUF load gives them."""
+    for name, tensor in iter_gguf_weights(path, hf_config):
+        yield name, tensor.dequantize() if isinstance(tensor, GGUFWeight) else tensor.float()

@@ -1,205 +1,231 @@
-"""The layers of a Llama block: linear projections, RMSNorm, SiLU-and-multiply, rotary embedding.
+"""The layers models share: linear projections, RMSNorm, SiLU-and-multiply, rotary embedding.
 
 Each has two paths with the same arithmetic: a C++ kernel (:mod:`pagellm.kernels.ops`) for
 float32 tensors on CPU, and plain torch for everything else (other devices and dtypes, or when
 the kernels could not be built); ``ops`` decides which. In eager torch the elementwise layers are
 a dozen small ops per block, each a dispatch, an allocation and a pass over memory, which at
-decode batch sizes costs about as much as attention. Linear layers keep BLAS for large batches
-and use pre-packed weights for small ones.
+decode batch sizes costs about as much as attention. Linear layers hold their weight in the form
+their method (pagellm.models.linear_method) multiplies with.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, overload
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagellm.config import EXACT_LINEAR, LinearKind, LinearPrecision
+from pagellm.config import EXACT_LINEAR, LinearPrecision
+from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import ops
-from pagellm.kernels.tuning import CpuTuning, weight_format
-
-# Up to this many rows a packed-weight product beats BLAS on the machines measured; beyond it
-# BLAS's blocking wins. The default until CpuTuning holds this machine's own crossover.
-PACKED_MAX_ROWS = 96
+from pagellm.kernels.tuning import CpuTuning
+from pagellm.models.gguf_types import GGUFWeight, dequantize_rows, kernel_takes
+from pagellm.models.linear_method import GGUFInt8Method, LinearMethod, WeightSource, create_linear_method
 
 
-@dataclass
-class PackedWeight:
-    """A weight ``[N, K]`` laid out for the CPU kernels: float32 panels (and GGUF blocks) for the
-    exact small-batch kernel (``ops.linear_packed``), or one low-precision form for every batch."""
+class Linear(nn.Module):
+    """A linear layer whose weight arrives as stored in the checkpoint and is then held in the one
+    form its :class:`~pagellm.models.linear_method.LinearMethod` computes with.
 
-    panels: Optional[torch.Tensor]  # float32 panels; None when a low-precision form serves instead
-    # The weight's own 4- or 8-bit GGUF blocks when it is exactly that (a GGUF model's projections):
-    # 0.75 or 1.125 bytes a weight, expanded by the kernel to the same float32 values, so the
-    # results are bit for bit the panels'. Faster up to `blocks_max_rows` rows.
-    blocks: Optional[torch.Tensor]
-    blocks_max_rows: int = 0
-    packed_max_rows: int = PACKED_MAX_ROWS  # BLAS beyond
-    # The panels of a gate/up projection, packed for linear_packed_silu_mul: each W gate columns
-    # next to their W up columns. They serve only :func:`linear_silu_and_mul`; the blocks keep the
-    # weight's own order.
-    silu_and_mul: bool = False
-    # bfloat16 panels ("bfloat16") or int8-dotted GGUF blocks ("int8"), from
-    # pagellm.models.precision: they take batches of every size, since they beat float32 BLAS
-    # even at a long prefill's rows (docs/kernels.md).
-    lowp: Optional[torch.Tensor] = None
-    lowp_kind: Optional[LinearKind] = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.panels, self.blocks, self.lowp) if t is not None)
-
-    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
-        """Takes the row limits measured for this weight's format, if they were measured."""
-        if self.panels is None:
-            return
-        limits = tuning.limits_for(weight_format(self.blocks))
-        if limits is not None:
-            self.blocks_max_rows = limits.blocks_max_rows
-            self.packed_max_rows = limits.packed_max_rows
-
-
-def pack_weight(weight: torch.Tensor, silu_and_mul: bool = False, precision: LinearPrecision = EXACT_LINEAR) -> Optional[PackedWeight]:
-    """``weight`` ``[N, K]`` packed for the CPU kernels, or None where they do not apply (not
-    float32 on CPU, or no kernels). ``precision`` picks the form (see pagellm.models.precision).
-    With ``silu_and_mul`` (a gate/up projection) the form is one for the fused activation where its
-    halves split into whole vectors."""
-    if not ops.supports(weight):
-        return None
-    weight = weight.detach()
-    if precision.kind == "int8":
-        lowp = _pack_int8(weight, silu_and_mul)
-        if lowp is not None:
-            return lowp
-    if precision.fallback == "bfloat16":
-        return _pack_bf16(weight, silu_and_mul)
-    blocks = ops.pack_weight_blocks(weight)
-    # The kernel's own default until a CpuTuning gives this machine's limit.
-    max_rows = ops.blocks_max_rows(blocks) if blocks is not None else 0
-    if silu_and_mul:
-        try:
-            return PackedWeight(ops.pack_weight_silu_mul(weight), blocks, max_rows, silu_and_mul=True)
-        except ValueError:  # half the rows is not a multiple of the vector width: separate steps then
-            pass
-    return PackedWeight(ops.pack_weight(weight), blocks, max_rows)
-
-
-def _pack_int8(weight: torch.Tensor, silu_and_mul: bool) -> Optional[PackedWeight]:
-    """The weight's GGUF blocks for the int8 kernel, or None when it is not exactly blocks."""
-    if silu_and_mul:
-        try:
-            packed = ops.pack_weight_int8(weight, True)
-            return None if packed is None else PackedWeight(None, None, silu_and_mul=True, lowp=packed, lowp_kind="int8")
-        except ValueError:  # halves of a width the fused epilogue cannot split
-            pass
-    packed = ops.pack_weight_int8(weight, False)
-    return None if packed is None else PackedWeight(None, None, lowp=packed, lowp_kind="int8")
-
-
-def _pack_bf16(weight: torch.Tensor, silu_and_mul: bool) -> PackedWeight:
-    if silu_and_mul:
-        try:
-            return PackedWeight(None, None, silu_and_mul=True, lowp=ops.pack_weight_bf16(weight, True), lowp_kind="bfloat16")
-        except ValueError:
-            pass
-    return PackedWeight(None, None, lowp=ops.pack_weight_bf16(weight, False), lowp_kind="bfloat16")
-
-
-def _linear_lowp(x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
-    out = torch.empty((x.shape[0], out_features), dtype=x.dtype, device=x.device)
-    if packed.lowp_kind == "int8":
-        ops.linear_int8(out, x, packed.lowp, bias, packed.silu_and_mul)
-    else:
-        ops.linear_bf16(out, x, packed.lowp, bias, packed.silu_and_mul)
-    return out
-
-
-def _takes_lowp(x: torch.Tensor, packed: Optional[PackedWeight]) -> bool:
-    return packed is not None and packed.lowp is not None and x.dim() == 2 and x.stride(-1) == 1 and ops.supports(x)
-
-
-def _packed_operand(x: torch.Tensor, packed: Optional[PackedWeight]) -> Optional[torch.Tensor]:
-    """What ``linear_packed`` multiplies ``x`` by: the blocks, the plain panels, or None for BLAS."""
-    if packed is None or packed.panels is None or x.dim() != 2 or x.stride(-1) != 1 or not ops.supports(x):
-        return None
-    rows = x.shape[0]
-    if packed.blocks is not None and rows <= packed.blocks_max_rows:
-        return packed.blocks
-    if rows <= packed.packed_max_rows and not packed.silu_and_mul:
-        return packed.panels
-    return None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]) -> torch.Tensor:
-    """``x @ weight.T + bias``; small batches go through ``packed`` (from :func:`pack_weight`) when given."""
-    if _takes_lowp(x, packed):
-        if packed.silu_and_mul:  # a fused form used through its plain product: not built so
-            raise ValueError("a gate/up weight packed for the fused activation goes through linear_silu_and_mul")
-        return _linear_lowp(x, packed, bias, weight.shape[0])
-    operand = _packed_operand(x, packed)
-    if operand is None:
-        return F.linear(x, weight, bias)
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    ops.linear_packed(out, x, operand, bias)
-    return out
-
-
-def linear_silu_and_mul(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]
-) -> torch.Tensor:
-    """``silu(x @ gate.T) * (x @ up.T)`` for a gate/up projection ``weight`` ``[2d, K]`` (gate rows
-    first). Where the float32 panels would serve, one kernel does both and never writes the
-    ``[T, 2d]`` product; elsewhere it is :func:`linear` then :func:`silu_and_mul`, same values."""
-    rows = x.shape[0]
-    if _takes_lowp(x, packed) and packed.silu_and_mul and bias is None:
-        return _linear_lowp(x, packed, None, weight.shape[0] // 2)
-    if (
-        packed is not None
-        and packed.lowp is None
-        and packed.silu_and_mul
-        and bias is None
-        and x.dim() == 2
-        and x.stride(-1) == 1
-        and ops.supports(x)
-        and not (packed.blocks is not None and rows <= packed.blocks_max_rows)  # the blocks' rows
-        and rows <= packed.packed_max_rows
-    ):
-        out = torch.empty((rows, weight.shape[0] // 2), dtype=x.dtype, device=x.device)
-        ops.linear_packed_silu_mul(out, x, packed.panels)
-        return out
-    return silu_and_mul(linear(x, weight, bias, packed))
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that, after :meth:`pack`, runs small batches on a packed copy of its weight.
-
-    The copy costs as much memory as the weight (a fifth more for a GGUF model's 4-bit blocks);
-    large batches still use the original through BLAS.
+    ``shard_sizes`` names the row blocks of a fused projection (q/k/v, gate/up) in order; the
+    checkpoint's separate tensors load into them with :meth:`load_shard`, and
+    :meth:`process_weights_after_loading` builds the method (and frees the loaded tensors). Only
+    the bias is a parameter; a dense method's weight is reachable as ``.weight``.
     """
 
-    packed: Optional[PackedWeight] = None
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, shard_sizes: Optional[dict[str, int]] = None
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.shard_sizes = dict(shard_sizes) if shard_sizes else {"": out_features}
+        if sum(self.shard_sizes.values()) != out_features:
+            raise ValueError(f"shards {self.shard_sizes} do not add up to {out_features} rows")
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.method: Optional[LinearMethod] = None
+        self._loaded: dict[str, WeightSource] = {}
 
-    def pack(self, precision: LinearPrecision = EXACT_LINEAR) -> int:
-        """Packs the current weight (call again after changing it); returns the bytes added."""
-        self.packed = pack_weight(self.weight, precision=precision)
-        return 0 if self.packed is None else self.packed.nbytes
+    silu_and_mul = False
+
+    def shard_range(self, shard: Optional[str]) -> tuple[int, int]:
+        """(row offset, rows) of one shard (None or "": the whole weight)."""
+        offset = 0
+        for name, rows in self.shard_sizes.items():
+            if name == (shard or ""):
+                return offset, rows
+            offset += rows
+        raise ValueError(f"no shard {shard!r} in {list(self.shard_sizes)}")
+
+    def load_shard(self, shard: Optional[str], source: WeightSource) -> None:
+        """Takes one shard's weight as stored (this rank's rows and columns of it)."""
+        _, rows = self.shard_range(shard)
+        if tuple(source.shape) != (rows, self.in_features):
+            raise ValueError(f"weight has shape {tuple(source.shape)}, expected {(rows, self.in_features)}")
+        self._loaded[shard or ""] = source
+
+    @property
+    def missing_shards(self) -> list[str]:
+        if self.method is not None:
+            return []
+        return [name for name in self.shard_sizes if name not in self._loaded]
+
+    def process_weights_after_loading(
+        self, precision: LinearPrecision = EXACT_LINEAR, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> int:
+        """Builds the method from the loaded shards, which are then dropped; returns its bytes."""
+        if self.missing_shards:
+            raise ValueError(f"weight shards never loaded: {self.missing_shards}")
+        sources = [self._loaded[name] for name in self.shard_sizes]
+        self._loaded = {}
+        self.method = create_linear_method(
+            sources, precision, torch.device(device), dtype, silu_and_mul=self.silu_and_mul, has_bias=self.bias is not None
+        )
+        return self.method.nbytes
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight, for a layer whose method keeps one (the exact path)."""
+        weight = getattr(self.method, "weight", None)
+        if weight is None:
+            raise AttributeError(f"this layer holds its weight as {self.method.form if self.method else 'nothing yet'}")
+        return weight
+
+    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
+        if self.method is not None:
+            self.method.use_cpu_tuning(tuning)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self.method.apply(x, self.bias)
+
+    def extra_repr(self) -> str:
+        form = self.method.form if self.method is not None else "not loaded"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {form}"
 
 
 class SiluAndMulLinear(Linear):
     """A gate/up projection (weight ``[2d, K]``, gate rows first) whose forward returns
     ``silu(gate) * up``, ``[T, d]``: the product and the activation in one pass where it can."""
 
-    def pack(self, precision: LinearPrecision = EXACT_LINEAR) -> int:
-        self.packed = pack_weight(self.weight, silu_and_mul=self.bias is None, precision=precision)
-        return 0 if self.packed is None else self.packed.nbytes
+    silu_and_mul = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_silu_and_mul(x, self.weight, self.bias, self.packed)
+        return self.method.apply_silu_mul(x, self.bias)
+
+
+def narrow(source: WeightSource, dim: int, start: int, length: int) -> WeightSource:
+    """Rows (``dim`` 0) or columns (1) of a weight as stored. A GGUF weight whose column cut falls
+    inside its blocks is dequantized first (then that layer computes in float)."""
+    if not isinstance(source, GGUFWeight):
+        return source.narrow(dim, start, length)
+    if dim == 0:
+        return source.narrow_rows(start, length)
+    try:
+        return source.narrow_cols(start, length)
+    except ValueError:
+        return source.dequantize().narrow(1, start, length)
+
+
+def pad_rows(source: WeightSource, rows: int) -> WeightSource:
+    """``source`` with zero rows appended up to ``rows``."""
+    if isinstance(source, GGUFWeight):
+        return source.pad_rows(rows)
+    if source.shape[0] == rows:
+        return source
+    padded = source.new_zeros((rows, *source.shape[1:]))
+    padded[: source.shape[0]] = source
+    return padded
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table, split by vocabulary rows under tensor parallelism (padded to equal
+    pieces): each rank looks up the ids it holds, zeros the others, and one all-reduce sums them.
+
+    A GGUF table stays in its blocks on a CPU and only the looked-up rows are dequantized (by the
+    same dequantizer as everything else, so values are exact); a float table stays in its dtype
+    and rows are returned as float32. A tied LM head is built from :meth:`source_rows`.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, vocab_start: int = 0, vocab_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.vocab_start = vocab_start
+        self.vocab_size = vocab_size if vocab_size is not None else num_embeddings
+        self.dense: Optional[torch.Tensor] = None
+        self.blocks: Optional[GGUFWeight] = None
+        # On the int8 path the table lives only in the kernel's panels, shared with a tied head.
+        self.packed: Optional[GGUFInt8Method] = None
+        self.out_dtype = torch.float32  # the model's activations' dtype
+
+    @property
+    def loaded(self) -> bool:
+        return self.dense is not None or self.blocks is not None or self.packed is not None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table as float32 ``[rows, dim]`` (dequantized: a copy for a GGUF table)."""
+        if self.packed is not None:
+            return self._lookup(torch.arange(self.num_embeddings))
+        if self.blocks is not None:
+            return pad_rows(self.blocks.dequantize(), self.num_embeddings)
+        return self.dense.float()
+
+    @property
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes
+        if self.blocks is not None:
+            return self.blocks.nbytes
+        return 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
+
+    def load(self, source: WeightSource) -> None:
+        """Takes this rank's rows of the table as stored."""
+        if source.shape[1] != self.embedding_dim or source.shape[0] > self.num_embeddings:
+            raise ValueError(f"embedding has shape {tuple(source.shape)}, expected ({self.num_embeddings}, {self.embedding_dim})")
+        if isinstance(source, GGUFWeight):
+            self.blocks = source
+        else:
+            self.dense = pad_rows(source, self.num_embeddings).contiguous()
+
+    def process_weights_after_loading(
+        self, device: torch.device | str, dtype: torch.dtype, precision: LinearPrecision = EXACT_LINEAR
+    ) -> None:
+        """Rows come out in ``dtype``; off the CPU the table is dense on ``device`` in it. On the
+        int8 path a GGUF table the kernel takes is repacked into its panels (rows padded to the
+        table's size, so a tied head can multiply by the very same panels)."""
+        self.out_dtype = dtype
+        if torch.device(device).type == "cpu":
+            if precision.kind == "int8" and self.blocks is not None and kernel_takes(self.blocks.ggml_type):
+                self.packed = GGUFInt8Method(self.blocks.pad_rows(self.num_embeddings))
+                self.blocks = None
+            return
+        if self.blocks is not None:
+            self.dense, self.blocks = pad_rows(self.blocks.dequantize(), self.num_embeddings), None
+        self.dense = self.dense.to(device=device, dtype=dtype).contiguous()
+
+    def source_rows(self, rows: int) -> WeightSource:
+        """The table as stored, padded to ``rows``, for a tied LM head to pack from."""
+        return pad_rows(self.blocks, rows) if self.blocks is not None else pad_rows(self.dense, rows)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            rows = ops.int8_rows(self.packed.packed, int(self.packed.ggml_type), self.embedding_dim, ids.cpu())
+            return rows.to(ids.device, self.out_dtype)
+        if self.blocks is not None:
+            rows = self.blocks.data.index_select(0, ids.cpu().clamp_(0, self.blocks.rows - 1))
+            return dequantize_rows(rows, self.blocks.ggml_type, self.embedding_dim).to(ids.device, self.out_dtype)
+        return F.embedding(ids, self.dense).to(self.out_dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return self._lookup(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_size)
+        out = self._lookup(local.masked_fill(outside, 0))
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
 
 
 class RMSNorm(nn.Module):

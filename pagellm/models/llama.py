@@ -19,15 +19,9 @@ from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import TPShard
 from pagellm.kernels import ops
 from pagellm.kernels.tuning import CpuTuning
-from pagellm.models.layers import (
-    Linear,
-    PackedWeight,
-    RMSNorm,
-    SiluAndMulLinear,
-    linear,
-    pack_weight,
-    rotate_in_place,
-)
+from pagellm.models.gguf_types import GGUFWeight
+from pagellm.models.layers import Linear, RMSNorm, SiluAndMulLinear, VocabParallelEmbedding, narrow, pad_rows, rotate_in_place
+from pagellm.models.linear_method import DenseMethod, WeightSource
 from pagellm.models.rope import RotaryArgs, RotaryEmbedding, apply_rotary, head_dim_of
 
 # (fused parameter, checkpoint projection, shard) for the projections we stack at load time.
@@ -80,14 +74,13 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(
+            hf_config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=qkv_bias,
+            shard_sizes={"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+        )
         self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
-
-    def shard_range(self, shard: str) -> tuple[int, int]:
-        """(row offset, rows) of one checkpoint projection inside ``qkv_proj``."""
-        return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size), "v": (self.q_size + self.kv_size, self.kv_size)}[
-            shard
-        ]
 
     def tp_source_range(self, shard: str) -> tuple[int, int]:
         """(offset, length) of this rank's part of a checkpoint projection: rows of q/k/v, columns of o."""
@@ -125,12 +118,13 @@ class LlamaMLP(nn.Module):
         self.shard = tp_shard_of(hf_config)
         self.intermediate_size = self.shard.inter_size
         # Returns silu(gate) * up directly (the activation fused into the projection's kernel).
-        self.gate_up_proj = SiluAndMulLinear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.gate_up_proj = SiluAndMulLinear(
+            hf_config.hidden_size,
+            2 * self.intermediate_size,
+            bias=bias,
+            shard_sizes={"gate": self.intermediate_size, "up": self.intermediate_size},
+        )
         self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
-
-    def shard_range(self, shard: str) -> tuple[int, int]:
-        """(row offset, rows) of one checkpoint projection inside ``gate_up_proj``."""
-        return {"gate": (0, self.intermediate_size), "up": (self.intermediate_size, self.intermediate_size)}[shard]
 
     def tp_source_range(self, shard: str) -> tuple[int, int]:
         """(offset, length) of this rank's part of a checkpoint projection: rows of gate/up, columns of down."""
@@ -176,33 +170,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class VocabParallelEmbedding(nn.Embedding):
-    """The embedding table, split by vocabulary rows under tensor parallelism (padded to equal
-    pieces): each rank looks up the ids it holds, zeros the others, and one all-reduce sums them.
-    Without a group it is ``nn.Embedding``. A tied LM head multiplies by the same rows."""
-
-    def __init__(self, hf_config: PretrainedConfig) -> None:
-        self.tp = get_tp_group()
-        self.shard = tp_shard_of(hf_config)
-        rows = hf_config.vocab_size if self.tp.world_size == 1 else self.shard.vocab_padded
-        super().__init__(rows, hf_config.hidden_size)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.world_size == 1:
-            return super().forward(input_ids)
-        local = input_ids - self.shard.vocab_start
-        outside = (local < 0) | (local >= self.shard.vocab_size)
-        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
-        out.masked_fill_(outside.unsqueeze(-1), 0.0)
-        return self.tp.all_reduce(out)
-
-
 class LlamaModel(nn.Module):
     def __init__(
         self, hf_config: PretrainedConfig, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool, mlp_bias: bool
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config)
+        tp, shard = get_tp_group(), tp_shard_of(hf_config)
+        rows = hf_config.vocab_size if tp.world_size == 1 else shard.vocab_padded
+        self.embed_tokens = VocabParallelEmbedding(rows, hf_config.hidden_size, shard.vocab_start, shard.vocab_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, i, attn_backend, qkv_bias, o_bias, mlp_bias)
             for i in range(hf_config.num_hidden_layers)
@@ -240,8 +215,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, attn_backend, qkv_bias, o_bias, mlp_bias)
         # Tied models reuse the embedding matrix directly rather than carrying an alias module.
         head_rows = hf_config.vocab_size if self.tp.world_size == 1 else self.shard.vocab_padded
-        self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, head_rows, bias=False)
-        self._packed_tied_head: PackedWeight | None = None
+        # Tied models multiply by the embedding rows: the head is built from them after loading.
+        self.lm_head = Linear(hf_config.hidden_size, head_rows, bias=False)
 
     @staticmethod
     def bias_flags(hf_config: PretrainedConfig) -> tuple[bool, bool, bool]:
@@ -267,121 +242,150 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[N, vocab]`` in float32 for the rows of ``hidden`` that need them."""
-        if self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        else:
-            logits = linear(hidden, self.model.embed_tokens.weight, None, self._packed_tied_head)
+        logits = self.lm_head(hidden)
         if self.tp.world_size > 1:
             # Vocab-parallel head: each rank's rows of the vocabulary, gathered in rank order.
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]
         return logits.float()
 
-    def pack_weights(self, max_extra_bytes: int, precision: LinearPrecision = EXACT_LINEAR) -> int:
-        """Packs projection weights for the CPU kernels in the form ``precision`` asks for, the
-        vocabulary head first (the largest gain per byte), then layer by layer, while the copies
-        fit in ``max_extra_bytes``. Returns the bytes used; 0 off the CPU or for dtypes other than
-        float32. Float32 panels take small batches up to the kernels' default row limits until
-        :meth:`use_cpu_tuning` gives this machine's; low-precision forms take every batch."""
-        used = 0
-        if self.lm_head is None:
-            packed = pack_weight(self.model.embed_tokens.weight, precision=precision)
-            if packed is None:
-                return 0
-            if packed.nbytes <= max_extra_bytes:
-                self._packed_tied_head, used = packed, packed.nbytes
-        heads = [self.lm_head] if self.lm_head is not None else []
-        for module in heads + [m for m in self.model.modules() if isinstance(m, Linear)]:
-            added = module.pack(precision)
-            if added == 0 or used + added > max_extra_bytes:
-                module.packed = None
-                break
-            used += added
-        return used
+    def linear_layers(self) -> list[tuple[str, Linear]]:
+        """Every linear layer by name, the vocabulary head first."""
+        return [("lm_head", self.lm_head)] + [(n, m) for n, m in self.model.named_modules(prefix="model") if isinstance(m, Linear)]
+
+    def finish_loading(self, precision: LinearPrecision, device: torch.device | str, dtype: torch.dtype) -> None:
+        """After every tensor is in: a tied head is built from the embedding rows, and the
+        embedding moves to ``device`` off the CPU."""
+        embed = self.model.embed_tokens
+        if self.tie_word_embeddings and embed.blocks is not None and embed.num_embeddings == self.lm_head.out_features:
+            embed.process_weights_after_loading(device, dtype, precision)
+            if embed.packed is not None:  # one copy of the table: the head multiplies by its panels
+                self.lm_head.method = embed.packed
+                return
+        if self.tie_word_embeddings:
+            self.lm_head.load_shard(None, embed.source_rows(self.lm_head.out_features))
+            self.lm_head.process_weights_after_loading(precision, device, dtype)
+        embed.process_weights_after_loading(device, dtype, precision)
+
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights hold, every form counted once."""
+        linear = sum(layer.method.nbytes for _, layer in self.linear_layers() if layer.method is not None)
+        embed = self.model.embed_tokens
+        dense_head = getattr(self.lm_head.method, "weight", None)
+        shared = (dense_head is not None and embed.dense is dense_head) or (
+            embed.packed is not None and embed.packed is self.lm_head.method
+        )
+        embed_bytes = 0 if shared else embed.nbytes
+        return linear + embed_bytes + sum(p.numel() * p.element_size() for p in self.parameters())
 
     def use_cpu_tuning(self, tuning: CpuTuning) -> None:
-        """Takes the packed matmul's row limits measured on this machine (by weight format)."""
-        for _, packed in self.packed_weights():
-            packed.use_cpu_tuning(tuning)
+        """Takes the limits measured on this machine (the float32 panels' crossover to BLAS)."""
+        for _, layer in self.linear_layers():
+            layer.use_cpu_tuning(tuning)
 
-    def packed_weights(self) -> list[tuple[torch.Tensor, PackedWeight]]:
-        """``(weight, packed copy)`` of every projection packed as float32 panels (the forms whose
-        row limits :meth:`use_cpu_tuning` measures), the vocabulary head first."""
+    def packed_weights(self) -> list[tuple[torch.Tensor, DenseMethod]]:
+        """``(weight, method)`` of every layer held as float32 panels (the form whose row limit
+        :func:`pagellm.kernels.tuning.measure_cpu_tuning` measures), the vocabulary head first."""
         pairs = []
-        if self._packed_tied_head is not None:
-            pairs.append((self.model.embed_tokens.weight, self._packed_tied_head))
-        heads = [self.lm_head] if self.lm_head is not None else []
-        for module in heads + [m for m in self.model.modules() if isinstance(m, Linear)]:
-            if module.packed is not None:
-                pairs.append((module.weight, module.packed))
-        return [(weight, packed) for weight, packed in pairs if packed.panels is not None]
+        for _, layer in self.linear_layers():
+            method = layer.method
+            if isinstance(method, DenseMethod) and method.panels is not None and not method.fused_silu_mul:
+                pairs.append((method.weight, method))
+        return pairs
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy Hugging Face-named tensors into this model, stacking the fused projections.
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, WeightSource]],
+        precision: LinearPrecision = EXACT_LINEAR,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> set[str]:
+        """Takes Hugging Face-named tensors as stored: projections into their layer's shard (this
+        rank's part under tensor parallelism), the rest copied into parameters. A linear layer is
+        processed into its method for ``precision`` as soon as all its shards are in, so only one
+        layer's tensors as stored are held at a time beside the model.
 
-        Returns the names of the parameters that were filled. Raises ValueError on an unknown
-        name, a shape mismatch, or a parameter the checkpoint never provided.
+        Returns the names that were filled. Raises ValueError on an unknown name, a shape
+        mismatch, or a weight the checkpoint never provided.
         """
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        fused_shards: dict[str, set[str]] = {}
-        for fused, _, shard in _STACKED_PROJECTIONS:
-            fused_shards.setdefault(fused, set()).add(shard)
-        # Every (parameter, shard) pair must be written once; shard None means the whole tensor.
+        filled: set[str] = set()
+        # Every parameter (a fused projection's bias: each of its shards) must be written once.
         expected: set[tuple[str, str | None]] = set()
         for param_name in params:
-            shards = fused_shards.get(param_name.rsplit(".", 2)[-2])
-            expected |= {(param_name, s) for s in shards} if shards else {(param_name, None)}
-        filled: set[tuple[str, str | None]] = set()
+            owner = modules.get(param_name.rpartition(".")[0])
+            shards = list(owner.shard_sizes) if isinstance(owner, Linear) and len(owner.shard_sizes) > 1 else [None]
+            expected |= {(param_name, s) for s in shards}
+        written: set[tuple[str, str | None]] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_WEIGHT_SUFFIXES):
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: some checkpoints still store a copy of the embeddings
             target, shard = name, None
             for fused, part, part_shard in _STACKED_PROJECTIONS:
                 if f".{part}." in name:
                     target, shard = name.replace(f".{part}.", f".{fused}."), part_shard
                     break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}.")
-            dest = param.data
+            owner_name, _, kind = target.rpartition(".")
+            owner = modules.get(owner_name)
             if self.tp.world_size > 1:
-                tensor, dest = self._tp_slice(target, shard, tensor, dest, modules)
-            if shard is not None:
-                # The owning attention/MLP module knows where this projection's rows sit.
-                offset, num_rows = modules[target.rsplit(".", 2)[0]].shard_range(shard)
-                dest = dest.narrow(0, offset, num_rows)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}.")
-            dest.copy_(tensor)
-            filled.add((target, shard))
-        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - filled)
+                tensor = self._tp_slice(target, shard, tensor, modules)
+            if isinstance(owner, Linear) and kind == "weight":
+                try:
+                    owner.load_shard(shard, tensor)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint weight {name!r}: {e}") from None
+                del tensor
+                if not owner.missing_shards:
+                    owner.process_weights_after_loading(precision, device, dtype)
+            elif isinstance(owner, VocabParallelEmbedding) and kind == "weight":
+                owner.load(tensor)
+            else:
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}.")
+                dense = tensor.dequantize() if isinstance(tensor, GGUFWeight) else tensor
+                dest = param.data
+                if isinstance(owner, Linear) and shard is not None:  # a fused projection's bias
+                    dest = dest.narrow(0, *owner.shard_range(shard))
+                if self.tp.world_size > 1 and target.endswith("lm_head.bias"):
+                    dest.zero_()
+                    dest = dest.narrow(0, 0, dense.shape[0])
+                if tuple(dest.shape) != tuple(dense.shape):
+                    raise ValueError(f"checkpoint weight {name!r} has shape {tuple(dense.shape)}, expected {tuple(dest.shape)}.")
+                dest.copy_(dense)
+                written.add((target, shard))
+            filled.add(target)
+        missing = [f"{n}.weight[{s}]" for n, layer in self.linear_layers() for s in layer.missing_shards]
+        missing = [m.replace("[]", "") for m in missing if not (m.startswith("lm_head") and self.tie_word_embeddings)]
+        if not self.model.embed_tokens.loaded:
+            missing.append("model.embed_tokens.weight")
+        missing += sorted(f"{n}[{s}]" if s else n for n, s in expected - written)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-        return {n for n, _ in filled}
+        self.finish_loading(precision, device, dtype)
+        return filled
 
-
-    def _tp_slice(
-        self, target: str, shard: str | None, tensor: torch.Tensor, dest: torch.Tensor, modules: dict[str, nn.Module]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of checkpoint tensor ``tensor`` for parameter ``target``, and where it goes."""
+    def _tp_slice(self, target: str, shard: str | None, tensor: WeightSource, modules: dict[str, nn.Module]) -> WeightSource:
+        """This rank's part of checkpoint tensor ``tensor`` for parameter ``target``."""
         parts = target.rsplit(".", 2)
         owner, proj, kind = (modules.get(parts[0]), parts[1], parts[2]) if len(parts) == 3 else (None, "", "")
-        if target.endswith(("embed_tokens.weight", "lm_head.weight")):
-            # Vocabulary rows; the padding rows past the real vocabulary stay zero.
-            dest.zero_()
-            rows = self.shard.vocab_size
-            return tensor.narrow(0, self.shard.vocab_start, rows), dest.narrow(0, 0, rows)
+        if target.endswith(("embed_tokens.weight", "lm_head.weight", "lm_head.bias")):
+            # Vocabulary rows; the padding rows past the real vocabulary are zero.
+            rows = narrow(tensor, 0, self.shard.vocab_start, self.shard.vocab_size)
+            if target.endswith("lm_head.weight"):
+                return pad_rows(rows, self.shard.vocab_padded)
+            return rows
         if shard is not None:  # column-parallel q/k/v, gate/up: this rank's output rows
             offset, length = owner.tp_source_range(shard)
-            return tensor.narrow(0, offset, length), dest
+            return narrow(tensor, 0, offset, length)
         if proj in ("o_proj", "down_proj"):  # row-parallel: input columns; the bias is added once
             if kind == "bias":
-                return (tensor if self.tp.rank == 0 else torch.zeros_like(tensor)), dest
+                return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
             offset, length = owner.tp_source_range("o" if proj == "o_proj" else "down")
-            return tensor.narrow(1, offset, length), dest
-        return tensor, dest  # norms: replicated
+            return narrow(tensor, 1, offset, length)
+        return tensor  # norms: replicated
 
 
 class MistralForCausalLM(LlamaForCausalLM):

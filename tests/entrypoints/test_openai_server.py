@@ -265,4 +265,8 @@ def test_metrics_names(server, client):
     assert metric_value(text, "pagellm:generation_tokens_total") >= 3
     assert metric_value(text, "pagellm:request_queue_time_seconds_count") >= 1
     assert 'pagellm:request_success_total{finished_reason="length"' in text
+    # The memory plan, as measured at start-up.
+    assert 0 < metric_value(text, "pagellm:model_checkpoint_bytes") <= metric_value(text, "pagellm:model_weight_bytes")
+    assert metric_value(text, "pagellm:kv_cache_bytes") > 0 and metric_value(text, "pagellm:kv_cache_tokens") > 0
+    assert metric_value(text, "pagellm:activation_reserve_bytes") > 0
     assert json.loads(httpx.get(f"{server.url}/version").text)["version"]

@@ -64,3 +64,33 @@ def test_strided_rows_and_bad_inputs() -> None:
         ops.pack_weight_bf16(torch.randn(40, 64), silu_mul=True)  # halves of 20 columns
     with pytest.raises(ValueError, match="float32"):
         ops.pack_weight_bf16(torch.randn(40, 64, dtype=torch.float64))
+
+
+# (50, 70): a part panel; (33, 1201): an odd input width.
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 70), (33, 1201)])
+def test_a_bfloat16_weight_packs_as_its_float32_upcast(out_features: int, in_features: int) -> None:
+    gen = torch.Generator().manual_seed(out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    upcast = weight.float()
+    assert torch.equal(ops.pack_weight_bf16(weight), ops.pack_weight_bf16(upcast))
+    # Columns of a transposed weight: packed from the same values.
+    assert torch.equal(ops.pack_weight_bf16(weight.T.contiguous().T), ops.pack_weight_bf16(upcast))
+    x = torch.randn(5, in_features, generator=gen)
+    out = torch.empty(5, out_features)
+    ops.linear_bf16(out, x, ops.pack_weight_bf16(weight), None)
+    torch.testing.assert_close(out.double(), _reference(x, upcast), rtol=1e-5, atol=2e-5)
+
+
+def test_a_bfloat16_gate_up_weight_packs_as_its_float32_upcast() -> None:
+    gen = torch.Generator().manual_seed(1)
+    half, in_features = 96, 201
+    weight = (torch.randn(2 * half, in_features, generator=gen) * 0.1).bfloat16()
+    packed = ops.pack_weight_bf16(weight, silu_mul=True)
+    assert torch.equal(packed, ops.pack_weight_bf16(weight.float(), silu_mul=True))
+    x = torch.randn(13, in_features, generator=gen)
+    out = torch.empty(13, half)
+    ops.linear_bf16(out, x, packed, None, silu_mul=True)
+    product = _reference(x, weight.float())
+    torch.testing.assert_close(out.double(), F.silu(product[:, :half]) * product[:, half:], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.pack_weight_bf16(weight[:40], silu_mul=True)

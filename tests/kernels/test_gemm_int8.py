@@ -1,18 +1,46 @@
-"""The int8 dot-product matmul for GGUF block weights against float64 references."""
+"""The int8 dot-product matmul on GGUF blocks of every type it takes, against gguf's own dequantization."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from block_weights import not_quite_blocks
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf_blocks import random_blocks
 from torch.nn import functional as F
 
 from pagellm.kernels import ops
-from pagellm.kernels.tuning import block_quantized
 
 pytestmark = pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build")
 
-# Around the micro-tiles (AVX-512: 6 rows, or one of up to 8; AVX2: 3) and past them.
+T = GGMLQuantizationType
+LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+TYPES = LEGACY + K_QUANTS
+
+# Around the micro-tiles (AVX-512: 6 rows, or one of up to 8; AVX-VNNI: 3) and past them.
 ROWS = (1, 5, 6, 7, 8, 9, 13, 32, 200)
+# (out, in) features: N past a whole panel of 32 (an edge panel) or under one.
+SHAPES = {
+    **{t: [(50, 64), (40, 576)] for t in LEGACY},
+    **{t: [(40, 256), (17, 512), (64, 1536)] for t in K_QUANTS},
+}
+
+
+def reference(raw: np.ndarray, qtype: T) -> torch.Tensor:
+    """gguf's float32 dequantization of the blocks, in float64."""
+    return torch.from_numpy(dequantize(raw, qtype)).double()
+
+
+def exact_x(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """x whose every 32-block is 2^e q with integer q in [-127, 127] and max |q| = 127: the kernel's
+    quantization of it is lossless, so it computes x @ W.T up to float32 rounding."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-127, 128, size=(rows, cols // 32, 32))
+    top = rng.integers(0, 32, size=(rows, cols // 32))
+    np.put_along_axis(q, top[..., None], np.where(rng.random((rows, cols // 32, 1)) < 0.5, 127, -127), axis=-1)
+    scale = 2.0 ** rng.integers(-9, -2, size=(rows, cols // 32, 1))
+    return torch.from_numpy((q * scale).reshape(rows, cols)).float()
 
 
 def quantized_x(x: torch.Tensor) -> torch.Tensor:
@@ -24,76 +52,150 @@ def quantized_x(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse).double() * d.double()).reshape(x.shape)
 
 
-def check(out: torch.Tensor, exact: torch.Tensor, full: torch.Tensor, tolerance: float = 1e-2) -> None:
-    # Exact: the same quantization of x, so only float32 rounding of the block sums remains.
-    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
-    # Full precision: the error of 8-bit activations (~0.5% for Gaussian x).
-    assert (out - full).norm() / full.norm() < tolerance
+def assert_float32_close(out: torch.Tensor, x64: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out == x64 @ weight.T + bias up to float32 rounding of the sums: per element 1e-5 of the sum
+    of its terms' magnitudes. One quant wrong by one step moves an output ~1e-3 of that."""
+    expected = x64 @ weight.T + (0 if bias is None else bias.double())
+    bound = 1e-5 * (x64.abs() @ weight.abs().T + (0 if bias is None else bias.double().abs())) + 1e-30
+    error = (out.double() - expected).abs()
+    assert bool((error <= bound).all()), f"worst error {(error / bound).max().item():.3g} x the bound"
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("out_features,in_features", [(192, 576), (50, 64), (40, 1536), (17, 96)])
-def test_linear_int8_matches_the_quantized_product(bits: int, out_features: int, in_features: int) -> None:
-    gen = torch.Generator().manual_seed(bits * 1000 + out_features)
-    weight = block_quantized(out_features, in_features, bits, gen)
-    packed = ops.pack_weight_int8(weight)
-    assert packed is not None and packed.dtype == torch.int8
-    bias = torch.randn(out_features, generator=gen)
-    for rows in ROWS:
-        x = torch.randn(rows, in_features, generator=gen)
-        for b in (None, bias):
-            out = torch.empty(rows, out_features)
-            ops.linear_int8(out, x, packed, b)
-            exact = quantized_x(x) @ weight.double().T + (0 if b is None else b.double())
-            check(out, exact, F.linear(x, weight, b))
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int8_types_lists_every_type(qtype: T) -> None:
+    assert int(qtype) in ops.int8_types()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_silu_mul_mode_fuses_the_activation(bits: int) -> None:
-    half, in_features = 64, 192
-    gen = torch.Generator().manual_seed(bits)
-    weight = block_quantized(2 * half, in_features, bits, gen)
-    packed = ops.pack_weight_int8(weight, silu_mul=True)
-    assert packed is not None
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_linear_int8_is_the_product_with_the_dequantized_blocks(qtype: T) -> None:
+    for shape_index, (out_features, in_features) in enumerate(SHAPES[qtype]):
+        seed = int(qtype) * 100 + shape_index
+        raw = random_blocks(qtype, out_features, in_features, seed)
+        weight = reference(raw, qtype)
+        packed = ops.pack_weight_int8(torch.from_numpy(raw), int(qtype), in_features)
+        assert packed.dtype == torch.uint8 and packed.is_contiguous()
+        gen = torch.Generator().manual_seed(seed)
+        bias = torch.randn(out_features, generator=gen)
+        errors, norms = [], []
+        for rows in ROWS:
+            for b in (None, bias):
+                # Exact activations: every packed weight is gguf's float32 value.
+                x = exact_x(rows, in_features, seed + rows)
+                wide = torch.full((rows, out_features + 9), float("nan"))
+                out = wide[:, 4 : 4 + out_features]  # a column slice of a wider output
+                ops.linear_int8(out, x, packed, int(qtype), b)
+                assert torch.isnan(wide[:, :4]).all() and torch.isnan(wide[:, 4 + out_features :]).all()
+                assert_float32_close(out, x.double(), weight, b)
+                # Gaussian activations: the quantized product, ~0.5% from the float32 one.
+                x = torch.randn(rows, in_features, generator=gen)
+                out = torch.empty(rows, out_features)
+                ops.linear_int8(out, x, packed, int(qtype), b)
+                assert_float32_close(out, quantized_x(x), weight, b)
+                full = x.double() @ weight.T + (0 if b is None else b.double())
+                errors.append((out.double() - full).norm() ** 2)
+                norms.append(full.norm() ** 2)
+        # Over all the shape's products: a single row of 17 outputs is too few to judge by.
+        assert (sum(errors) / sum(norms)).sqrt().item() < 1e-2
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0, T.Q5_1, T.Q2_K, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_rows_may_be_strided(qtype: T) -> None:
+    out_features, in_features = 33, 512
+    raw = random_blocks(qtype, out_features, in_features, 7)
+    wider = torch.zeros(out_features, raw.shape[1] + 16, dtype=torch.uint8)
+    wider[:, 8 : 8 + raw.shape[1]] = torch.from_numpy(raw)
+    packed = ops.pack_weight_int8(wider[:, 8 : 8 + raw.shape[1]], int(qtype), in_features)
+    assert torch.equal(packed, ops.pack_weight_int8(torch.from_numpy(raw), int(qtype), in_features))
+    x_wide = exact_x(5, in_features + 64, 3)
+    x = x_wide[:, 32 : 32 + in_features]  # rows 576 floats apart
+    out = torch.empty(5, out_features)
+    ops.linear_int8(out, x, packed, int(qtype), None)
+    assert_float32_close(out, x.double(), reference(raw, qtype), None)
+
+
+def interleaved(raw: np.ndarray) -> np.ndarray:
+    """A gate/up weight's rows (gate first) in groups of 16: 16 gate rows, the same outputs' up rows, ..."""
+    d = raw.shape[0] // 2
+    return raw.reshape(2, d // 16, 16, -1).transpose(1, 0, 2, 3).reshape(2 * d, -1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_silu_mul_mode_fuses_the_activation(qtype: T) -> None:
+    half, in_features = 48, 256 if qtype in K_QUANTS else 96
+    raw = random_blocks(qtype, 2 * half, in_features, int(qtype))
+    weight = reference(raw, qtype)
+    packed = ops.pack_weight_int8(torch.from_numpy(interleaved(raw)), int(qtype), in_features)
+    gen = torch.Generator().manual_seed(int(qtype))
     bias = torch.randn(2 * half, generator=gen)
     for rows in ROWS:
-        x = torch.randn(rows, in_features, generator=gen)
         for b in (None, bias):
-            out = torch.empty(rows, half)
-            ops.linear_int8(out, x, packed, b, silu_mul=True)
-            product = quantized_x(x) @ weight.double().T + (0 if b is None else b.double())
-            exact = F.silu(product[:, :half]) * product[:, half:]
-            full = F.linear(x, weight, b)
-            # A product of two such sums: about twice the relative error.
-            check(out, exact, F.silu(full[:, :half]) * full[:, half:], tolerance=2e-2)
-
-
-def test_weights_that_are_not_exactly_blocks_are_not_packed() -> None:
-    for weight in not_quite_blocks():
-        assert ops.pack_weight_int8(weight) is None
+            for x in (exact_x(rows, in_features, rows), torch.randn(rows, in_features, generator=gen)):
+                wide = torch.full((rows, half + 3), float("nan"))
+                out = wide[:, 1 : 1 + half]
+                ops.linear_int8(out, x, packed, int(qtype), b, silu_mul=True)
+                assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, 1 + half :]).all()
+                product = quantized_x(x) @ weight.T + (0 if b is None else b.double())
+                expected = F.silu(product[:, :half]) * product[:, half:]
+                torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+                full = x.double() @ weight.T + (0 if b is None else b.double())
+                full = F.silu(full[:, :half]) * full[:, half:]
+                # A product of two such sums: about twice the relative error.
+                assert ((out.double() - full).norm() / full.norm()).item() < 2e-2
 
 
 def test_bad_inputs_raise_value_errors() -> None:
-    weight = block_quantized(2 * 32, 64, 4, torch.Generator().manual_seed(1))
-    packed = ops.pack_weight_int8(weight)
-    assert packed is not None
-    with pytest.raises(ValueError, match="float32"):
-        ops.pack_weight_int8(weight.double())
-    with pytest.raises(ValueError, match="multiple of"):
-        ops.pack_weight_int8(block_quantized(2 * 20, 64, 4, torch.Generator().manual_seed(1)), silu_mul=True)
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 64, 256, 1))
+    packed = ops.pack_weight_int8(raw, int(T.Q4_K), 256)
+    x = torch.randn(3, 256)
+    for unsupported in (T.F32, T.F16, T.Q8_1, T.IQ4_NL):
+        with pytest.raises(ValueError, match="GGML type"):
+            ops.pack_weight_int8(raw, int(unsupported), 256)
+        with pytest.raises(ValueError, match="GGML type"):
+            ops.linear_int8(torch.empty(3, 64), x, packed, int(unsupported), None)
+    with pytest.raises(ValueError, match="multiple of the type's block"):
+        ops.pack_weight_int8(raw[:, :72], int(T.Q4_K), 128)
+    with pytest.raises(ValueError, match="bytes"):
+        ops.pack_weight_int8(raw[:, :143], int(T.Q4_K), 256)
+    with pytest.raises(ValueError, match="uint8"):
+        ops.pack_weight_int8(raw.to(torch.int8), int(T.Q4_K), 256)
     with pytest.raises(ValueError, match="x must be"):
-        ops.linear_int8(torch.empty(3, 64), torch.randn(3, 64).double(), packed, None)
+        ops.linear_int8(torch.empty(3, 64), x.double(), packed, int(T.Q4_K), None)
     with pytest.raises(ValueError, match="x must be"):
-        ops.linear_int8(torch.empty(3, 64), torch.randn(64, 3).T, packed, None)  # strided rows
-    with pytest.raises(ValueError, match="input width"):
-        ops.linear_int8(torch.empty(3, 64), torch.randn(3, 96), packed, None)
+        ops.linear_int8(torch.empty(3, 64), torch.randn(256, 3).T, packed, int(T.Q4_K), None)  # strided columns
+    with pytest.raises(ValueError, match="multiple of the type's block"):
+        ops.linear_int8(torch.empty(3, 64), torch.randn(3, 96), packed, int(T.Q4_K), None)
     with pytest.raises(ValueError, match="pack_weight_int8"):
-        ops.linear_int8(torch.empty(3, 64), torch.randn(3, 64), ops.pack_weight_blocks(weight), None)
+        ops.linear_int8(torch.empty(3, 64), torch.randn(3, 512), packed, int(T.Q4_K), None)
+    with pytest.raises(ValueError, match="pack_weight_int8"):  # another type's panels
+        ops.linear_int8(torch.empty(3, 64), x, packed, int(T.Q6_K), None)
     with pytest.raises(ValueError, match="columns"):
-        ops.linear_int8(torch.empty(3, 70), torch.randn(3, 64), packed, None)
+        ops.linear_int8(torch.empty(3, 70), x, packed, int(T.Q4_K), None)
+    with pytest.raises(ValueError, match="columns"):
+        ops.linear_int8(torch.empty(3, 30), x, packed, int(T.Q4_K), None)
     with pytest.raises(ValueError, match="out must be"):
-        ops.linear_int8(torch.empty(4, 64), torch.randn(3, 64), packed, None)
+        ops.linear_int8(torch.empty(4, 64), x, packed, int(T.Q4_K), None)
+    with pytest.raises(ValueError, match="out must be"):
+        ops.linear_int8(torch.empty(64, 3).T, x, packed, int(T.Q4_K), None)
     with pytest.raises(ValueError, match="bias"):
-        ops.linear_int8(torch.empty(3, 64), torch.randn(3, 64), packed, torch.randn(63))
+        ops.linear_int8(torch.empty(3, 64), x, packed, int(T.Q4_K), torch.randn(63))
+    with pytest.raises(ValueError, match="bias"):
+        ops.linear_int8(torch.empty(3, 32), x, packed, int(T.Q4_K), torch.randn(32), silu_mul=True)
     with pytest.raises(ValueError, match="gate/up"):
-        ops.linear_int8(torch.empty(3, 64), torch.randn(3, 64), packed, None, silu_mul=True)
+        ops.linear_int8(torch.empty(3, 64), x, packed, int(T.Q4_K), None, silu_mul=True)
+    small = ops.pack_weight_int8(raw[:16], int(T.Q4_K), 256)  # gate and up of 8 outputs: not a group of 16
+    with pytest.raises(ValueError, match="gate/up"):
+        ops.linear_int8(torch.empty(3, 8), x, small, int(T.Q4_K), None, silu_mul=True)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_int8_rows_reads_back_exactly_what_gguf_dequantizes(qtype: T) -> None:
+    # An embedding table looked up from the panels a tied head multiplies by.
+    rows, cols = 70, SHAPES[qtype][-1][1]
+    raw = random_blocks(qtype, rows, cols, seed=int(qtype) + 7)
+    packed = ops.pack_weight_int8(torch.from_numpy(raw), int(qtype), cols)
+    ids = torch.tensor([0, 69, 31, 32, 5, 5, 64])
+    got = ops.int8_rows(packed, int(qtype), cols, ids)
+    assert got.dtype == torch.float32 and got.shape == (len(ids), cols)
+    assert torch.equal(got, reference(raw, qtype).float()[ids])
+    with pytest.raises(ValueError, match="outside"):
+        ops.int8_rows(packed, int(qtype), cols, torch.tensor([96]))

@@ -1,26 +1,37 @@
-"""The start-up measurements (CpuTuning): where block panels, float32 panels and BLAS take over,
-and which prefetch level decode attention uses."""
+"""The start-up measurements (CpuTuning): where the float32 panels and BLAS take over, and which
+prefetch level decode attention uses."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from pagellm.kernels import ops, tuning
 from pagellm.kernels.tuning import (
+    F32_PANELS,
     UNLIMITED_ROWS,
     CpuTuning,
     RowLimits,
-    block_quantized,
+    TuningKey,
+    collect_probes,
     make_probe,
     measure_cpu_tuning,
     measure_row_limits,
     tune_row_limits,
 )
-from pagellm.models.layers import PACKED_MAX_ROWS, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
+
+
+@dataclass(frozen=True)
+class Panels:
+    panels: torch.Tensor
+
+
+def panels_of(weight: torch.Tensor) -> Panels:
+    return Panels(ops.pack_weight(weight))
 
 
 def fake_costs(monkeypatch, cost) -> list[tuple[int, str]]:
@@ -36,113 +47,114 @@ def fake_costs(monkeypatch, cost) -> list[tuple[int, str]]:
     return timed
 
 
-def q4_probe() -> tuning.Probe:
-    weight = block_quantized(64, 64, 4, torch.Generator().manual_seed(0))
-    return make_probe(weight, pack_weight(weight))
+def a_probe() -> tuning.Probe:
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    return make_probe(weight, panels_of(weight))
 
 
-def test_limits_are_the_last_probe_won_before_the_first_loss(monkeypatch) -> None:
-    # Blocks cost 2 + rows, panels 10 + rows / 2: blocks ahead up to 15 rows. BLAS 40 + rows / 3,
-    # panels ahead of it below 180 rows.
-    costs = {"blocks": lambda r: 2 + r, "panels": lambda r: 10 + r / 2, "blas": lambda r: 40 + r / 3}
+def test_limit_is_the_last_probe_won_before_the_first_loss(monkeypatch) -> None:
+    # BLAS costs 40 + rows / 3, the panels 10 + rows / 2: the panels are ahead below 180 rows.
+    costs = {"panels": lambda r: 10 + r / 2, "blas": lambda r: 40 + r / 3}
     timed = fake_costs(monkeypatch, lambda rows, path: costs[path](rows))
-    limits = measure_row_limits([q4_probe()])
-    assert limits == RowLimits(blocks_max_rows=8, packed_max_rows=64)
-    # Stops probing at the first loss: 16 rows for the blocks, 256 for the panels.
-    assert (24, "blocks") not in timed and (16, "blocks") in timed
-    assert (1024, "panels") not in timed and (256, "panels") in timed
+    assert measure_row_limits([a_probe()]) == RowLimits(packed_max_rows=64)
+    assert {path for _, path in timed} == {"panels", "blas"}
+    # Stops probing at the first loss.
+    assert (256, "panels") in timed and (1024, "panels") not in timed
 
 
 def test_panels_ahead_at_every_probe_means_no_limit(monkeypatch) -> None:
-    fake_costs(monkeypatch, lambda rows, path: {"blocks": 1.0, "panels": 2.0, "blas": 3.0}[path] * rows)
-    limits = measure_row_limits([q4_probe()])
-    assert limits == RowLimits(blocks_max_rows=tuning.BLOCK_PROBE_ROWS[-1], packed_max_rows=UNLIMITED_ROWS)
+    fake_costs(monkeypatch, lambda rows, path: {"panels": 2.0, "blas": 3.0}[path] * rows)
+    assert measure_row_limits([a_probe()]) == RowLimits(UNLIMITED_ROWS)
 
 
 def test_losing_at_the_first_probe(monkeypatch) -> None:
-    # Blocks never pay; BLAS is ahead from the first probe: the packed kernel keeps the smaller
-    # rows, where BLAS was never timed.
-    fake_costs(monkeypatch, lambda rows, path: {"blocks": 3.0, "panels": 2.0, "blas": 1.0}[path] * rows)
-    assert measure_row_limits([q4_probe()]) == RowLimits(0, tuning.BLAS_PROBE_ROWS[0])
+    # BLAS is ahead from the first probe: the packed kernel keeps the smaller rows, where BLAS
+    # was never timed.
+    fake_costs(monkeypatch, lambda rows, path: {"panels": 2.0, "blas": 1.0}[path] * rows)
+    assert measure_row_limits([a_probe()]) == RowLimits(tuning.BLAS_PROBE_ROWS[0])
 
 
 def test_a_tie_keeps_the_default_path(monkeypatch) -> None:
     fake_costs(monkeypatch, lambda rows, path: 1.0)  # within MIN_GAIN
-    assert measure_row_limits([q4_probe()]) == RowLimits(0, tuning.BLAS_PROBE_ROWS[0])
+    assert measure_row_limits([a_probe()]) == RowLimits(tuning.BLAS_PROBE_ROWS[0])
 
 
 def test_probe_is_the_first_output_rows_of_the_weight(monkeypatch) -> None:
     monkeypatch.setattr(tuning, "PROBE_MAX_OUT_FEATURES", 100)
-    weight = block_quantized(160, 64, 8, torch.Generator().manual_seed(1))
-    packed = pack_weight(weight)
+    weight = torch.randn(160, 64, generator=torch.Generator().manual_seed(1))
+    packed = panels_of(weight)
     probe = make_probe(weight, packed)
     cols = packed.panels.shape[2]
     n = probe.weight.shape[0]
-    assert n == 100 // cols * cols and probe.panels.shape[0] == n // cols and probe.blocks.shape[0] == n // cols
+    assert n == 100 // cols * cols and probe.panels.shape[0] == n // cols
     x = torch.randn(3, 64)
-    for panels in (probe.panels, probe.blocks):
-        out = torch.empty(3, n)
-        ops.linear_packed(out, x, panels, None)
-        torch.testing.assert_close(out, x @ weight[:n].T, rtol=1e-5, atol=1e-5)
+    out = torch.empty(3, n)
+    ops.linear_packed(out, x, probe.panels, None)
+    torch.testing.assert_close(out, x @ weight[:n].T, rtol=1e-5, atol=1e-5)
 
 
-def test_tune_sets_the_measured_limits_per_format_and_linear_follows_them(monkeypatch) -> None:
-    q4 = block_quantized(96, 64, 4, torch.Generator().manual_seed(2))
-    q8 = block_quantized(96, 64, 8, torch.Generator().manual_seed(3))
-    plain = torch.randn(96, 64)
-    pairs = [(w, pack_weight(w)) for w in (q4, q8, plain)]
-    limits_by_probe_width = {}
-
-    def measure(probes):
-        fmt = "plain" if probes[0].blocks is None else probes[0].blocks.shape[2]
-        limits_by_probe_width[fmt] = RowLimits(0 if fmt == "plain" else 4, 16 if fmt == "plain" else 64)
-        return limits_by_probe_width[fmt]
-
-    monkeypatch.setattr(tuning, "measure_row_limits", measure)
-    cpu_tuning = measure_cpu_tuning("cpu", pairs, attention=False)
-    assert len(cpu_tuning.row_limits) == 3 and len(limits_by_probe_width) == 3
-    assert cpu_tuning.limits_for("float32") == RowLimits(0, 16)
-    for _, packed in pairs:
-        packed.use_cpu_tuning(cpu_tuning)
-    assert [(p.blocks_max_rows, p.packed_max_rows) for _, p in pairs] == [(4, 64), (4, 64), (0, 16)]
-    used = []
-    real = ops.linear_packed
-    monkeypatch.setattr(ops, "linear_packed", lambda *a: (used.append((a[1].shape[0], a[2].dtype)), real(*a)))
-    for rows in (4, 5, 64, 65):
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(linear(x, q4, None, pairs[0][1]), x @ q4.T, rtol=1e-5, atol=1e-5)
-    assert used == [(4, torch.uint8), (5, torch.float32), (64, torch.float32)]  # 65 rows: BLAS
+def test_probes_are_the_first_weights_up_to_the_budget(monkeypatch) -> None:
+    monkeypatch.setattr(tuning, "PROBE_MAX_WEIGHTS", 96 * 64 + 1)
+    weights = [torch.randn(96, 64) for _ in range(3)]
+    probes = collect_probes([(w, panels_of(w)) for w in weights])
+    assert [p.weight.data_ptr() for p in probes] == [w.data_ptr() for w in weights[:2]]
 
 
-def test_real_measurement_gives_consistent_limits() -> None:
-    # On the machine itself: whatever it measures, blocks never extend past the packed kernel.
-    weight = block_quantized(256, 128, 4, torch.Generator().manual_seed(4))
-    ((fmt, limits),) = tune_row_limits([(weight, pack_weight(weight))])
-    assert fmt == tuning.weight_format(pack_weight(weight).blocks)
-    assert 0 <= limits.blocks_max_rows <= limits.packed_max_rows
+def test_limits_are_keyed_by_ggml_type_and_layout() -> None:
+    assert F32_PANELS == ("F32", "panels") and F32_PANELS.ggml_type == "F32" and F32_PANELS.layout == "panels"
+    cpu_tuning = CpuTuning(row_limits=((F32_PANELS, RowLimits(16)),))
+    assert cpu_tuning.limits_for(F32_PANELS) == cpu_tuning.limits_for(("F32", "panels")) == RowLimits(16)
+    assert cpu_tuning.limits_for(TuningKey("Q4_1", "panels")) is None
+    assert CpuTuning.untuned().limits_for(F32_PANELS) is None
+
+
+def test_tune_measures_once_over_every_probe(monkeypatch) -> None:
+    weights = [torch.randn(96, 64), torch.randn(40, 64)]
+    measured = []
+    monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: (measured.append(len(probes)), RowLimits(16))[1])
+    cpu_tuning = measure_cpu_tuning("cpu", [(w, panels_of(w)) for w in weights], attention=False)
+    assert measured == [2]
+    assert cpu_tuning.row_limits == ((F32_PANELS, RowLimits(16)),)
+    assert cpu_tuning.limits_for(("F32", "panels")) == RowLimits(16)
+
+
+def test_nothing_to_measure_without_weights(monkeypatch) -> None:
+    monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: pytest.fail("measured without weights"))
+    assert tune_row_limits([]) == ()
+    assert measure_cpu_tuning("cpu", [], attention=False) == CpuTuning.untuned()
+
+
+def test_real_measurement_gives_a_probed_limit() -> None:
+    weight = torch.randn(256, 128, generator=torch.Generator().manual_seed(4))
+    ((key, limits),) = tune_row_limits([(weight, panels_of(weight))])
+    assert key == F32_PANELS
     assert limits.packed_max_rows in (*tuning.BLAS_PROBE_ROWS, UNLIMITED_ROWS)
 
 
-def test_untuned_keeps_the_kernel_defaults() -> None:
-    weight = block_quantized(96, 64, 4, torch.Generator().manual_seed(5))
-    packed = pack_weight(weight)
-    packed.use_cpu_tuning(CpuTuning.untuned())
-    assert (packed.blocks_max_rows, packed.packed_max_rows) == (ops.blocks_max_rows(packed.blocks), PACKED_MAX_ROWS)
-    assert measure_cpu_tuning("meta", [(weight, packed)]) == CpuTuning.untuned()  # nothing measured off the CPU
+def test_nothing_is_measured_off_the_cpu() -> None:
+    weight = torch.randn(96, 64)
+    assert measure_cpu_tuning("meta", [(weight, panels_of(weight))]) == CpuTuning.untuned()
 
 
 def test_measure_cpu_tuning_measures_both_and_prints_as_json(monkeypatch) -> None:
     monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda: True)
-    monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: RowLimits(8, 256))
-    weight = block_quantized(96, 64, 8, torch.Generator().manual_seed(6))
-    cpu_tuning = measure_cpu_tuning("cpu", [(weight, pack_weight(weight))])
-    fmt = tuning.weight_format(pack_weight(weight).blocks)
-    assert cpu_tuning == CpuTuning(decode_prefetch_to_l2=True, row_limits=((fmt, RowLimits(8, 256)),))
+    monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: RowLimits(256))
+    weight = torch.randn(96, 64)
+    cpu_tuning = measure_cpu_tuning("cpu", [(weight, panels_of(weight))])
+    assert cpu_tuning == CpuTuning(decode_prefetch_to_l2=True, row_limits=((F32_PANELS, RowLimits(256)),))
     assert json.loads(cpu_tuning.to_json()) == {
         "decode_prefetch_to_l2": True,
-        "row_limits": {fmt: {"blocks_max_rows": 8, "packed_max_rows": 256}},
+        "row_limits": {"F32/panels": {"packed_max_rows": 256}},
     }
     assert not measure_cpu_tuning("cpu", [], attention=False).decode_prefetch_to_l2
+
+
+def test_command_line_prints_the_tuning_as_json(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda: False)
+    monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: RowLimits(64))
+    assert tuning.main([]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == {"decode_prefetch_to_l2": False, "row_limits": {"F32/panels": {"packed_max_rows": 64}}}
 
 
 def test_decode_prefetch_probe_runs() -> None:

@@ -10,9 +10,11 @@ from model_utils import PagedDriver
 from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
 from pagellm.attention.torch_ref import TorchReferenceBackend
+from pagellm.config import LinearPrecision
 from pagellm.kernels import ops
-from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights
-from pagellm.models.layers import Linear, silu_and_mul
+from pagellm.models.gguf_loader import GGUFFile, iter_dequantized_gguf_weights
+from pagellm.models.layers import silu_and_mul
+from pagellm.models.linear_method import GGUFInt8Method
 from pagellm.models.loader import default_model_path, eos_token_ids, get_max_model_len, load_hf_config, load_model
 
 pytestmark = pytest.mark.slow
@@ -49,7 +51,7 @@ def test_config_matches_transformers(gguf_path: str) -> None:
 
 def test_weights_are_bit_identical_to_transformers(gguf_path: str, hf_model: torch.nn.Module) -> None:
     theirs = hf_model.state_dict()
-    ours = dict(iter_gguf_weights(gguf_path, load_hf_config(gguf_path)))
+    ours = dict(iter_dequantized_gguf_weights(gguf_path, load_hf_config(gguf_path)))
     expected = {k for k in theirs if k != "lm_head.weight"}  # tied: transformers aliases the embeddings
     assert set(ours) == expected
     for name, tensor in ours.items():
@@ -79,33 +81,34 @@ def test_loaded_model_matches_transformers_logits(gguf_path: str, hf_model: torc
     assert torch.equal(torch.cat([prefill, decode]).argmax(-1), reference.argmax(-1))
 
 
-@pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
-def test_default_model_packs_its_quantized_blocks(gguf_path: str) -> None:
-    # Q4_1 projections and the Q8_0 embedding (the tied head) get a copy in their own blocks, 0.75 and
-    # 1.125 bytes a weight, that computes exactly what the float32 panels of the same weights do.
-    model = load_model(gguf_path, load_hf_config(gguf_path), torch.float32, torch.device("cpu"), TorchReferenceBackend())
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 4 * 30
-    assert all(m.packed is not None and m.packed.blocks is not None for m in linears)
-    assert sum(m.packed.blocks.numel() for m in linears) == 0.75 * sum(m.weight.numel() for m in linears)
-    head = model._packed_tied_head
-    assert head is not None and head.blocks is not None and head.blocks.numel() == 1.125 * 49152 * 576
+@pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build")
+def test_default_model_keeps_its_blocks_on_the_int8_path(gguf_path: str) -> None:
+    # Q4_1 projections and the Q8_0 embedding (the tied head) are repacked from their file blocks:
+    # no float32 copy, resident bytes near the file's, and each product equal to the product with
+    # transformers' dequantized weights up to the int8 activations' error.
+    config = load_hf_config(gguf_path)
+    precision = LinearPrecision(kind="int8", fallback="float32")
+    model = load_model(gguf_path, config, torch.float32, torch.device("cpu"), TorchReferenceBackend(), precision)
+    linears = [m for _, m in model.linear_layers()]
+    assert len(linears) == 4 * 30 + 1
+    assert all(isinstance(m.method, GGUFInt8Method) for m in linears)
+    assert {m.method.ggml_type.name for m in linears} == {"Q4_1", "Q8_0"}
+    assert model.model.layers[5].mlp.gate_up_proj.method.fused_silu_mul
+    # One copy of the table: looked up row by row from the panels the tied head multiplies by.
+    assert model.model.embed_tokens.packed is model.lm_head.method
+    assert model.weight_bytes() < 1.1 * os.path.getsize(gguf_path)
+    dequantized = dict(iter_dequantized_gguf_weights(gguf_path, config))
     x = torch.randn(32, 576)
-    for weight, packed in ((model.model.layers[5].self_attn.qkv_proj.weight, model.model.layers[5].self_attn.qkv_proj.packed),
-                           (model.model.embed_tokens.weight, head)):
-        got, want = torch.empty(32, weight.shape[0]), torch.empty(32, weight.shape[0])
-        ops.linear_packed(got, x, packed.blocks, None)
-        ops.linear_packed(want, x, packed.panels, None)
-        assert torch.equal(got, want)
-        torch.testing.assert_close(got, x @ weight.T, rtol=1e-4, atol=1e-4)
-    # The gate/up projection's panels pair gate and up columns for the fused activation: the same
-    # values as its blocks' product followed by the separate activation.
-    mlp = model.model.layers[5].mlp.gate_up_proj
-    assert mlp.packed.silu_and_mul
-    product, fused = torch.empty(32, 3072), torch.empty(32, 1536)
-    ops.linear_packed(product, x, mlp.packed.blocks, None)
-    ops.linear_packed_silu_mul(fused, x, mlp.packed.panels)
-    assert torch.equal(fused, silu_and_mul(product))
+    qkv = torch.cat([dequantized[f"model.layers.5.self_attn.{p}_proj.weight"] for p in "qkv"])
+    for layer, weight in ((model.model.layers[5].self_attn.qkv_proj, qkv), (model.lm_head, dequantized["model.embed_tokens.weight"])):
+        want = x @ weight.T
+        assert (layer(x) - want).norm() / want.norm() < 1e-2
+    gate = dequantized["model.layers.5.mlp.gate_proj.weight"]
+    up = dequantized["model.layers.5.mlp.up_proj.weight"]
+    want = silu_and_mul(torch.cat([x @ gate.T, x @ up.T], dim=1))
+    assert (model.model.layers[5].mlp.gate_up_proj(x) - want).norm() / want.norm() < 1e-2
+    ids = torch.tensor([0, 5, 49151, 17])
+    assert torch.equal(model.model.embed_tokens(ids), dequantized["model.embed_tokens.weight"][ids])
 
 
 def test_eos_token_ids_from_gguf(gguf_path: str) -> None:

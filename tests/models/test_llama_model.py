@@ -68,7 +68,9 @@ def test_paged_prefill_and_decode_match_transformers(name: str, tmp_path: Path) 
     loaded_config = load_hf_config(str(tmp_path))
     model = load_model(str(tmp_path), loaded_config, torch.float32, torch.device("cpu"), TorchReferenceBackend())
     assert type(model) is _EXPECTED_CLASS[config.model_type]
-    assert (model.lm_head is None) == config.tie_word_embeddings
+    assert model.tie_word_embeddings == config.tie_word_embeddings
+    if config.tie_word_embeddings:  # the head multiplies by the embedding table itself, no copy
+        assert model.lm_head.weight is model.model.embed_tokens.dense
 
     rng = random.Random(0)
     seqs = {0: [rng.randrange(128) for _ in range(13)], 1: [rng.randrange(128) for _ in range(16)]}

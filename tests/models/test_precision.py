@@ -80,26 +80,3 @@ def test_a_resolved_config_keeps_its_choice(cpu_has) -> None:
     precision, config = resolve(dtype="bfloat16")
     cpu_has(bf16=False, int8=False)  # e.g. a rank that re-reads the config: it never re-decides
     assert resolve_linear_precision(config, torch.float32, False) is precision
-
-
-@pytest.mark.skipif(not (ops.int8_matmul_available() and ops.bf16_matmul_available()), reason="needs VNNI and AVX512_BF16")
-def test_layers_pack_the_form_the_precision_asks_for() -> None:
-    from pagellm.kernels.tuning import block_quantized
-    from pagellm.models.layers import linear, linear_silu_and_mul, pack_weight, silu_and_mul
-
-    gen = torch.Generator().manual_seed(0)
-    blocks, plain = block_quantized(96, 64, 4, gen), torch.randn(96, 64, generator=gen) * 0.1
-    precision = LinearPrecision(kind="int8", fallback="bfloat16")
-    assert pack_weight(blocks, precision=precision).lowp_kind == "int8"  # GGUF blocks: int8 dot products
-    assert pack_weight(plain, precision=precision).lowp_kind == "bfloat16"  # anything else: the fallback
-    exact = pack_weight(blocks)
-    assert exact.lowp is None and exact.panels is not None and exact.blocks is not None
-    for rows in (1, 13, 300):  # every batch size takes the low-precision form
-        x = torch.randn(rows, 64, generator=gen)
-        for weight in (blocks, plain):
-            want = torch.nn.functional.linear(x, weight)
-            got = linear(x, weight, None, pack_weight(weight, precision=precision))
-            assert (got - want).norm() / want.norm() < 2e-2
-            fused = pack_weight(weight, silu_and_mul=True, precision=precision)
-            assert fused.silu_and_mul
-            torch.testing.assert_close(linear_silu_and_mul(x, weight, None, fused), silu_and_mul(want), rtol=0.1, atol=2e-2)

@@ -344,6 +344,8 @@ def run_server(args: argparse.Namespace) -> int:
         async_llm = AsyncLLM.from_config(config)
     engine = async_llm.engine
     metrics = EngineMetrics(engine.model_name)
+    if getattr(engine, "memory_plan", None) is not None:
+        metrics.record_memory_plan(engine.memory_plan)
     async_llm.stat_logger = metrics  # before any request: the engine thread reads it per step
     app = build_app(
         async_llm,

@@ -14,6 +14,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagellm.core.scheduler import SchedulerStats
+from pagellm.engine.memory_plan import MemoryPlan
 from pagellm.engine.stats import EngineStats
 from pagellm.outputs import RequestOutput
 
@@ -53,6 +54,12 @@ class EngineMetrics:
         self.num_requests_running = gauge("pagellm:num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("pagellm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage = gauge("pagellm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # The memory plan, set once at start-up (pagellm.models.memory_plan).
+        self.weight_bytes = gauge("pagellm:model_weight_bytes", "Bytes the model's weights hold resident.")
+        self.checkpoint_bytes = gauge("pagellm:model_checkpoint_bytes", "Bytes of the weights in the checkpoint files.")
+        self.kv_cache_bytes = gauge("pagellm:kv_cache_bytes", "Bytes of the KV cache.")
+        self.kv_cache_tokens = gauge("pagellm:kv_cache_tokens", "Tokens the KV cache holds.")
+        self.activation_bytes = gauge("pagellm:activation_reserve_bytes", "Bytes planned for one step's activations.")
         self.prefix_cache_queries = counter("pagellm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("pagellm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.num_preemptions = counter("pagellm:num_preemptions", "Cumulative number of preemptions from the engine.")
@@ -86,6 +93,13 @@ class EngineMetrics:
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
 
     # -- StatLogger, called on the engine thread ------------------------------------------------------
+
+    def record_memory_plan(self, plan: MemoryPlan) -> None:
+        self.weight_bytes.set(plan.weight_bytes)
+        self.checkpoint_bytes.set(plan.checkpoint_bytes)
+        self.kv_cache_bytes.set(plan.kv_cache_bytes)
+        self.kv_cache_tokens.set(plan.kv_cache_tokens)
+        self.activation_bytes.set(plan.activation_bytes)
 
     def record_step(self, engine_stats: EngineStats, now: float) -> None:
         stats = engine_stats.scheduler

@@ -11,12 +11,6 @@
 // row block prefetches its share of the next slice. Past a few hundred rows BLAS's own blocking
 // wins, so large batches stay with it (where exactly is measured at start-up: kernels/tuning.py;
 // the measurements are in docs/kernels.md).
-//
-// Weights that are exactly GGUF-style blocks of 4- or 8-bit integers (quant_blocks.h) can also be
-// packed in that form, several times smaller; each panel slice is expanded back into float32 in a
-// per-thread buffer just before the row blocks pass over it. The results are bit for bit those of
-// the float32 panels, with a fraction of the memory traffic, which pays at few rows (see
-// blocks_max_rows); linear_packed takes either form.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -41,9 +35,7 @@ constexpr int MR = 12;
 #else
 constexpr int MR = 6;
 #endif
-constexpr int KC = 576;         // k per slice: 576 x 32 floats (72 KiB) stay in L2
-constexpr int KC_BLOCKS = 128;  // k per slice of block-packed weights: the expanded slice (16 KiB) stays in L1
-static_assert(KC % QK == 0 && KC_BLOCKS % QK == 0, "slices hold whole blocks");
+constexpr int KC = 576;  // k per slice: 576 x 32 floats (72 KiB) stay in L2
 
 // acc[r] = (c_in ? c_in[r] : bias or 0) + sum over k of a[k, r] * b[k, :], for R rows and one
 // panel slice, stored to c_out[r]. a is either x itself (row r at a + r * lda) or, with
@@ -146,66 +138,18 @@ at::Tensor pack_f32(const at::Tensor& w) {
   return packed;
 }
 
-// [N, K] -> uint8 [ceil(N / NR), K / QK, block bytes] in the 4-bit (Q4) or 8-bit layout of
-// quant_blocks.h, or an undefined tensor as soon as one block is not exactly of that form.
-template <bool Q4>
-at::Tensor pack_blocks(const at::Tensor& w) {
-  if constexpr (Q4) {
-    return pack_exact_blocks<true>(w, kQ4BlockBytes, at::kByte, [](uint8_t* block, int64_t j, const uint8_t* q) {
-      // Column j's nibble goes low in byte j, column W + j's high in byte j.
-      uint8_t* qs = block + NR * 8;
-      const int shift = j < W ? 0 : 4;
-      for (int i = 0; i < QK; ++i) qs[i * W + j % W] |= static_cast<uint8_t>(q[i] << shift);
-    });
-  } else {
-    return pack_exact_blocks<false>(w, kQ8BlockBytes, at::kByte, [](uint8_t* block, int64_t j, const uint8_t* q) {
-      uint8_t* qs = block + NR * 4;
-      for (int i = 0; i < QK; ++i) qs[i * NR + j] = q[i];
-    });
-  }
-}
-
 at::Tensor pack_weight(const at::Tensor& weight) { return pack_f32(weight_to_pack(weight, "pack_weight")); }
 
-// The weight as 4-bit blocks, else as 8-bit blocks, else nothing (not exactly either).
-c10::optional<at::Tensor> pack_weight_blocks(const at::Tensor& weight) {
-  const at::Tensor w = weight_to_pack(weight, "pack_weight_blocks");
-  if (w.size(1) % QK != 0) return c10::nullopt;
-  if (at::Tensor q4 = pack_blocks<true>(w); q4.defined()) return q4;
-  if (at::Tensor q8 = pack_blocks<false>(w); q8.defined()) return q8;
-  return c10::nullopt;
-}
-
-// Up to this many rows these block panels beat float32 panels of the same weight; past it,
-// expanding the blocks costs more than the memory traffic it saves, and sooner for 8-bit blocks
-// (less traffic saved per weight expanded). A default for when nothing was measured: the engine
-// measures the machine's own limit at start-up (kernels/tuning.py; history in docs/kernels.md).
-int64_t blocks_max_rows(const at::Tensor& blocks) {
-  TORCH_CHECK_VALUE(blocks.scalar_type() == at::kByte && blocks.dim() == 3 &&
-                        (blocks.size(2) == kQ4BlockBytes || blocks.size(2) == kQ8BlockBytes),
-                    "blocks_max_rows: expects the output of pack_weight_blocks");
-#if defined(__AVX512F__)
-  return blocks.size(2) == kQ4BlockBytes ? 32 : 24;
-#else
-  return 8;
-#endif
-}
-
-// The checks both entry points share; returns whether `packed` is float32 panels.
-bool check_linear_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const char* op) {
+// The checks both entry points share; `packer` names where `packed` must come from.
+void check_linear_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const char* op,
+                         const char* packer) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
                     ": x must be a 2-D float32 CPU tensor with contiguous rows");
   TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
                     op, ": out must be float32 [rows of x, N] with contiguous rows");
-  const bool f32 = packed.scalar_type() == at::kFloat;
-  const bool blocks = packed.scalar_type() == at::kByte;
-  const bool q4 = blocks && packed.dim() == 3 && packed.size(2) == kQ4BlockBytes;
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
-                        ((f32 && packed.size(2) == NR && packed.size(1) == x.size(1)) ||
-                         (blocks && (q4 || packed.size(2) == kQ8BlockBytes) && packed.size(1) * QK == x.size(1))),
-                    op, ": packed must come from pack_weight or pack_weight_blocks for this input width (", NR,
-                    " columns per panel)");
-  return f32;
+  TORCH_CHECK_VALUE(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() &&
+                        packed.size(2) == NR && packed.size(1) == x.size(1),
+                    op, ": packed must come from ", packer, " for this input width (", NR, " columns per panel)");
 }
 
 // Runs `body(a, tiles, pack_rows)` with x as the micro-tiles want it: `a` is x packed k-major by
@@ -251,8 +195,7 @@ inline void for_each_row_block(const float* a, bool pack_rows, int64_t m, int64_
 
 void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                    const c10::optional<at::Tensor>& bias) {
-  const bool f32 = check_linear_inputs(out, x, packed, "linear_packed");
-  const bool q4 = !f32 && packed.size(2) == kQ4BlockBytes;
+  check_linear_inputs(out, x, packed, "linear_packed", "pack_weight");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = packed.size(0);
   TORCH_CHECK_VALUE(n <= panels * NR && n > (panels - 1) * NR, "linear_packed: out has ", n, " columns, packed holds ",
                     panels, " panels of ", NR);
@@ -265,47 +208,24 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   const int64_t lda = x.stride(0);
   float* c = out.data_ptr<float>();
   const int64_t ldc = out.stride(0);
+  const float* b = packed.data_ptr<float>();
   with_rows<false>(x, panels, [&](const float* a, const std::array<MicroTile, MR>& tiles, bool pack_rows) {
-    // One panel slice [k0, k0 + kc) against every row block; `ahead` is what to prefetch meanwhile.
-    auto slice_times_rows = [&](const float* slice, int64_t p, int64_t k0, int kc, const float* ahead) {
-      const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
-      for_each_row_block(a, pack_rows, m, k, lda, k0, kc, ahead,
-                         [&](int64_t m0, int rows, const float* a_tile, const float* ahead_share, int ahead_rows) {
-                           float* c_tile = c + m0 * ldc + p * NR;
-                           tiles[rows - 1](a_tile, lda, slice, kc, k0 == 0 ? nullptr : c_tile, ldc, c_tile, ldc, ncols,
-                                           bias_ptr == nullptr ? nullptr : bias_ptr + p * NR, ahead_share, ahead_rows);
-                         });
-    };
-    if (f32) {
-      const float* b = packed.data_ptr<float>();
-      at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t p = begin; p < end; ++p) {
-          const float* panel = b + p * k * NR;
-          for (int64_t k0 = 0; k0 < k; k0 += KC) {
-            const int kc = static_cast<int>(std::min<int64_t>(KC, k - k0));
-            // The weights are one contiguous stream, so the next slice (maybe the next panel's
-            // first) starts right after this one; past the end, prefetches are harmless no-ops.
-            slice_times_rows(panel + k0 * NR, p, k0, kc, panel + (k0 + kc) * NR);
-          }
-        }
-      });
-      return;
-    }
-    const uint8_t* b = packed.data_ptr<uint8_t>();
-    const int64_t block_bytes = packed.size(2), num_blocks = packed.size(1);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> expanded(KC_BLOCKS * NR);
       for (int64_t p = begin; p < end; ++p) {
-        for (int64_t k0 = 0; k0 < k; k0 += KC_BLOCKS) {
-          const int kc = static_cast<int>(std::min<int64_t>(KC_BLOCKS, k - k0));
-          const uint8_t* slice = b + (p * num_blocks + k0 / QK) * block_bytes;
-          const uint8_t* ahead = slice + (kc / QK) * block_bytes;  // as above: the next slice follows
-          if (q4) {
-            dequant_q4_slice(slice, kc / QK, expanded.data(), ahead);
-          } else {
-            dequant_q8_slice(slice, kc / QK, expanded.data(), ahead);
-          }
-          slice_times_rows(expanded.data(), p, k0, kc, nullptr);
+        const float* panel = b + p * k * NR;
+        const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
+        const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * NR;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+          const int kc = static_cast<int>(std::min<int64_t>(KC, k - k0));
+          const float* slice = panel + k0 * NR;
+          // The weights are one contiguous stream, so the next slice (maybe the next panel's
+          // first) starts right after this one; past the end, prefetches are harmless no-ops.
+          for_each_row_block(a, pack_rows, m, k, lda, k0, kc, slice + kc * NR,
+                             [&](int64_t m0, int rows, const float* a_tile, const float* ahead_share, int ahead_rows) {
+                               float* c_tile = c + m0 * ldc + p * NR;
+                               tiles[rows - 1](a_tile, lda, slice, kc, k0 == 0 ? nullptr : c_tile, ldc, c_tile, ldc,
+                                               ncols, panel_bias, ahead_share, ahead_rows);
+                             });
         }
       }
     });
@@ -325,8 +245,7 @@ at::Tensor pack_weight_silu_mul(const at::Tensor& weight) {
 
 // out = silu(x G^T) * (x U^T) for a gate/up weight packed by pack_weight_silu_mul.
 void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK_VALUE(check_linear_inputs(out, x, packed, "linear_packed_silu_mul"),
-                    "linear_packed_silu_mul: packed must come from pack_weight_silu_mul");
+  check_linear_inputs(out, x, packed, "linear_packed_silu_mul", "pack_weight_silu_mul");
   const int64_t m = x.size(0), k = x.size(1), d = out.size(1), panels = packed.size(0);
   TORCH_CHECK_VALUE(panels * W == d, "linear_packed_silu_mul: out has ", d, " columns, packed holds ", panels,
                     " gate/up panel pairs of ", W);
@@ -366,8 +285,6 @@ void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
 
 TORCH_LIBRARY(pagellm_gemm, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
-  m.def("pack_weight_blocks(Tensor weight) -> Tensor?");
-  m.def("blocks_max_rows(Tensor blocks) -> int");
   m.def("linear_packed(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
   m.def("pack_weight_silu_mul(Tensor weight) -> Tensor");
   m.def("linear_packed_silu_mul(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
@@ -375,8 +292,6 @@ TORCH_LIBRARY(pagellm_gemm, m) {
 
 TORCH_LIBRARY_IMPL(pagellm_gemm, CPU, m) {
   m.impl("pack_weight", &pagellm::pack_weight);
-  m.impl("pack_weight_blocks", &pagellm::pack_weight_blocks);
-  m.impl("blocks_max_rows", &pagellm::blocks_max_rows);
   m.impl("linear_packed", &pagellm::linear_packed);
   m.impl("pack_weight_silu_mul", &pagellm::pack_weight_silu_mul);
   m.impl("linear_packed_silu_mul", &pagellm::linear_packed_silu_mul);

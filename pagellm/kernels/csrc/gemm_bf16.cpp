@@ -114,18 +114,22 @@ constexpr std::array<std::array<TileBf16, MR_BF16>, 2> kBf16Tiles = {
     make_bf16_tiles<true>(std::make_index_sequence<MR_BF16>{}),
 };
 
-// [N, K] float32 -> bfloat16 [ceil(N / NR), ceil(K / 2), NR, 2], zero-padded past N and K.
-at::Tensor pack_bf16_panels(const at::Tensor& w) {
+// [N, K] bfloat16 (contiguous) -> [ceil(N / NR), ceil(K / 2), NR, 2], zero-padded past N and K.
+// With `silu_mul` (a gate/up weight, N = 2d) panel p holds gate rows [16p, 16p + 16) then the same
+// outputs' up rows, read in place rather than from a reordered copy of the matrix.
+at::Tensor pack_bf16_panels(const at::Tensor& w, bool silu_mul) {
+  constexpr int64_t kHalf = NR_BF16 / 2;
   const int64_t n = w.size(0), k = w.size(1), k2 = (k + 1) / 2, panels = (n + NR_BF16 - 1) / NR_BF16;
+  const int64_t d = silu_mul ? gate_up_half(w, kHalf, "pack_weight_bf16") : 0;
   at::Tensor packed = at::zeros({panels, k2, NR_BF16, 2}, w.options().dtype(at::kBFloat16));
-  const at::Tensor rounded = w.to(at::kBFloat16);  // round to nearest even, as the activations
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(rounded.data_ptr<at::BFloat16>());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min<int64_t>(NR_BF16, n - p * NR_BF16);
       for (int64_t j = 0; j < cols; ++j) {
-        const uint16_t* row = src + (p * NR_BF16 + j) * k;
+        const int64_t w_row = !silu_mul ? p * NR_BF16 + j : (j < kHalf ? 0 : d) + p * kHalf + j % kHalf;
+        const uint16_t* row = src + w_row * k;
         uint16_t* col = dst + p * k2 * NR_BF16 * 2 + j * 2;
         for (int64_t i = 0; i < k; ++i) col[(i / 2) * NR_BF16 * 2 + (i % 2)] = row[i];
       }
@@ -144,14 +148,17 @@ bool bf16_supported() {
 #endif
 }
 
+// A bfloat16 weight is packed from its own bytes; a float32 one is rounded to a bfloat16 copy
+// first (round to nearest even, as the activations are).
 at::Tensor pack_weight_bf16(const at::Tensor& weight, bool silu_mul) {
   TORCH_CHECK_VALUE(bf16_supported(), "pack_weight_bf16: this build has no AVX512_BF16 kernel");
-  at::Tensor w = weight_to_pack(weight, "pack_weight_bf16");
+  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.dim() == 2 &&
+                        (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+                    "pack_weight_bf16: weight must be a 2-D float32 or bfloat16 CPU tensor");
 #if defined(PAGELLM_BF16_DOT)
-  // Each panel: 16 gate columns, then the 16 up columns of the same outputs.
-  if (silu_mul) w = gate_up_interleaved(w, NR_BF16 / 2, "pack_weight_bf16");
-  return pack_bf16_panels(w);
+  return pack_bf16_panels(weight.to(at::kBFloat16).contiguous(), silu_mul);
 #else
+  (void)silu_mul;
   return at::Tensor();
 #endif
 }

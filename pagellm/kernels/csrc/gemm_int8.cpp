@@ -1,26 +1,36 @@
-// y = x W^T (+ b) with integer dot products, for weights that are exactly GGUF-style blocks
-// (quant_blocks.h), as llama.cpp computes them.
+// y = x W^T (+ b) with integer dot products, on a GGUF model's weights repacked straight from the
+// file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K), as llama.cpp computes them.
 //
-// gemm.cpp expands such blocks back into float32 and spends one FMA per weight and row. Here the
-// activations are quantized too, on the fly, once per call: every 32 inputs of a row become
-// qa = round(x / da) with da = amax / 127, and the product of a weight block with an activation
-// block is one int32 sum of byte products, which `vpdpbusd` (AVX512-VNNI, or the 256-bit AVX-VNNI
-// form) computes four at a time per lane: 64 multiply-adds per instruction where an FMA does 16.
-// Each block's int32 sum is scaled to float once per 32 inputs:
-//   4-bit (w = d q + m, q in 0..15):  sum w x ~ d da sum(q qa) + m da sum(qa)
-//   8-bit (w = d q, q in -128..127):  stored as q + 128 (vpdpbusd multiplies unsigned bytes by
-//     signed ones), so the sum starts at -128 sum(qa) to cancel the offset.
-// The result is exactly the product of W with the quantized x (up to float rounding): the error
-// against float32 is that of 8-bit activations (figures in docs/kernels.md).
+// A float32 matmul spends one FMA per weight and row. Here the activations are quantized too, on
+// the fly, once per call: every 32 inputs of a row become qa = round(x / da) with da = amax / 127,
+// and the product of a weight block with an activation block is one int32 sum of byte products,
+// which `vpdpbusd` (AVX512-VNNI, or the 256-bit AVX-VNNI form) computes four at a time per lane:
+// 64 multiply-adds per instruction where an FMA does 16.
 //
-// Weights are packed once into panels of NR = 2 W output columns, block-major; in each block the
-// bytes are ordered so that one vector load holds, for the W columns of one vector, 4 consecutive
-// k of each column (a "k-quad"), the order vpdpbusd sums in; 4-bit blocks hold two k-quads per
-// byte (low and high nibbles). The activations are stored by row block, k-quad-major, so a
-// micro-tile's broadcasts are fixed offsets from one pointer. A micro-tile multiplies one panel by
-// one row block over the whole K (a panel is at most a few dozen KiB: it stays in L2).
+// Every type holds, per weight, a small integer stored unsigned as u = q + bias (u of 4 bits,
+// "nibbles", or 8, "bytes"), and per group of 32 (or 16) inputs a scale D and for some an offset
+// M: w = D (u - bias) + M. The int32 sum starts at -bias sum(qa) (vpdpbusd multiplies unsigned
+// bytes by signed ones, so the offset goes there), then sum w x ~ D da isum + M da sum(qa) once
+// per group. D and M come in three kinds ("scales" below):
+//   half    (Q4_0 ... Q8_0): the file's fp16 d (and m) per 32 inputs, converted by vcvtph2ps.
+//   super32 (Q4_K, Q5_K): per 256 inputs fp16 d and -dmin, per 32 6-bit sc and mn: D = d sc, M = -dmin mn.
+//   super16 (Q2_K, Q3_K, Q6_K): per 256 fp16 d (and -dmin), per 16 an 8-bit sc (and mn): a 32-block
+//     is two groups, with their own int32 sums and activation sums.
+// Each packed weight is exactly the float32 that gguf's dequantize gives: an fp16 times a 6- or
+// 8-bit integer is exact in float32, and so is that times the quant (24 bits at most); the result
+// is exactly the product of W with the quantized x up to float rounding, so the error against
+// float32 is that of 8-bit activations.
+//
+// Weights are packed into panels of NR = 2 W output columns, superblock-major: per superblock a
+// header (fp16 d[NR], m[NR]), then per 32 inputs its scales and quants. The quants are ordered so
+// that one vector load holds, for the W columns of one vector, 4 consecutive k of each column (a
+// "k-quad"), the order vpdpbusd sums in; nibbles hold two k-quads per byte (low and high). The
+// activations are stored by row block, k-quad-major, so a micro-tile's broadcasts are fixed offsets
+// from one pointer. A micro-tile multiplies one panel by one row block over the whole K (a panel
+// is at most a few hundred KiB: it stays in L2 for the next row block).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -33,7 +43,6 @@
 
 #include "quant_blocks.h"
 #include "vec.h"
-#include "weight_layout.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGELLM_INT8 1
@@ -46,12 +55,10 @@
 namespace pagellm {
 namespace {
 
-constexpr int QUADS = QK / 4;                        // k-quads per block
-constexpr int kQuadBytes = 4 * W;                    // one k-quad of one column vector: one vector load
-constexpr int64_t kI4BlockBytes = NR * 8 + QK * W;   // float d[NR], float m[NR], nibbles
-constexpr int64_t kI8BlockBytes = NR * 4 + QK * NR;  // float d[NR], bytes q + 128
-
 #if PAGELLM_INT8
+
+constexpr int QUADS = QK / 4;      // k-quads per 32-block
+constexpr int kQuadBytes = 4 * W;  // one k-quad of one column vector: one vector load
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 using ivec = __m512i;
@@ -65,10 +72,13 @@ inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x
 inline ivec high_nibbles(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
 inline vint round_to_int(vfloat v) { return (vint)_mm512_cvtps_epi32((__m512)v); }
+inline vfloat load_half(const uint16_t* p) {
+  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 #else
 using ivec = __m256i;
 // 4 accumulators a row do not leave room for 3 rows in 16 registers, but the float ones are
-// touched once per block, and spilling them cost less than a third tile's unpacking (docs/kernels.md).
+// touched once per group, and spilling them cost less than a third tile's unpacking (docs/kernels.md).
 constexpr int MR = 3, MR_MAX = 3;
 inline ivec load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline ivec splat_i32(int32_t v) { return _mm256_set1_epi32(v); }
@@ -76,6 +86,9 @@ inline ivec low_nibbles(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x
 inline ivec high_nibbles(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
 inline vint round_to_int(vfloat v) { return (vint)_mm256_cvtps_epi32((__m256)v); }
+inline vfloat load_half(const uint16_t* p) {
+  return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #endif
 static_assert(sizeof(ivec) == kQuadBytes, "one k-quad of a column vector is one register");
 
@@ -88,22 +101,293 @@ inline int32_t quad_at(const int8_t* p) {
   return v;
 }
 
-// x quantized per block of 32 inputs, by row block of up to MR_MAX rows: qa [row blocks][K / 4]
-// [MR_MAX][4], and per [row block][block][MR_MAX]: da, da * sum(qa) (4-bit) and -128 * sum(qa) (8-bit).
+// ---- Packed layouts ---------------------------------------------------------------------------
+
+enum class Scales { kHalf, kSuper32, kSuper16 };
+
+// Where a type's values sit in a panel. The kernel is instantiated per form, not per type: Q8_0
+// and Q5_0 differ only in their bias, which the activations carry.
+//   superblock: fp16 d[NR], if kHasMin fp16 m[NR] (offsets stored negated where the file subtracts)
+//   per 32-block: super32 uint8 sc[NR], mn[NR]; super16 int8 sc[2][NR], if kHasMin uint8 mn[2][NR]
+//                 then nibbles uint8 [QUADS / 2][2 vectors][W][4], or bytes uint8 [QUADS][2][W][4]
+template <bool Nibbles, Scales S, bool HasMin>
+struct Form {
+  static_assert(S != Scales::kSuper32 || HasMin, "super32 types all have mins");
+  static constexpr bool kNibbles = Nibbles, kHasMin = HasMin;
+  static constexpr Scales kScales = S;
+  static constexpr int kBlocks = S == Scales::kHalf ? 1 : 8;      // 32-blocks per superblock
+  static constexpr int kGroup = S == Scales::kSuper16 ? 16 : 32;  // inputs per scale
+  static constexpr int kGroups = QK / kGroup;
+  static constexpr int64_t kHeaderBytes = NR * 2 * (HasMin ? 2 : 1);
+  static constexpr int64_t kScaleBytes = S == Scales::kHalf      ? 0
+                                         : S == Scales::kSuper32 ? 2 * NR
+                                                                 : kGroups * NR * (HasMin ? 2 : 1);
+  static constexpr int64_t kBlockBytes = kScaleBytes + (Nibbles ? QK * W : QK * NR);
+  static constexpr int64_t kSuperBytes = kHeaderBytes + kBlocks * kBlockBytes;
+};
+
+// One column's superblock of a file's block, decoded: u[] = q + bias per input, d and m as fp16
+// bits (m with the sign that makes w = D (u - bias) + M), sc/mn per group of the superblock.
+struct Decoded {
+  uint8_t u[256];
+  uint16_t d, m;
+  uint8_t sc[16], mn[16];
+};
+
+inline uint16_t half_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+constexpr uint16_t kHalfSign = 0x8000;
+
+// One traits row per GGML type: its block (inputs, bytes), the bias of its stored quants, its
+// form and how one block decodes; the layouts are gguf/quants.py's dequantize_blocks.
+struct Q4_0 {
+  static constexpr int kType = 2, kBlock = 32, kTypeSize = 18, kBias = 8;
+  using F = Form<true, Scales::kHalf, false>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    o.d = half_at(s);
+    for (int i = 0; i < 16; ++i) o.u[i] = s[2 + i] & 15, o.u[i + 16] = s[2 + i] >> 4;
+  }
+};
+struct Q4_1 {
+  static constexpr int kType = 3, kBlock = 32, kTypeSize = 20, kBias = 0;
+  using F = Form<true, Scales::kHalf, true>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    o.d = half_at(s);
+    o.m = half_at(s + 2);
+    for (int i = 0; i < 16; ++i) o.u[i] = s[4 + i] & 15, o.u[i + 16] = s[4 + i] >> 4;
+  }
+};
+// Q5_0/Q5_1: the fifth bits in a little-endian uint32, bit j for input j.
+inline void decode_q5(const uint8_t* qh_bytes, const uint8_t* qs, uint8_t* u) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, sizeof(qh));
+  for (int j = 0; j < 32; ++j)
+    u[j] = static_cast<uint8_t>((j < 16 ? qs[j] & 15 : qs[j - 16] >> 4) | ((qh >> j) & 1) << 4);
+}
+struct Q5_0 {
+  static constexpr int kType = 6, kBlock = 32, kTypeSize = 22, kBias = 16;
+  using F = Form<false, Scales::kHalf, false>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    o.d = half_at(s);
+    decode_q5(s + 2, s + 6, o.u);
+  }
+};
+struct Q5_1 {
+  static constexpr int kType = 7, kBlock = 32, kTypeSize = 24, kBias = 0;
+  using F = Form<false, Scales::kHalf, true>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    o.d = half_at(s);
+    o.m = half_at(s + 2);
+    decode_q5(s + 4, s + 8, o.u);
+  }
+};
+struct Q8_0 {
+  static constexpr int kType = 8, kBlock = 32, kTypeSize = 34, kBias = 128;
+  using F = Form<false, Scales::kHalf, false>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    o.d = half_at(s);
+    for (int i = 0; i < 32; ++i) o.u[i] = s[2 + i] ^ 0x80;  // int8 q + 128
+  }
+};
+// Q2_K/Q3_K: 2-bit quants, input a * 128 + j * 32 + l at bits 2j of byte a * 32 + l. The loops
+// are spelled out with constant shifts so that they vectorize: packing must keep up with the disk.
+inline void two_bits(const uint8_t* qs, uint8_t* u) {
+  for (int a = 0; a < 2; ++a)
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l) u[a * 128 + j * 32 + l] = (qs[a * 32 + l] >> (2 * j)) & 3;
+}
+// Q3_K/Q5_K: one more bit per input, input j * 32 + l at bit j of byte l, worth `value`.
+inline void high_bit(const uint8_t* qh, uint8_t value, uint8_t* u) {
+  for (int j = 0; j < 8; ++j)
+    for (int l = 0; l < 32; ++l) u[j * 32 + l] = static_cast<uint8_t>(u[j * 32 + l] + ((qh[l] >> j) & 1) * value);
+}
+struct Q2_K {
+  static constexpr int kType = 10, kBlock = 256, kTypeSize = 84, kBias = 0;
+  using F = Form<true, Scales::kSuper16, true>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    o.d = half_at(s + 80);
+    o.m = half_at(s + 82) ^ kHalfSign;  // w = d sc q - dmin mn
+    for (int g = 0; g < 16; ++g) o.sc[g] = s[g] & 15, o.mn[g] = s[g] >> 4;
+    two_bits(s + 16, o.u);
+  }
+};
+struct Q3_K {
+  static constexpr int kType = 11, kBlock = 256, kTypeSize = 110, kBias = 4;
+  using F = Form<true, Scales::kSuper16, false>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    const uint8_t *hmask = s, *qs = s + 32, *scales = s + 96;
+    o.d = half_at(s + 108);
+    // 6-bit scales - 32: low 4 bits in nibbles of bytes 0..7, high 2 in bit pairs of bytes 8..11.
+    for (int g = 0; g < 16; ++g) {
+      const int low = g < 8 ? scales[g] & 15 : scales[g - 8] >> 4, high = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
+      o.sc[g] = static_cast<uint8_t>((low | high << 4) - 32);
+    }
+    // q = low 2 bits - 4 where the hmask bit is clear: u = q + 4.
+    two_bits(qs, o.u);
+    high_bit(hmask, 4, o.u);
+  }
+};
+// Q4_K/Q5_K: 6-bit scales and mins of 8 sub-blocks in 12 bytes (gguf's get_scale_min).
+inline void k_scale_min(const uint8_t* q, Decoded& o) {
+  for (int j = 0; j < 4; ++j) {
+    o.sc[j] = q[j] & 63;
+    o.mn[j] = q[j + 4] & 63;
+    o.sc[j + 4] = static_cast<uint8_t>((q[j + 8] & 15) | (q[j] >> 6) << 4);
+    o.mn[j + 4] = static_cast<uint8_t>((q[j + 8] >> 4) | (q[j + 4] >> 6) << 4);
+  }
+}
+// Input a * 64 + h * 32 + l of the 4-bit quants: nibble h of byte a * 32 + l.
+inline void k_nibbles(const uint8_t* qs, uint8_t* u) {
+  for (int a = 0; a < 4; ++a)
+    for (int l = 0; l < 32; ++l) u[a * 64 + l] = qs[a * 32 + l] & 15, u[a * 64 + 32 + l] = qs[a * 32 + l] >> 4;
+}
+struct Q4_K {
+  static constexpr int kType = 12, kBlock = 256, kTypeSize = 144, kBias = 0;
+  using F = Form<true, Scales::kSuper32, true>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    o.d = half_at(s);
+    o.m = half_at(s + 2) ^ kHalfSign;
+    k_scale_min(s + 4, o);
+    k_nibbles(s + 16, o.u);
+  }
+};
+struct Q5_K {
+  static constexpr int kType = 13, kBlock = 256, kTypeSize = 176, kBias = 0;
+  using F = Form<false, Scales::kSuper32, true>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    o.d = half_at(s);
+    o.m = half_at(s + 2) ^ kHalfSign;
+    k_scale_min(s + 4, o);
+    k_nibbles(s + 48, o.u);
+    high_bit(s + 16, 16, o.u);
+  }
+};
+struct Q6_K {
+  static constexpr int kType = 14, kBlock = 256, kTypeSize = 210, kBias = 32;
+  using F = Form<false, Scales::kSuper16, false>;
+  static void decode(const uint8_t* s, Decoded& o) {
+    const uint8_t *ql = s, *qh = s + 128;
+    o.d = half_at(s + 208);
+    std::memcpy(o.sc, s + 192, 16);
+    // Per half a of 128 inputs: low 4 bits in nibbles of ql[a * 64 ..], high 2 in bit pairs of qh[a * 32 ..].
+    for (int a = 0; a < 2; ++a) {
+      uint8_t* u = o.u + a * 128;
+      for (int l = 0; l < 64; ++l) u[l] = ql[a * 64 + l] & 15, u[64 + l] = ql[a * 64 + l] >> 4;
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 32; ++l)
+          u[j * 32 + l] = static_cast<uint8_t>(u[j * 32 + l] | ((qh[a * 32 + l] >> (2 * j)) & 3) << 4);
+    }
+  }
+};
+
+// Panel p (columns [p NR, p NR + NR) of n) of raw rows (`ld` bytes apart) into `dst`, laid out as Form says.
+template <typename T>
+void pack_panel(const uint8_t* raw, int64_t ld, int64_t n, int64_t p, int64_t num_super, uint8_t* dst) {
+  using F = typename T::F;
+  const int64_t cols = std::min<int64_t>(NR, n - p * NR);
+  // A whole panel's bytes are all written below; an edge panel's missing columns stay zero.
+  if (cols < NR) std::memset(dst, 0, num_super * F::kSuperBytes);
+  Decoded dec;
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    uint8_t* super = dst + sb * F::kSuperBytes;
+    uint16_t* header = reinterpret_cast<uint16_t*>(super);
+    for (int64_t j = 0; j < cols; ++j) {
+      T::decode(raw + (p * NR + j) * ld + sb * T::kTypeSize, dec);
+      header[j] = dec.d;
+      if constexpr (F::kHasMin) header[NR + j] = dec.m;
+      for (int b = 0; b < F::kBlocks; ++b) {
+        uint8_t* block = super + F::kHeaderBytes + b * F::kBlockBytes;
+        for (int g = 0; g < F::kGroups && F::kScales != Scales::kHalf; ++g) {
+          block[g * NR + j] = dec.sc[b * F::kGroups + g];
+          if (F::kHasMin) block[(F::kGroups + g) * NR + j] = dec.mn[b * F::kGroups + g];
+        }
+        // Column j is byte lane (j % W) * 4 of the vectors of column vector j / W.
+        uint8_t* lane = block + F::kScaleBytes + (j / W) * kQuadBytes + (j % W) * 4;
+        const uint8_t* u = dec.u + b * QK;
+        if constexpr (F::kNibbles) {
+          // k-quads 2i (low nibbles) and 2i + 1 (high) share the vector of 8i..8i + 7.
+          for (int i = 0; i < QUADS / 2; ++i)
+            for (int r = 0; r < 4; ++r)
+              lane[i * 2 * kQuadBytes + r] = static_cast<uint8_t>(u[8 * i + r] | u[8 * i + 4 + r] << 4);
+        } else {
+          for (int q = 0; q < QUADS; ++q) std::memcpy(lane + q * 2 * kQuadBytes, u + 4 * q, 4);
+        }
+      }
+    }
+  }
+}
+
+// Row j of panel `panel` back to float32: w = D (u - bias) + M with D = d (times the group's
+// scale) and M = m (times its min), the very values the file's blocks dequantize to (an embedding
+// looked up from the same panels a tied head multiplies by).
+template <typename T>
+void unpack_row(const uint8_t* panel, int64_t j, int64_t num_super, float* out) {
+  using F = typename T::F;
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    const uint8_t* super = panel + sb * F::kSuperBytes;
+    const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
+    const float d = c10::detail::fp16_ieee_to_fp32_value(header[j]);
+    const float m = F::kHasMin ? c10::detail::fp16_ieee_to_fp32_value(header[NR + j]) : 0.f;
+    for (int b = 0; b < F::kBlocks; ++b) {
+      const uint8_t* block = super + F::kHeaderBytes + b * F::kBlockBytes;
+      const uint8_t* lane = block + F::kScaleBytes + (j / W) * kQuadBytes + (j % W) * 4;
+      uint8_t u[QK];
+      if constexpr (F::kNibbles) {
+        for (int i = 0; i < QUADS / 2; ++i)
+          for (int r = 0; r < 4; ++r) {
+            const uint8_t byte = lane[i * 2 * kQuadBytes + r];
+            u[8 * i + r] = byte & 15;
+            u[8 * i + 4 + r] = byte >> 4;
+          }
+      } else {
+        for (int q = 0; q < QUADS; ++q) std::memcpy(u + 4 * q, lane + q * 2 * kQuadBytes, 4);
+      }
+      float* dst = out + (sb * F::kBlocks + b) * QK;
+      for (int i = 0; i < QK; ++i) {
+        float D = d, M = m;
+        if constexpr (F::kScales == Scales::kSuper32) {
+          D = d * static_cast<float>(block[j]);
+          M = m * static_cast<float>(block[NR + j]);
+        } else if constexpr (F::kScales == Scales::kSuper16) {
+          const int g = i / F::kGroup;
+          D = d * static_cast<float>(static_cast<int8_t>(block[g * NR + j]));
+          if constexpr (F::kHasMin) M = m * static_cast<float>(block[(F::kGroups + g) * NR + j]);
+        }
+        // D q is exact (at most 21 bits), so D q + M rounds once, as gguf's d q + m, FMA or not.
+        dst[i] = D * static_cast<float>(static_cast<int>(u[i]) - T::kBias) + M;
+      }
+    }
+  }
+}
+
+// ---- Activations ------------------------------------------------------------------------------
+
+// Per row and 32-block of x: da, and for the block, its first and its last 16 inputs (the groups
+// of super16 types) the int32 sum's start -bias sum(qa) and da sum(qa) (the offsets' factor).
+struct ActBlock {
+  float da;
+  int32_t init[3];
+  float da_sum[3];
+  float unused;
+};
+
+// x quantized per 32 inputs, by row block of up to MR_MAX rows: qa [row blocks][K / 4][MR_MAX][4]
+// and blocks [row blocks][K / 32][MR_MAX].
 struct Activations {
   const int8_t* qa;
-  const float* da;
-  const float* da_sum;
-  const int32_t* neg128_sum;
+  const ActBlock* blocks;
   int64_t k, num_blocks;
 };
 
-// m rows split into one row block (up to MR_MAX rows) or ceil(m / MR) of as even sizes as can be
+// m rows split into one row block (up to MR_MAX rows) or ceil(m / mr) of as even sizes as can be
 // (32 rows: 6, 6, 5, 5, 5, 5 rather than 5 x 6 and 2): a tile of few rows spends more per row on
 // unpacking the weights.
 struct RowBlocks {
   int64_t count, base, extra;  // the first `extra` blocks have base + 1 rows, the others base
-  explicit RowBlocks(int64_t m) : count(m <= MR_MAX ? 1 : (m + MR - 1) / MR), base(m / count), extra(m % count) {}
+  RowBlocks(int64_t m, int mr) : count(m <= MR_MAX ? 1 : (m + mr - 1) / mr), base(m / count), extra(m % count) {}
   int64_t start(int64_t j) const { return j * base + std::min(j, extra); }
   int rows(int64_t j) const { return static_cast<int>(base + (j < extra ? 1 : 0)); }
   int64_t block_of(int64_t r) const {
@@ -112,17 +396,18 @@ struct RowBlocks {
   }
 };
 
-// Rows [r0, r1) of x into the layout above.
-void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, const RowBlocks& blocks, int8_t* qa,
-                   float* da, float* da_sum, int32_t* neg128_sum) {
+// Rows [r0, r1) of x into the layout above, for weights stored with `bias`.
+void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, const RowBlocks& blocks,
+                   int32_t bias, int8_t* qa, ActBlock* act) {
   const int64_t num_blocks = k / QK;
+  constexpr int kVectors = QK / W;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t rb = blocks.block_of(r), lane = r - blocks.start(rb);
     const float* row = x + r * ldx;
     for (int64_t b = 0; b < num_blocks; ++b) {
-      vfloat v[QK / W];
+      vfloat v[kVectors];
       vfloat amax{};
-      for (int i = 0; i < QK / W; ++i) {
+      for (int i = 0; i < kVectors; ++i) {
         v[i] = vload(row + b * QK + i * W);
         const vfloat a = v[i] < vfloat{} ? -v[i] : v[i];
         amax = vmax(amax, a);
@@ -131,32 +416,44 @@ void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t 
       const float d = hmax(amax) / 127.f;
       const float id = d != 0.f ? 1.f / d : 0.f;
       int8_t q[QK];
-      vint sum{};
-      for (int i = 0; i < QK / W; ++i) {
+      vint sum[2] = {};
+      for (int i = 0; i < kVectors; ++i) {
         const vint t = round_to_int(v[i] * id);
-        sum += t;
+        sum[i >= kVectors / 2] += t;
         const vbyte bytes = __builtin_convertvector(t, vbyte);
         std::memcpy(q + i * W, &bytes, sizeof(bytes));
       }
       // |sum| < 2^24: exact in float, and a shuffle reduction rather than W lane extractions.
-      const int32_t s = static_cast<int32_t>(hsum(to_float(sum)));
+      const int32_t lo = static_cast<int32_t>(hsum(to_float(sum[0]))),
+                    hi = static_cast<int32_t>(hsum(to_float(sum[1])));
       int8_t* dst = qa + (rb * (k / 4) + b * QUADS) * MR_MAX * 4 + lane * 4;
       for (int j = 0; j < QUADS; ++j) std::memcpy(dst + j * MR_MAX * 4, q + j * 4, 4);
-      const int64_t at = (rb * num_blocks + b) * MR_MAX + lane;
-      da[at] = d;
-      da_sum[at] = d * static_cast<float>(s);
-      neg128_sum[at] = -128 * s;
+      ActBlock& a = act[(rb * num_blocks + b) * MR_MAX + lane];
+      const int32_t sums[3] = {lo + hi, lo, hi};
+      a.da = d;
+      for (int i = 0; i < 3; ++i) {
+        a.init[i] = -bias * sums[i];
+        a.da_sum[i] = d * static_cast<float>(sums[i]);
+      }
+      a.unused = 0.f;
     }
   }
 }
 
-// out[r0 + r] = bias + x_r W^T for the R rows of row block `rb` (from row r0) and one panel (`ncols` of its columns
-// stored), or with kSiluMul silu(gate) * up, W values a row. `ahead` (the next panel, or null) is
-// pulled towards the cache a block at a time while this one is multiplied.
-template <int R, bool kQ4, bool kSiluMul>
+// ---- Micro-tiles ------------------------------------------------------------------------------
+
+// kSiluMul: the panel's first W columns are gate sums, the other W the same outputs' up sums;
+// stores silu(gate) * up. kMulSilu (W = 8, where a group of 16 gate rows fills a panel): this is an
+// up panel, and c already holds the gate sums, stored by the gate panel's tile.
+enum Epilogue { kStore, kSiluMul, kMulSilu };
+constexpr Epilogue kPairEpilogue = W >= 16 ? kSiluMul : kMulSilu;
+
+// out[r0 + r] = bias + x_r W^T for the R rows of row block `rb` (from row r0) and one panel (`ncols`
+// of its columns stored), or as the epilogue says. `ahead` (the next panel, or null) is pulled
+// towards the cache a block at a time while this one is multiplied.
+template <typename F, int R, Epilogue E>
 void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* panel, const float* bias0,
                 const float* bias1, float* c, int64_t ldc, int ncols, const uint8_t* ahead) {
-  constexpr int64_t kBlockBytes = kQ4 ? kI4BlockBytes : kI8BlockBytes;
   vfloat acc0[R], acc1[R];
   const vfloat b0 = bias0 != nullptr ? vload(bias0) : vfloat{}, b1 = bias1 != nullptr ? vload(bias1) : vfloat{};
   for (int r = 0; r < R; ++r) {
@@ -164,60 +461,94 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
     acc1[r] = b1;
   }
   const int8_t* qa = act.qa + rb * act.k * MR_MAX;
-  const int64_t scales = rb * act.num_blocks * MR_MAX;
-  for (int64_t b = 0; b < act.num_blocks; ++b, qa += QK * MR_MAX) {
-    const uint8_t* block = panel + b * kBlockBytes;
-    if (ahead != nullptr)
-      for (int64_t line = 0; line < kBlockBytes; line += 64) __builtin_prefetch(ahead + b * kBlockBytes + line, 0, 2);
-    const float* d = reinterpret_cast<const float*>(block);
-    const int64_t s = scales + b * MR_MAX;
-    ivec i0[R], i1[R];
-    if constexpr (kQ4) {
-      for (int r = 0; r < R; ++r) i0[r] = i1[r] = splat_i32(0);
-      const uint8_t* qs = block + NR * 8;
-      for (int i = 0; i < QUADS / 2; ++i) {
-        const ivec w0 = load_bytes(qs + (2 * i) * kQuadBytes), w1 = load_bytes(qs + (2 * i + 1) * kQuadBytes);
-        const ivec lo0 = low_nibbles(w0), hi0 = high_nibbles(w0), lo1 = low_nibbles(w1), hi1 = high_nibbles(w1);
-        for (int r = 0; r < R; ++r) {
-          const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
-          const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
-          i0[r] = dpbusd(dpbusd(i0[r], lo0, a_lo), hi0, a_hi);
-          i1[r] = dpbusd(dpbusd(i1[r], lo1, a_lo), hi1, a_hi);
+  const ActBlock* ab = act.blocks + rb * act.num_blocks * MR_MAX;
+  const int64_t num_super = act.num_blocks / F::kBlocks;
+  // The next panel's superblock, spread over this one's blocks: a fixed count per block, unrolled
+  // (a loop to the superblock's exact end cost as many instructions as the block's arithmetic).
+  constexpr int kLinesPerBlock = static_cast<int>((F::kSuperBytes / 64 + F::kBlocks - 1) / F::kBlocks);
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    const uint8_t* super = panel + sb * F::kSuperBytes;
+    const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
+    const uint8_t* block = super + F::kHeaderBytes;
+    for (int j = 0; j < F::kBlocks; ++j, block += F::kBlockBytes, qa += QK * MR_MAX, ab += MR_MAX) {
+      if (ahead != nullptr) {
+        const uint8_t* next = ahead + sb * F::kSuperBytes + j * kLinesPerBlock * 64;
+#pragma GCC unroll 32
+        for (int line = 0; line < kLinesPerBlock; ++line) __builtin_prefetch(next + line * 64, 0, 2);
+      }
+      const uint8_t* qs = block + F::kScaleBytes;
+      // Unrolled whole, or the accumulators of a group live in memory (GCC keeps the super16 loops).
+#pragma GCC unroll 2
+      for (int g = 0; g < F::kGroups; ++g) {
+        const int sum_index = F::kGroups == 1 ? 0 : 1 + g;
+        ivec i0[R], i1[R];
+        for (int r = 0; r < R; ++r) i0[r] = i1[r] = splat_i32(ab[r].init[sum_index]);
+        if constexpr (F::kNibbles) {
+#pragma GCC unroll 4
+          for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
+            const ivec w0 = load_bytes(qs + (2 * i) * kQuadBytes), w1 = load_bytes(qs + (2 * i + 1) * kQuadBytes);
+            const ivec lo0 = low_nibbles(w0), hi0 = high_nibbles(w0), lo1 = low_nibbles(w1), hi1 = high_nibbles(w1);
+            for (int r = 0; r < R; ++r) {
+              const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
+              const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
+              i0[r] = dpbusd(dpbusd(i0[r], lo0, a_lo), hi0, a_hi);
+              i1[r] = dpbusd(dpbusd(i1[r], lo1, a_lo), hi1, a_hi);
+            }
+          }
+        } else {
+#pragma GCC unroll 8
+          for (int q = g * F::kGroup / 4; q < (g + 1) * F::kGroup / 4; ++q) {
+            const ivec w0 = load_bytes(qs + (2 * q) * kQuadBytes), w1 = load_bytes(qs + (2 * q + 1) * kQuadBytes);
+            for (int r = 0; r < R; ++r) {
+              const ivec a = splat_i32(quad_at(qa + (q * MR_MAX + r) * 4));
+              i0[r] = dpbusd(i0[r], w0, a);
+              i1[r] = dpbusd(i1[r], w1, a);
+            }
+          }
         }
-      }
-      const vfloat d0 = vload(d), d1 = vload(d + W), m0 = vload(d + NR), m1 = vload(d + NR + W);
-      for (int r = 0; r < R; ++r) {
-        const vfloat da = vsplat(act.da[s + r]), da_sum = vsplat(act.da_sum[s + r]);
-        // Two separate updates: two FMAs, where one expression would take an FMA and an add.
-        acc0[r] += to_float((vint)i0[r]) * (d0 * da);
-        acc0[r] += m0 * da_sum;
-        acc1[r] += to_float((vint)i1[r]) * (d1 * da);
-        acc1[r] += m1 * da_sum;
-      }
-    } else {
-      for (int r = 0; r < R; ++r) i0[r] = i1[r] = splat_i32(act.neg128_sum[s + r]);
-      const uint8_t* qs = block + NR * 4;
-      for (int j = 0; j < QUADS; ++j) {
-        const ivec w0 = load_bytes(qs + (2 * j) * kQuadBytes), w1 = load_bytes(qs + (2 * j + 1) * kQuadBytes);
-        for (int r = 0; r < R; ++r) {
-          const ivec a = splat_i32(quad_at(qa + (j * MR_MAX + r) * 4));
-          i0[r] = dpbusd(i0[r], w0, a);
-          i1[r] = dpbusd(i1[r], w1, a);
+        // The group's D and M, shared by the rows.
+        vfloat d0 = load_half(header), d1 = load_half(header + W), m0{}, m1{};
+        if constexpr (F::kHasMin) {
+          m0 = load_half(header + NR);
+          m1 = load_half(header + NR + W);
         }
-      }
-      const vfloat d0 = vload(d), d1 = vload(d + W);
-      for (int r = 0; r < R; ++r) {
-        const vfloat da = vsplat(act.da[s + r]);
-        acc0[r] += to_float((vint)i0[r]) * (d0 * da);
-        acc1[r] += to_float((vint)i1[r]) * (d1 * da);
+        if constexpr (F::kScales == Scales::kSuper32) {
+          d0 *= to_float(widen(block));
+          d1 *= to_float(widen(block + W));
+          m0 *= to_float(widen(block + NR));
+          m1 *= to_float(widen(block + NR + W));
+        } else if constexpr (F::kScales == Scales::kSuper16) {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(block) + g * NR;
+          d0 *= to_float(widen(sc));
+          d1 *= to_float(widen(sc + W));
+          if constexpr (F::kHasMin) {
+            const uint8_t* mn = block + (F::kGroups + g) * NR;
+            m0 *= to_float(widen(mn));
+            m1 *= to_float(widen(mn + W));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const vfloat da = vsplat(ab[r].da);
+          // Separate updates: FMAs, where one expression would take an FMA and an add.
+          acc0[r] += to_float((vint)i0[r]) * (d0 * da);
+          acc1[r] += to_float((vint)i1[r]) * (d1 * da);
+          if constexpr (F::kHasMin) {
+            const vfloat da_sum = vsplat(ab[r].da_sum[sum_index]);
+            acc0[r] += m0 * da_sum;
+            acc1[r] += m1 * da_sum;
+          }
+        }
       }
     }
   }
   float edge[NR];
   for (int r = 0; r < R; ++r) {
     float* row = c + (r0 + r) * ldc;
-    if constexpr (kSiluMul) {
+    if constexpr (E == kSiluMul) {
       vstore(row, silu(acc0[r]) * acc1[r]);
+    } else if constexpr (E == kMulSilu) {
+      vstore(row, silu(vload(row)) * acc0[r]);
+      vstore(row + W, silu(vload(row + W)) * acc1[r]);
     } else if (ncols == NR) {
       vstore(row, acc0[r]);
       vstore(row + W, acc1[r]);
@@ -231,81 +562,115 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
 
 using MicroTile = void (*)(const Activations&, int64_t, int64_t, const uint8_t*, const float*, const float*, float*,
                            int64_t, int, const uint8_t*);
+// [plain, gate/up pair][rows - 1]
+using TileTable = std::array<std::array<MicroTile, MR_MAX>, 2>;
 
-template <bool kQ4, bool kSiluMul, size_t... I>
-constexpr auto make_tiles(std::index_sequence<I...>) {
-  return std::array<MicroTile, sizeof...(I)>{&micro_tile<static_cast<int>(I) + 1, kQ4, kSiluMul>...};
+template <typename F, Epilogue E, size_t... I>
+constexpr std::array<MicroTile, sizeof...(I)> make_tiles(std::index_sequence<I...>) {
+  return {&micro_tile<F, static_cast<int>(I) + 1, E>...};
 }
-// [4-bit][silu * up]: tiles of 1..MR_MAX rows.
-constexpr std::array<std::array<std::array<MicroTile, MR_MAX>, 2>, 2> kTiles = {{
-    {{make_tiles<false, false>(std::make_index_sequence<MR_MAX>{}),
-      make_tiles<false, true>(std::make_index_sequence<MR_MAX>{})}},
-    {{make_tiles<true, false>(std::make_index_sequence<MR_MAX>{}),
-      make_tiles<true, true>(std::make_index_sequence<MR_MAX>{})}},
-}};
+template <typename F>
+constexpr TileTable kTilesOf = {make_tiles<F, kStore>(std::make_index_sequence<MR_MAX>{}),
+                                make_tiles<F, kPairEpilogue>(std::make_index_sequence<MR_MAX>{})};
+
+// What the ops need of a type at run time.
+struct TypeInfo {
+  int type, block, type_size, bias;
+  int64_t super_bytes;  // per panel and file block (superblock)
+  const TileTable* tiles;
+  void (*pack)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, uint8_t*);
+  void (*unpack)(const uint8_t*, int64_t, int64_t, float*);
+};
+template <typename T>
+constexpr TypeInfo info_of() {
+  return {T::kType,       T::kBlock,     T::kTypeSize, T::kBias, T::F::kSuperBytes, &kTilesOf<typename T::F>,
+          &pack_panel<T>, &unpack_row<T>};
+}
+constexpr std::array<TypeInfo, 10> kTypes = {info_of<Q4_0>(), info_of<Q4_1>(), info_of<Q5_0>(), info_of<Q5_1>(),
+                                             info_of<Q8_0>(), info_of<Q2_K>(), info_of<Q3_K>(), info_of<Q4_K>(),
+                                             info_of<Q5_K>(), info_of<Q6_K>()};
+
+const TypeInfo* find_type(int64_t ggml_type) {
+  for (const TypeInfo& t : kTypes)
+    if (t.type == ggml_type) return &t;
+  return nullptr;
+}
 
 // Quantizing is a serial pass over x before the panels' threads start; from this many rows on it
 // is split over the threads too (waking them costs less than the pass).
 constexpr int64_t kQuantizeParallelRows = 16;
 
-// [N, K] -> int8 [ceil(N / NR), K / QK, block bytes] in the layout above, or an undefined tensor
-// as soon as one block is not exactly a block of that form.
-template <bool Q4>
-at::Tensor pack_int8_blocks(const at::Tensor& w) {
-  // Column j is byte lane (j % W) * 4 of the vectors of column vector j / W.
-  auto lane_of = [](uint8_t* block, int64_t j) {
-    return block + (Q4 ? NR * 8 : NR * 4) + (j / W) * kQuadBytes + (j % W) * 4;
-  };
-  if constexpr (Q4) {
-    return pack_exact_blocks<true>(w, kI4BlockBytes, at::kChar, [&](uint8_t* block, int64_t j, const uint8_t* q) {
-      uint8_t* lane = lane_of(block, j);
-      // k-quads 2i (low nibbles) and 2i + 1 (high) share the vector of 8i..8i + 7.
-      for (int i = 0; i < QK; ++i)
-        lane[(i / 8) * 2 * kQuadBytes + i % 4] |= static_cast<uint8_t>(q[i] << (i % 8 < 4 ? 0 : 4));
-    });
-  } else {
-    return pack_exact_blocks<false>(w, kI8BlockBytes, at::kChar, [&](uint8_t* block, int64_t j, const uint8_t* q) {
-      uint8_t* lane = lane_of(block, j);
-      const int8_t* q8 = reinterpret_cast<const int8_t*>(q);
-      for (int i = 0; i < QK; ++i) lane[(i / 4) * 2 * kQuadBytes + i % 4] = static_cast<uint8_t>(q8[i] + 128);
-    });
-  }
-}
-
+#else
+struct TypeInfo {
+  int type, block, type_size, bias;
+};
+const TypeInfo* find_type(int64_t) { return nullptr; }
 #endif  // PAGELLM_INT8
 
 bool int8_supported() { return PAGELLM_INT8 != 0; }
 
-// The weight as int8-kernel panels of its 4-bit blocks, else its 8-bit blocks, else nothing. With
-// silu_mul, a gate/up weight [2d, K] (gate rows first) is reordered first as pack_weight_silu_mul
-// does, so each panel holds W gate columns then the matching W up columns.
-c10::optional<at::Tensor> pack_weight_int8(const at::Tensor& weight, bool silu_mul) {
-  at::Tensor w = weight_to_pack(weight, "pack_weight_int8");
-  if (silu_mul) w = gate_up_interleaved(w, W, "pack_weight_int8");
+std::vector<int64_t> int8_types() {
+  std::vector<int64_t> types;
 #if PAGELLM_INT8
-  if (w.size(1) % QK != 0 || w.size(1) == 0) return c10::nullopt;
-  if (at::Tensor q4 = pack_int8_blocks<true>(w); q4.defined()) return q4;
-  if (at::Tensor q8 = pack_int8_blocks<false>(w); q8.defined()) return q8;
+  for (const TypeInfo& t : kTypes) types.push_back(t.type);
 #endif
-  return c10::nullopt;
+  return types;
 }
 
-void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                 bool silu_mul) {
+const TypeInfo& checked_type(int64_t ggml_type, const char* op) {
+  const TypeInfo* t = find_type(ggml_type);
+  TORCH_CHECK_VALUE(t != nullptr, op, ": GGML type ", ggml_type, " is not one this build's int8 kernel takes",
+                    PAGELLM_INT8 ? "" : " (it has no int8 dot products: needs AVX512-VNNI or AVX-VNNI)");
+  return *t;
+}
+
+// raw uint8 [N, row bytes]: each row one output's blocks as the file stores them.
+at::Tensor pack_weight_int8(const at::Tensor& raw, int64_t ggml_type, int64_t in_features) {
+  const TypeInfo& t = checked_type(ggml_type, "pack_weight_int8");
+  TORCH_CHECK_VALUE(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.stride(1) == 1 &&
+                        raw.size(0) > 0,
+                    "pack_weight_int8: raw must be a 2-D uint8 CPU tensor of rows of blocks, with contiguous rows");
+  TORCH_CHECK_VALUE(in_features > 0 && in_features % t.block == 0, "pack_weight_int8: in_features (", in_features,
+                    ") must be a positive multiple of the type's block of ", t.block);
+  const int64_t num_super = in_features / t.block;
+  TORCH_CHECK_VALUE(raw.size(1) == num_super * t.type_size, "pack_weight_int8: rows of ", raw.size(1), " bytes, but ",
+                    in_features, " inputs take ", num_super * t.type_size);
+#if PAGELLM_INT8
+  const int64_t n = raw.size(0), panels = (n + NR - 1) / NR, panel_bytes = num_super * t.super_bytes;
+  at::Tensor packed = at::empty({panels, panel_bytes}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int64_t ld = raw.stride(0);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) t.pack(src, ld, n, p, num_super, dst + p * panel_bytes);
+  });
+  return packed;
+#else
+  return at::Tensor();
+#endif
+}
+
+void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,
+                 const c10::optional<at::Tensor>& bias, bool silu_mul) {
+  const TypeInfo& t = checked_type(ggml_type, "linear_int8");
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
                     "linear_int8: x must be a 2-D float32 CPU tensor with contiguous rows");
   TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
                         out.size(0) == x.size(0),
                     "linear_int8: out must be float32 [rows of x, N] with contiguous rows");
-  TORCH_CHECK_VALUE(
-      packed.device().is_cpu() && packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.is_contiguous() &&
-          (packed.size(2) == kI4BlockBytes || packed.size(2) == kI8BlockBytes) && packed.size(1) * QK == x.size(1) &&
-          packed.size(0) > 0,
-      "linear_int8: packed must come from pack_weight_int8 for this input width (", NR, " columns per panel)");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = packed.size(0);
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  TORCH_CHECK_VALUE(k > 0 && k % t.block == 0, "linear_int8: the input width ", k,
+                    " is not a positive multiple of the type's block of ", t.block);
+#if PAGELLM_INT8
+  const int64_t num_blocks = k / QK, panel_bytes = k / t.block * t.super_bytes;
+  TORCH_CHECK_VALUE(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+                        packed.is_contiguous() && packed.size(0) > 0 && packed.size(1) == panel_bytes,
+                    "linear_int8: packed must come from pack_weight_int8 for this type and input width (", panel_bytes,
+                    " bytes per panel of ", NR, " columns)");
+  const int64_t panels = packed.size(0);
   if (silu_mul) {
-    TORCH_CHECK_VALUE(n == panels * W, "linear_int8: out has ", n, " columns, packed holds ", panels,
-                      " gate/up panel pairs of ", W);
+    TORCH_CHECK_VALUE(n % 16 == 0 && n == panels * W, "linear_int8: out has ", n, " columns, packed holds ",
+                      panels * NR, " interleaved gate/up rows (a multiple of 32 for a fused SiLU-and-mul)");
   } else {
     TORCH_CHECK_VALUE(n <= panels * NR && n > (panels - 1) * NR, "linear_int8: out has ", n, " columns, packed holds ",
                       panels, " panels of ", NR);
@@ -317,81 +682,116 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
         "linear_int8: bias must be contiguous float32 of ", silu_mul ? 2 * n : n, " elements");
     bias_ptr = bias->data_ptr<float>();
   }
-#if PAGELLM_INT8
   if (m == 0) return;
-  const RowBlocks row_blocks(m);
-  const int64_t num_blocks = k / QK;
+  const RowBlocks row_blocks(m, MR);
   // The worker threads reach these through pointers: their own thread_locals are other buffers.
   thread_local std::vector<int8_t> qa;
-  thread_local std::vector<float> da, da_sum;
-  thread_local std::vector<int32_t> neg128_sum;
+  thread_local std::vector<ActBlock> act_blocks;
   qa.resize(row_blocks.count * MR_MAX * k);
-  da.resize(row_blocks.count * MR_MAX * num_blocks);
-  da_sum.resize(da.size());
-  neg128_sum.resize(da.size());
+  act_blocks.resize(row_blocks.count * MR_MAX * num_blocks);
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
+  int8_t* qa_ptr = qa.data();
+  ActBlock* act_ptr = act_blocks.data();
   auto quantize = [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp, ldx, r0, r1, k, row_blocks, qa.data(), da.data(), da_sum.data(), neg128_sum.data());
+    quantize_rows(xp, ldx, r0, r1, k, row_blocks, t.bias, qa_ptr, act_ptr);
   };
   if (m >= kQuantizeParallelRows) {
-    int8_t* qa_ptr = qa.data();
-    float *da_ptr = da.data(), *da_sum_ptr = da_sum.data();
-    int32_t* neg_ptr = neg128_sum.data();
-    at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
-      quantize_rows(xp, ldx, r0, r1, k, row_blocks, qa_ptr, da_ptr, da_sum_ptr, neg_ptr);
-    });
+    at::parallel_for(0, m, 8, quantize);
   } else {
     quantize(0, m);
   }
-  const Activations act{qa.data(), da.data(), da_sum.data(), neg128_sum.data(), k, num_blocks};
-  const bool q4 = packed.size(2) == kI4BlockBytes;
-  const int64_t block_bytes = packed.size(2);
-  const auto& tiles = kTiles[q4][silu_mul];
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
+  const Activations act{qa_ptr, act_ptr, k, num_blocks};
+  const TileTable& tiles = *t.tiles;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
   float* c = out.data_ptr<float>();
   const int64_t ldc = out.stride(0);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = w + p * num_blocks * block_bytes;
-      const int ncols = silu_mul ? W : static_cast<int>(std::min<int64_t>(NR, n - p * NR));
-      float* c_panel = c + p * (silu_mul ? W : NR);
+  // With W < 16 a gate/up group of 32 rows is two panels, run by one thread: gate, then up.
+  const bool pairs = silu_mul && kPairEpilogue == kMulSilu;
+  at::parallel_for(0, pairs ? panels / 2 : panels, 1, [&](int64_t begin, int64_t end) {
+    const int64_t first = pairs ? 2 * begin : begin, last = pairs ? 2 * end : end;
+    float edge[NR];
+    for (int64_t p = first; p < last; ++p) {
+      const uint8_t* panel = w + p * panel_bytes;
+      const bool up = pairs && p % 2 == 1;
+      int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
+      float* c_panel = c + p * NR;
       const float *b0 = nullptr, *b1 = nullptr;
-      float edge[NR];
-      if (bias_ptr != nullptr && silu_mul) {
-        b0 = bias_ptr + p * W;
-        b1 = bias_ptr + n + p * W;
+      if (pairs) {
+        // Panel 2g holds gate outputs [16g, 16g + 16), panel 2g + 1 the same outputs' up rows.
+        ncols = NR;
+        c_panel = c + (p / 2) * NR;
+        if (bias_ptr != nullptr) b0 = bias_ptr + (up ? n : 0) + (p / 2) * NR;
+      } else if (silu_mul) {
+        c_panel = c + p * W;
+        if (bias_ptr != nullptr) b0 = bias_ptr + p * W, b1 = bias_ptr + n + p * W;
       } else if (bias_ptr != nullptr) {
         std::memset(edge, 0, sizeof(edge));
         std::memcpy(edge, bias_ptr + p * NR, ncols * sizeof(float));
         b0 = edge;
-        b1 = edge + W;
       }
+      if (b0 != nullptr && b1 == nullptr) b1 = b0 + W;
+      const MicroTile* row_tiles = tiles[silu_mul && (!pairs || up)].data();
       // The first row block pulls in the next panel (the hardware prefetcher stops at pages).
-      const uint8_t* ahead = p + 1 < end ? panel + num_blocks * block_bytes : nullptr;
+      const uint8_t* ahead = p + 1 < last ? panel + panel_bytes : nullptr;
       for (int64_t rb = 0; rb < row_blocks.count; ++rb) {
-        tiles[row_blocks.rows(rb) - 1](act, rb, row_blocks.start(rb), panel, b0, b1, c_panel, ldc, ncols,
-                                       rb == 0 ? ahead : nullptr);
+        row_tiles[row_blocks.rows(rb) - 1](act, rb, row_blocks.start(rb), panel, b0, b1, c_panel, ldc, ncols,
+                                           rb == 0 ? ahead : nullptr);
       }
     }
   });
 #else
-  (void)m, (void)k, (void)bias_ptr;
+  (void)m, (void)n, (void)packed, (void)bias, (void)silu_mul;
   TORCH_CHECK(false, "linear_int8: this build has no int8 dot products (needs AVX512-VNNI or AVX-VNNI)");
 #endif
+}
+
+// Rows `ids` of the weight in `packed` as float32 [ids, in_features]: an embedding table kept
+// only in the int8 kernel's panels.
+at::Tensor int8_rows(const at::Tensor& packed, int64_t ggml_type, int64_t in_features, const at::Tensor& ids) {
+  const TypeInfo& t = checked_type(ggml_type, "int8_rows");
+  TORCH_CHECK_VALUE(in_features > 0 && in_features % t.block == 0, "int8_rows: in_features (", in_features,
+                    ") must be a positive multiple of the type's block of ", t.block);
+  TORCH_CHECK_VALUE(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1,
+                    "int8_rows: ids must be a 1-D int64 CPU tensor");
+  at::Tensor out = at::empty({ids.size(0), in_features}, packed.options().dtype(at::kFloat));
+#if PAGELLM_INT8
+  const int64_t num_super = in_features / t.block, panel_bytes = num_super * t.super_bytes;
+  TORCH_CHECK_VALUE(
+      packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == panel_bytes,
+      "int8_rows: packed must come from pack_weight_int8 for this type and input width");
+  const at::Tensor index = ids.contiguous();
+  const int64_t* id = index.data_ptr<int64_t>();
+  const int64_t rows = packed.size(0) * NR;
+  for (int64_t i = 0; i < index.numel(); ++i)
+    TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < rows, "int8_rows: row ", id[i], " is outside the ", rows, " packed rows");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, index.numel(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      t.unpack(w + id[i] / NR * panel_bytes, id[i] % NR, num_super, o + i * in_features);
+  });
+#else
+  (void)packed;
+  TORCH_CHECK(false, "int8_rows: this build has no int8 dot products");
+#endif
+  return out;
 }
 
 }  // namespace
 }  // namespace pagellm
 
 TORCH_LIBRARY(pagellm_gemm_int8, m) {
-  m.def("pack_weight_int8(Tensor weight, bool silu_mul) -> Tensor?");
-  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, bool silu_mul) -> ()");
+  m.def("pack_weight_int8(Tensor raw, int ggml_type, int in_features) -> Tensor");
+  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor packed, int ggml_type, Tensor? bias, bool silu_mul) -> ()");
   // No tensor arguments to dispatch on: one kernel for every backend.
   m.def("int8_supported() -> bool", &pagellm::int8_supported);
+  m.def("int8_types() -> int[]", &pagellm::int8_types);
+  m.def("int8_rows(Tensor packed, int ggml_type, int in_features, Tensor ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_gemm_int8, CPU, m) {
   m.impl("pack_weight_int8", &pagellm::pack_weight_int8);
   m.impl("linear_int8", &pagellm::linear_int8);
+  m.impl("int8_rows", &pagellm::int8_rows);
 }

@@ -1,0 +1,293 @@
+"""How a linear layer holds its weight and multiplies by it: one method per layer, chosen from the
+checkpoint's own tensors (vLLM's ``LinearMethodBase``: the layer loads its shards as stored, then
+:func:`create_linear_method` processes them once into the method's form, which ``apply`` uses).
+
+- :class:`DenseMethod`: the weight in the model's dtype; on a CPU in float32 also as panels for the
+  small-batch kernel (``ops.linear_packed``), BLAS for large batches. The exact path.
+- :class:`BF16Method`: bfloat16 panels for ``vdpbf16ps`` (AVX512_BF16), packed straight from a
+  bfloat16 checkpoint's values; no float32 copy is kept.
+- :class:`GGUFInt8Method`: a GGUF weight's blocks repacked for the int8 dot-product kernel
+  (``ops.linear_int8``), whatever its type (Q4_0 ... Q6_K); the file's blocks are not kept.
+- :class:`SegmentedMethod`: a fused projection whose parts differ (Q4_K_M stores ``attn_v`` as
+  Q6_K beside Q4_K ``attn_q``/``attn_k``): each part's method writes its own output columns.
+
+Sources that no fast form takes (an IQ type, a weight whose width cuts its blocks) are dequantized
+with gguf's own dequantizer, so every path computes from the values transformers would load.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+
+from pagellm.config import LinearPrecision
+from pagellm.kernels import ops
+from pagellm.kernels.tuning import F32_PANELS, CpuTuning
+from pagellm.models.gguf_types import GGUFWeight, kernel_takes
+
+logger = logging.getLogger(__name__)
+
+WeightSource = GGUFWeight | torch.Tensor
+
+# Up to this many rows float32 panels beat BLAS on the machines measured; beyond it BLAS's
+# blocking wins. The default until CpuTuning holds this machine's own crossover.
+PACKED_MAX_ROWS = 96
+# The kernels' fused SiLU-and-mul pairs gate and up columns in groups of one vector (AVX-512).
+SILU_MUL_GROUP = 16
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.stride(-1) == 1 and ops.supports(x)
+
+
+class LinearMethod(ABC):
+    """A weight ``[out_features, in_features]`` in one form, and its product with ``x``."""
+
+    out_features: int
+    # Whether ``apply_silu_mul`` fuses the activation into the product (a gate/up weight packed so).
+    fused_silu_mul: bool = False
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x @ W.T + bias``."""
+
+    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``silu(x @ gate.T) * (x @ up.T)`` for a gate/up weight (gate rows first)."""
+        return ops.silu_and_mul(self.apply(x, bias))
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this form keeps resident."""
+
+    @property
+    @abstractmethod
+    def form(self) -> str:
+        """A short name of the stored form, for logs and the memory plan."""
+
+    def use_cpu_tuning(self, tuning: CpuTuning) -> None:  # noqa: B027 - most forms measure nothing
+        """Takes this machine's measured limits, where the form has any."""
+
+
+class DenseMethod(LinearMethod):
+    """The weight as a dense tensor (float32 on a CPU: the exact path), plus float32 panels for
+    small batches where the CPU kernels take it."""
+
+    def __init__(self, weight: torch.Tensor, silu_and_mul: bool, has_bias: bool) -> None:
+        self.weight = weight.contiguous()
+        self.out_features = weight.shape[0]
+        self.panels: Optional[torch.Tensor] = None
+        self.packed_max_rows = PACKED_MAX_ROWS
+        if not ops.supports(self.weight):
+            return
+        if silu_and_mul and not has_bias:
+            try:
+                self.panels = ops.pack_weight_silu_mul(self.weight)
+                self.fused_silu_mul = True
+                return
+            except ValueError:  # half the rows is not a whole number of vectors: two steps then
+                pass
+        self.panels = ops.pack_weight(self.weight)
+
+    def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.panels is not None and not self.fused_silu_mul and x.shape[0] <= self.packed_max_rows and _rows_ok(x):
+            out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+            ops.linear_packed(out, x, self.panels, bias)
+            return out
+        return F.linear(x, self.weight, bias)
+
+    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fused_silu_mul and bias is None and x.shape[0] <= self.packed_max_rows and _rows_ok(x):
+            out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
+            ops.linear_packed_silu_mul(out, x, self.panels)
+            return out
+        return ops.silu_and_mul(F.linear(x, self.weight, bias))
+
+    @property
+    def nbytes(self) -> int:
+        panels = 0 if self.panels is None else self.panels.numel() * self.panels.element_size()
+        return self.weight.numel() * self.weight.element_size() + panels
+
+    @property
+    def form(self) -> str:
+        dtype = str(self.weight.dtype).removeprefix("torch.")
+        return f"{dtype} + panels" if self.panels is not None else dtype
+
+    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
+        limits = tuning.limits_for(F32_PANELS)
+        if limits is not None and self.panels is not None:
+            self.packed_max_rows = limits.packed_max_rows
+
+
+class BF16Method(LinearMethod):
+    """bfloat16 panels, every batch size (they beat float32 BLAS even at a long prefill's rows)."""
+
+    def __init__(self, weight: torch.Tensor, silu_and_mul: bool) -> None:
+        self.out_features = weight.shape[0]
+        if silu_and_mul:
+            try:
+                self.packed = ops.pack_weight_bf16(weight, True)
+                self.fused_silu_mul = True
+                return
+            except ValueError:
+                pass
+        self.packed = ops.pack_weight_bf16(weight, False)
+
+    def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fused_silu_mul:
+            raise ValueError("a gate/up weight packed for the fused activation goes through apply_silu_mul")
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        ops.linear_bf16(out, x.contiguous(), self.packed, bias, False)
+        return out
+
+    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.fused_silu_mul:
+            return ops.silu_and_mul(self.apply(x, bias))
+        out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
+        ops.linear_bf16(out, x.contiguous(), self.packed, bias, True)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+    @property
+    def form(self) -> str:
+        return "bf16 panels"
+
+
+class GGUFInt8Method(LinearMethod):
+    """One GGUF type's blocks, repacked once for the int8 kernel; with ``silu_and_mul`` the gate
+    and up rows are interleaved first (in groups of one vector) so the kernel stores silu(gate) * up."""
+
+    def __init__(self, weight: GGUFWeight, silu_and_mul: bool = False, packed: Optional[torch.Tensor] = None) -> None:
+        """``packed``: the weight already packed (a tied head sharing its embedding's panels)."""
+        self.ggml_type = weight.ggml_type
+        self.out_features = weight.rows
+        self.in_features = weight.cols
+        if packed is not None:
+            self.packed = packed
+            return
+        data = weight.data
+        if silu_and_mul and weight.rows % (2 * SILU_MUL_GROUP) == 0:
+            half = weight.rows // 2
+            data = data.view(2, half // SILU_MUL_GROUP, SILU_MUL_GROUP, -1).transpose(0, 1).reshape(weight.rows, -1)
+            self.fused_silu_mul = True
+        self.packed = ops.pack_weight_int8(data.contiguous(), int(self.ggml_type), weight.cols)
+
+    def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fused_silu_mul:
+            raise ValueError("a gate/up weight packed for the fused activation goes through apply_silu_mul")
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        self.apply_into(out, x.contiguous(), bias)
+        return out
+
+    def apply_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        ops.linear_int8(out, x, self.packed, int(self.ggml_type), bias, False)
+
+    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.fused_silu_mul:
+            return ops.silu_and_mul(self.apply(x, bias))
+        out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
+        ops.linear_int8(out, x.contiguous(), self.packed, int(self.ggml_type), bias, True)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+    @property
+    def form(self) -> str:
+        return f"{self.ggml_type.name} int8-kernel blocks"
+
+
+class SegmentedMethod(LinearMethod):
+    """Parts of a fused projection in different forms, each writing its own output columns."""
+
+    def __init__(self, parts: list[LinearMethod]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+
+    def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        x = x.contiguous()
+        start = 0
+        for part in self.parts:
+            end = start + part.out_features
+            part_bias = None if bias is None else bias[start:end]
+            if isinstance(part, GGUFInt8Method):
+                part.apply_into(out[:, start:end], x, part_bias)
+            else:
+                out[:, start:end] = part.apply(x, part_bias)
+            start = end
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def form(self) -> str:
+        return " | ".join(p.form for p in self.parts)
+
+    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
+        for part in self.parts:
+            part.use_cpu_tuning(tuning)
+
+
+def _as_dense(source: WeightSource) -> torch.Tensor:
+    return source.dequantize() if isinstance(source, GGUFWeight) else source
+
+
+def _float_method(
+    sources: list[WeightSource], precision: LinearPrecision, device: torch.device, dtype: torch.dtype, silu: bool, has_bias: bool
+) -> LinearMethod:
+    if device.type == "cpu" and precision.fallback == "bfloat16":
+        parts = [_as_dense(s) for s in sources]
+        same = all(p.dtype == parts[0].dtype for p in parts)
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts if same else [p.float() for p in parts])
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            weight = weight.float()
+        return BF16Method(weight, silu)
+    parts = [_as_dense(s).to(device=device, dtype=dtype) for s in sources]
+    # One part is used as it is: a tied head then shares the embedding's float table.
+    return DenseMethod(parts[0] if len(parts) == 1 else torch.cat(parts), silu, has_bias)
+
+
+def create_linear_method(
+    sources: list[WeightSource],
+    precision: LinearPrecision,
+    device: torch.device,
+    dtype: torch.dtype,
+    silu_and_mul: bool = False,
+    has_bias: bool = False,
+) -> LinearMethod:
+    """The method for a layer whose weight is ``sources`` stacked by rows (the shards of a fused
+    projection in order, or one tensor), as stored in the checkpoint; ``precision`` says what the
+    linear layers compute in (pagellm.models.precision)."""
+    use_kernel = device.type == "cpu" and precision.kind == "int8"
+
+    def kind(source: WeightSource) -> str:
+        if use_kernel and isinstance(source, GGUFWeight) and kernel_takes(source.ggml_type):
+            return source.ggml_type.name
+        return "float"
+
+    groups: list[tuple[str, list[WeightSource]]] = []
+    for source in sources:
+        k = kind(source)
+        if groups and groups[-1][0] == k:
+            groups[-1][1].append(source)
+        else:
+            groups.append((k, [source]))
+
+    def build(k: str, group: list[WeightSource], silu: bool) -> LinearMethod:
+        if k == "float":
+            return _float_method(group, precision, device, dtype, silu, has_bias)
+        return GGUFInt8Method(GGUFWeight.cat_rows(group), silu)  # type: ignore[arg-type]
+
+    if len(groups) == 1:
+        return build(*groups[0], silu_and_mul)
+    return SegmentedMethod([build(k, group, False) for k, group in groups])
