@@ -94,7 +94,7 @@ def get_max_model_len(hf_config: PretrainedConfig) -> int:
 
 
 def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the directory's safetensors checkpoint, shard by shard."""
+    """Every tensor of the directory's safetensors checkpoint as stored (its dtype), shard by shard."""
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -107,7 +107,9 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                # A copy of its own: the tensor is a view of the file's map, and a layer that keeps
+                # it (an embedding table) would keep every page of the file resident.
+                yield name, f.get_tensor(name).clone()
 
 
 def load_model(
