@@ -16,20 +16,28 @@ class HFGreedy:
     top_logprobs: list[dict[int, float]]  # per generated position, the top-5
 
 
+def hf_gguf_model(path: str) -> torch.nn.Module:
+    """transformers' own GGUF load of ``path``, dequantized to float32: the test oracle."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path),
+        gguf_file=os.path.basename(path),
+        dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+        local_files_only=True,
+    ).eval()
+
+
 @lru_cache(maxsize=1)
 def hf_model_and_tokenizer():
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoTokenizer
 
     from pagellm.models.loader import default_model_path
 
     path = default_model_path()
-    directory, name = os.path.dirname(path), os.path.basename(path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
-    model.eval()
-    return model, tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return hf_gguf_model(path), tokenizer
 
 
 @torch.inference_mode()

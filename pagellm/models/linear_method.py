@@ -122,7 +122,35 @@ class DenseMethod(LinearMethod):
             self.packed_max_rows = limits.packed_max_rows
 
 
-class BF16Method(LinearMethod):
+class _PanelsMethod(LinearMethod):
+    """A weight packed once into a kernel's panels (``packed``), which take every batch size."""
+
+    packed: torch.Tensor
+
+    @abstractmethod
+    def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool) -> None:
+        """The kernel: ``out = x @ W.T + bias`` (``silu(gate) * up`` with ``silu_mul``)."""
+
+    def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fused_silu_mul:
+            raise ValueError("a gate/up weight packed for the fused activation goes through apply_silu_mul")
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        self.product_into(out, x.contiguous(), bias, False)
+        return out
+
+    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.fused_silu_mul:
+            return ops.silu_and_mul(self.apply(x, bias))
+        out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
+        self.product_into(out, x.contiguous(), bias, True)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+class BF16Method(_PanelsMethod):
     """bfloat16 panels, every batch size (they beat float32 BLAS even at a long prefill's rows)."""
 
     def __init__(self, weight: torch.Tensor, silu_and_mul: bool) -> None:
@@ -136,41 +164,22 @@ class BF16Method(LinearMethod):
                 pass
         self.packed = ops.pack_weight_bf16(weight, False)
 
-    def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.fused_silu_mul:
-            raise ValueError("a gate/up weight packed for the fused activation goes through apply_silu_mul")
-        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
-        ops.linear_bf16(out, x.contiguous(), self.packed, bias, False)
-        return out
-
-    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if not self.fused_silu_mul:
-            return ops.silu_and_mul(self.apply(x, bias))
-        out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
-        ops.linear_bf16(out, x.contiguous(), self.packed, bias, True)
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
+    def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool) -> None:
+        ops.linear_bf16(out, x, self.packed, bias, silu_mul)
 
     @property
     def form(self) -> str:
         return "bf16 panels"
 
 
-class GGUFInt8Method(LinearMethod):
+class GGUFInt8Method(_PanelsMethod):
     """One GGUF type's blocks, repacked once for the int8 kernel; with ``silu_and_mul`` the gate
     and up rows are interleaved first (in groups of one vector) so the kernel stores silu(gate) * up."""
 
-    def __init__(self, weight: GGUFWeight, silu_and_mul: bool = False, packed: Optional[torch.Tensor] = None) -> None:
-        """``packed``: the weight already packed (a tied head sharing its embedding's panels)."""
+    def __init__(self, weight: GGUFWeight, silu_and_mul: bool = False) -> None:
         self.ggml_type = weight.ggml_type
         self.out_features = weight.rows
         self.in_features = weight.cols
-        if packed is not None:
-            self.packed = packed
-            return
         data = weight.data
         if silu_and_mul and weight.rows % (2 * SILU_MUL_GROUP) == 0:
             half = weight.rows // 2
@@ -178,26 +187,8 @@ class GGUFInt8Method(LinearMethod):
             self.fused_silu_mul = True
         self.packed = ops.pack_weight_int8(data.contiguous(), int(self.ggml_type), weight.cols)
 
-    def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.fused_silu_mul:
-            raise ValueError("a gate/up weight packed for the fused activation goes through apply_silu_mul")
-        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
-        self.apply_into(out, x.contiguous(), bias)
-        return out
-
-    def apply_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        ops.linear_int8(out, x, self.packed, int(self.ggml_type), bias, False)
-
-    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if not self.fused_silu_mul:
-            return ops.silu_and_mul(self.apply(x, bias))
-        out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
-        ops.linear_int8(out, x.contiguous(), self.packed, int(self.ggml_type), bias, True)
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
+    def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool) -> None:
+        ops.linear_int8(out, x, self.packed, int(self.ggml_type), bias, silu_mul)
 
     @property
     def form(self) -> str:
@@ -218,8 +209,8 @@ class SegmentedMethod(LinearMethod):
         for part in self.parts:
             end = start + part.out_features
             part_bias = None if bias is None else bias[start:end]
-            if isinstance(part, GGUFInt8Method):
-                part.apply_into(out[:, start:end], x, part_bias)
+            if isinstance(part, GGUFInt8Method):  # writes its columns in place
+                part.product_into(out[:, start:end], x, part_bias, False)
             else:
                 out[:, start:end] = part.apply(x, part_bias)
             start = end

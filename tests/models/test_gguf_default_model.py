@@ -6,8 +6,9 @@ import time
 
 import pytest
 import torch
+from hf_oracle import hf_gguf_model
 from model_utils import PagedDriver
-from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
+from transformers import AutoConfig
 
 from pagellm.attention.torch_ref import TorchReferenceBackend
 from pagellm.config import LinearPrecision
@@ -27,13 +28,7 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path: str) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path),
-        gguf_file=os.path.basename(gguf_path),
-        dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True),
-        local_files_only=True,
-    ).eval()
+    return hf_gguf_model(gguf_path)
 
 
 def test_config_matches_transformers(gguf_path: str) -> None:

@@ -6,7 +6,6 @@ tests/engine/test_llm_vs_hf.py cover the engine's configurations, this file the 
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 
@@ -15,8 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf_requant import RECIPES, requantize_default_model
-from hf_oracle import check_close, hf_greedy
-from transformers import AutoModelForCausalLM, GgufConfig
+from hf_oracle import check_close, hf_gguf_model, hf_greedy
 
 from pagellm import LLM, SamplingParams
 from pagellm.models.gguf_loader import GGUFFile, iter_dequantized_gguf_weights
@@ -77,13 +75,7 @@ def case(request, requantized, prompts):
     """One recipe's file, transformers' model on it, and its greedy references; one at a time."""
     recipe = request.param
     path, types = requantized(recipe)
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path),
-        gguf_file=os.path.basename(path),
-        dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True),
-        local_files_only=True,
-    ).eval()
+    model = hf_gguf_model(path)
     eos = eos_token_ids(path, load_hf_config(path))
     # hf_oracle's greedy loop, on this file's model instead of the default one. One thread: decode
     # steps this small gain nothing from more, and lose several times over on a busy 2-core box.
