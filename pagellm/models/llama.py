@@ -256,15 +256,14 @@ class LlamaForCausalLM(nn.Module):
         """After every tensor is in: a tied head is built from the embedding rows, and the
         embedding moves to ``device`` off the CPU."""
         embed = self.model.embed_tokens
-        if self.tie_word_embeddings and embed.blocks is not None and embed.num_embeddings == self.lm_head.out_features:
-            embed.process_weights_after_loading(device, dtype, precision)
-            if embed.packed is not None:  # one copy of the table: the head multiplies by its panels
-                self.lm_head.method = embed.packed
-                return
-        if self.tie_word_embeddings:
-            self.lm_head.load_shard(None, embed.source_rows(self.lm_head.out_features))
-            self.lm_head.process_weights_after_loading(precision, device, dtype)
         embed.process_weights_after_loading(device, dtype, precision)
+        if not self.tie_word_embeddings:
+            return
+        if embed.packed is not None:  # one copy of the table: the head multiplies by its panels
+            self.lm_head.method = embed.packed
+            return
+        self.lm_head.load_shard(None, embed.source_rows(self.lm_head.out_features))
+        self.lm_head.process_weights_after_loading(precision, device, dtype)
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold, every form counted once."""
@@ -357,8 +356,12 @@ class LlamaForCausalLM(nn.Module):
                 dest.copy_(dense)
                 written.add((target, shard))
             filled.add(target)
-        missing = [f"{n}.weight[{s}]" for n, layer in self.linear_layers() for s in layer.missing_shards]
-        missing = [m.replace("[]", "") for m in missing if not (m.startswith("lm_head") and self.tie_word_embeddings)]
+        missing = [
+            f"{n}.weight[{s}]" if s else f"{n}.weight"
+            for n, layer in self.linear_layers()
+            if not (n == "lm_head" and self.tie_word_embeddings)
+            for s in layer.missing_shards
+        ]
         if not self.model.embed_tokens.loaded:
             missing.append("model.embed_tokens.weight")
         missing += sorted(f"{n}[{s}]" if s else n for n, s in expected - written)
