@@ -7,11 +7,11 @@
 # vllm-install.sh for the bf16 step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=$(readlink -f "${1:?usage: scale_compare.sh OUTDIR [STEPS]}")
+mkdir -p "${1:?usage: scale_compare.sh OUTDIR [STEPS]}"
+out=$(readlink -f "$1")
 steps=${2:-"q4km q4km1 bf16 big"}
 peers=$(readlink -f "${PEERS_DIR:-../shared/peers}")
 M=/tmp/models
-mkdir -p "$out"
 export PAGELLM_VENV=$PWD/.venv
 run() {  # ENGINE MODEL TAG [env...]
   local engine=$1 model=$2 tag=$3

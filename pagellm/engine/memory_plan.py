@@ -23,8 +23,8 @@ from pagellm.models.gguf_types import FLOAT_TYPES, kernel_takes
 logger = logging.getLogger(__name__)
 
 # Bytes of a packed int8-kernel block per byte of the file's block, by type (gemm_int8.cpp's
-# layouts: scales widened where the kernel wants them, 6-bit quants stored as bytes).
-PACKED_PER_FILE_BYTE: dict[str, float] = {"Q6_K": 1.31, "Q5_K": 1.57, "Q3_K": 1.33, "Q2_K": 1.95, "Q5_0": 1.55, "Q5_1": 1.5}
+# layouts: scales widened where the kernel wants them, 2- and 3-bit quants stored as nibbles).
+PACKED_PER_FILE_BYTE: dict[str, float] = {"Q3_K": 1.33, "Q2_K": 1.95}
 DEFAULT_PACKED_PER_FILE_BYTE = 1.03
 # The interpreter, torch and the server's libraries, resident before any model memory.
 RUNTIME_BYTES = 768 << 20

@@ -34,7 +34,7 @@ SOURCES = tuple(
     CSRC / name
     for name in ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_bf16.cpp", "gemm_int8.cpp", "sampling.cpp")
 )
-HEADERS = (CSRC / "vec.h", CSRC / "quant_blocks.h", CSRC / "kv_types.h", CSRC / "weight_layout.h")
+HEADERS = (CSRC / "vec.h", CSRC / "quant_blocks.h", CSRC / "kv_types.h", CSRC / "weight_layout.h", CSRC / "parallel_panels.h")
 LIB_NAME = "pagellm_cpu_kernels"
 
 _loaded: bool | None = None  # None: not tried yet; True/False: loaded / failed in this process

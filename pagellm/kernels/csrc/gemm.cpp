@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel_panels.h"
 #include "quant_blocks.h"
 #include "vec.h"
 #include "weight_layout.h"
@@ -210,7 +211,7 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   const int64_t ldc = out.stride(0);
   const float* b = packed.data_ptr<float>();
   with_rows<false>(x, panels, [&](const float* a, const std::array<MicroTile, MR>& tiles, bool pack_rows) {
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    parallel_panels(panels, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = b + p * k * NR;
         const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
@@ -254,7 +255,7 @@ void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
   const float* b = packed.data_ptr<float>();
   with_rows<true>(x, panels, [&](const float* a, const std::array<MicroTile, MR>& fused, bool pack_rows) {
     const auto& plain = kTiles[pack_rows][false];
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    parallel_panels(panels, [&](int64_t begin, int64_t end) {
       // Past the first k slice, the raw gate and up sums of a panel wait here for the last one.
       std::vector<float> partial(k > KC ? m * NR : 0);
       for (int64_t p = begin; p < end; ++p) {

@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "parallel_panels.h"
 #include "vec.h"
 #include "weight_layout.h"
 
@@ -205,7 +206,7 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   const int64_t ldc = out.stride(0), k2 = kp / 2;
   const auto& tiles = kBf16Tiles[silu_mul];
   const int64_t cols_per_panel = silu_mul ? NR_BF16 / 2 : NR_BF16;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_panels(panels, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const uint16_t* panel = b + p * k2 * NR_BF16 * 2;
       const int ncols = static_cast<int>(std::min<int64_t>(cols_per_panel, n - p * cols_per_panel));

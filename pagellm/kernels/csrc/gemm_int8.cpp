@@ -8,7 +8,7 @@
 // 64 multiply-adds per instruction where an FMA does 16.
 //
 // Every type holds, per weight, a small integer stored unsigned as u = q + bias (u of 4 bits,
-// "nibbles", or 8, "bytes"), and per group of 32 (or 16) inputs a scale D and for some an offset
+// "nibbles", 5 or 6 as nibbles and a plane of high bits, or 8, "bytes"), and per group of 32 (or 16) inputs a scale D and for some an offset
 // M: w = D (u - bias) + M. The int32 sum starts at -bias sum(qa) (vpdpbusd multiplies unsigned
 // bytes by signed ones, so the offset goes there), then sum w x ~ D da isum + M da sum(qa) once
 // per group. D and M come in three kinds ("scales" below):
@@ -41,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "parallel_panels.h"
 #include "quant_blocks.h"
 #include "vec.h"
 
@@ -70,6 +71,13 @@ inline ivec load_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline ivec splat_i32(int32_t v) { return _mm512_set1_epi32(v); }
 inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 inline ivec high_nibbles(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+// v shifted by `left` bits (negative: right) in 16-bit lanes, then masked per byte: a quant's high
+// bits moved from their plane to above its nibble.
+inline ivec place_high(ivec v, int left, uint8_t mask) {
+  const ivec t = left >= 0 ? _mm512_slli_epi16(v, left) : _mm512_srli_epi16(v, -left);
+  return _mm512_and_si512(t, _mm512_set1_epi8(static_cast<char>(mask)));
+}
+inline ivec or_bytes(ivec a, ivec b) { return _mm512_or_si512(a, b); }
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
 inline vint round_to_int(vfloat v) { return (vint)_mm512_cvtps_epi32((__m512)v); }
 inline vfloat load_half(const uint16_t* p) {
@@ -84,6 +92,11 @@ inline ivec load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret
 inline ivec splat_i32(int32_t v) { return _mm256_set1_epi32(v); }
 inline ivec low_nibbles(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline ivec high_nibbles(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline ivec place_high(ivec v, int left, uint8_t mask) {
+  const ivec t = left >= 0 ? _mm256_slli_epi16(v, left) : _mm256_srli_epi16(v, -left);
+  return _mm256_and_si256(t, _mm256_set1_epi8(static_cast<char>(mask)));
+}
+inline ivec or_bytes(ivec a, ivec b) { return _mm256_or_si256(a, b); }
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
 inline vint round_to_int(vfloat v) { return (vint)_mm256_cvtps_epi32((__m256)v); }
 inline vfloat load_half(const uint16_t* p) {
@@ -105,25 +118,39 @@ inline int32_t quad_at(const int8_t* p) {
 
 enum class Scales { kHalf, kSuper32, kSuper16 };
 
-// Where a type's values sit in a panel. The kernel is instantiated per form, not per type: Q8_0
-// and Q5_0 differ only in their bias, which the activations carry.
+// Where a type's values sit in a panel. The kernel is instantiated per form (bits, scales, offsets),
+// not per type: the bias a type stores its quants with is carried by the activations.
 //   superblock: fp16 d[NR], if kHasMin fp16 m[NR] (offsets stored negated where the file subtracts)
 //   per 32-block: super32 uint8 sc[NR], mn[NR]; super16 int8 sc[2][NR], if kHasMin uint8 mn[2][NR]
-//                 then nibbles uint8 [QUADS / 2][2 vectors][W][4], or bytes uint8 [QUADS][2][W][4]
-template <bool Nibbles, Scales S, bool HasMin>
+//                 then for 8 bits bytes uint8 [QUADS][2 vectors][W][4], else the low 4 bits as
+//                 nibbles uint8 [QUADS / 2][2][W][4] and, for 5 and 6 bits, the high bits in a
+//                 plane uint8 [QUADS / 2 / kStepsPerPlane][W][4] (see kernel below)
+// 5- and 6-bit quants stay as small as in the file (a whole byte each would read 1.3-1.6x the
+// bytes a decode step streams); unpacking their high bits costs shifts, not memory.
+template <int Bits, Scales S, bool HasMin>
 struct Form {
   static_assert(S != Scales::kSuper32 || HasMin, "super32 types all have mins");
-  static constexpr bool kNibbles = Nibbles, kHasMin = HasMin;
+  static_assert(Bits == 4 || Bits == 5 || Bits == 6 || Bits == 8, "quants of 4, 5, 6 or 8 bits");
+  static constexpr bool kNibbles = Bits < 8, kHasMin = HasMin;
+  static constexpr int kHighBits = kNibbles ? Bits - 4 : 0;
+  // A nibble vector holds 2 k-quads of W columns; a plane vector holds their high bits for both
+  // column vectors of kStepsPerPlane such steps: 4 fields of kHighBits bits per step and byte.
+  static constexpr int kStepsPerPlane = kHighBits == 0 ? 1 : 2 / kHighBits;
   static constexpr Scales kScales = S;
   static constexpr int kBlocks = S == Scales::kHalf ? 1 : 8;      // 32-blocks per superblock
   static constexpr int kGroup = S == Scales::kSuper16 ? 16 : 32;  // inputs per scale
   static constexpr int kGroups = QK / kGroup;
+  static_assert((kGroup / 8) % kStepsPerPlane == 0, "a plane vector does not straddle two groups");
   static constexpr int64_t kHeaderBytes = NR * 2 * (HasMin ? 2 : 1);
   static constexpr int64_t kScaleBytes = S == Scales::kHalf      ? 0
                                          : S == Scales::kSuper32 ? 2 * NR
                                                                  : kGroups * NR * (HasMin ? 2 : 1);
-  static constexpr int64_t kBlockBytes = kScaleBytes + (Nibbles ? QK * W : QK * NR);
+  static constexpr int64_t kQuantBytes = kNibbles ? QK * W : QK * NR;
+  static constexpr int64_t kBlockBytes = kScaleBytes + kQuantBytes + kHighBits * QK * W / 4;
   static constexpr int64_t kSuperBytes = kHeaderBytes + kBlocks * kBlockBytes;
+  // Where in its byte of the plane the high bits of step i's column vector `cv` sit (low k-quad;
+  // the high one follows).
+  static constexpr int plane_shift(int i, int cv) { return ((i % kStepsPerPlane) * 4 + cv * 2) * kHighBits; }
 };
 
 // One column's superblock of a file's block, decoded: u[] = q + bias per input, d and m as fp16
@@ -145,7 +172,7 @@ constexpr uint16_t kHalfSign = 0x8000;
 // form and how one block decodes; the layouts are gguf/quants.py's dequantize_blocks.
 struct Q4_0 {
   static constexpr int kType = 2, kBlock = 32, kTypeSize = 18, kBias = 8;
-  using F = Form<true, Scales::kHalf, false>;
+  using F = Form<4, Scales::kHalf, false>;
   static void decode(const uint8_t* s, Decoded& o) {
     o.d = half_at(s);
     for (int i = 0; i < 16; ++i) o.u[i] = s[2 + i] & 15, o.u[i + 16] = s[2 + i] >> 4;
@@ -153,7 +180,7 @@ struct Q4_0 {
 };
 struct Q4_1 {
   static constexpr int kType = 3, kBlock = 32, kTypeSize = 20, kBias = 0;
-  using F = Form<true, Scales::kHalf, true>;
+  using F = Form<4, Scales::kHalf, true>;
   static void decode(const uint8_t* s, Decoded& o) {
     o.d = half_at(s);
     o.m = half_at(s + 2);
@@ -169,7 +196,7 @@ inline void decode_q5(const uint8_t* qh_bytes, const uint8_t* qs, uint8_t* u) {
 }
 struct Q5_0 {
   static constexpr int kType = 6, kBlock = 32, kTypeSize = 22, kBias = 16;
-  using F = Form<false, Scales::kHalf, false>;
+  using F = Form<5, Scales::kHalf, false>;
   static void decode(const uint8_t* s, Decoded& o) {
     o.d = half_at(s);
     decode_q5(s + 2, s + 6, o.u);
@@ -177,7 +204,7 @@ struct Q5_0 {
 };
 struct Q5_1 {
   static constexpr int kType = 7, kBlock = 32, kTypeSize = 24, kBias = 0;
-  using F = Form<false, Scales::kHalf, true>;
+  using F = Form<5, Scales::kHalf, true>;
   static void decode(const uint8_t* s, Decoded& o) {
     o.d = half_at(s);
     o.m = half_at(s + 2);
@@ -186,7 +213,7 @@ struct Q5_1 {
 };
 struct Q8_0 {
   static constexpr int kType = 8, kBlock = 32, kTypeSize = 34, kBias = 128;
-  using F = Form<false, Scales::kHalf, false>;
+  using F = Form<8, Scales::kHalf, false>;
   static void decode(const uint8_t* s, Decoded& o) {
     o.d = half_at(s);
     for (int i = 0; i < 32; ++i) o.u[i] = s[2 + i] ^ 0x80;  // int8 q + 128
@@ -206,7 +233,7 @@ inline void high_bit(const uint8_t* qh, uint8_t value, uint8_t* u) {
 }
 struct Q2_K {
   static constexpr int kType = 10, kBlock = 256, kTypeSize = 84, kBias = 0;
-  using F = Form<true, Scales::kSuper16, true>;
+  using F = Form<4, Scales::kSuper16, true>;
   static void decode(const uint8_t* s, Decoded& o) {
     o.d = half_at(s + 80);
     o.m = half_at(s + 82) ^ kHalfSign;  // w = d sc q - dmin mn
@@ -216,7 +243,7 @@ struct Q2_K {
 };
 struct Q3_K {
   static constexpr int kType = 11, kBlock = 256, kTypeSize = 110, kBias = 4;
-  using F = Form<true, Scales::kSuper16, false>;
+  using F = Form<4, Scales::kSuper16, false>;
   static void decode(const uint8_t* s, Decoded& o) {
     const uint8_t *hmask = s, *qs = s + 32, *scales = s + 96;
     o.d = half_at(s + 108);
@@ -246,7 +273,7 @@ inline void k_nibbles(const uint8_t* qs, uint8_t* u) {
 }
 struct Q4_K {
   static constexpr int kType = 12, kBlock = 256, kTypeSize = 144, kBias = 0;
-  using F = Form<true, Scales::kSuper32, true>;
+  using F = Form<4, Scales::kSuper32, true>;
   static void decode(const uint8_t* s, Decoded& o) {
     o.d = half_at(s);
     o.m = half_at(s + 2) ^ kHalfSign;
@@ -256,7 +283,7 @@ struct Q4_K {
 };
 struct Q5_K {
   static constexpr int kType = 13, kBlock = 256, kTypeSize = 176, kBias = 0;
-  using F = Form<false, Scales::kSuper32, true>;
+  using F = Form<5, Scales::kSuper32, true>;
   static void decode(const uint8_t* s, Decoded& o) {
     o.d = half_at(s);
     o.m = half_at(s + 2) ^ kHalfSign;
@@ -267,7 +294,7 @@ struct Q5_K {
 };
 struct Q6_K {
   static constexpr int kType = 14, kBlock = 256, kTypeSize = 210, kBias = 32;
-  using F = Form<false, Scales::kSuper16, false>;
+  using F = Form<6, Scales::kSuper16, false>;
   static void decode(const uint8_t* s, Decoded& o) {
     const uint8_t *ql = s, *qh = s + 128;
     o.d = half_at(s + 208);
@@ -288,8 +315,9 @@ template <typename T>
 void pack_panel(const uint8_t* raw, int64_t ld, int64_t n, int64_t p, int64_t num_super, uint8_t* dst) {
   using F = typename T::F;
   const int64_t cols = std::min<int64_t>(NR, n - p * NR);
-  // A whole panel's bytes are all written below; an edge panel's missing columns stay zero.
-  if (cols < NR) std::memset(dst, 0, num_super * F::kSuperBytes);
+  // A whole panel's bytes are all written below, the high-bit planes by OR; an edge panel's
+  // missing columns stay zero.
+  if (cols < NR || F::kHighBits > 0) std::memset(dst, 0, num_super * F::kSuperBytes);
   Decoded dec;
   for (int64_t sb = 0; sb < num_super; ++sb) {
     uint8_t* super = dst + sb * F::kSuperBytes;
@@ -311,7 +339,16 @@ void pack_panel(const uint8_t* raw, int64_t ld, int64_t n, int64_t p, int64_t nu
           // k-quads 2i (low nibbles) and 2i + 1 (high) share the vector of 8i..8i + 7.
           for (int i = 0; i < QUADS / 2; ++i)
             for (int r = 0; r < 4; ++r)
-              lane[i * 2 * kQuadBytes + r] = static_cast<uint8_t>(u[8 * i + r] | u[8 * i + 4 + r] << 4);
+              lane[i * 2 * kQuadBytes + r] = static_cast<uint8_t>((u[8 * i + r] & 15) | (u[8 * i + 4 + r] & 15) << 4);
+          if constexpr (F::kHighBits > 0) {
+            uint8_t* plane = block + F::kScaleBytes + F::kQuantBytes + (j % W) * 4;
+            for (int i = 0; i < QUADS / 2; ++i) {
+              const int shift = F::plane_shift(i, static_cast<int>(j / W));
+              for (int r = 0; r < 4; ++r)
+                plane[i / F::kStepsPerPlane * kQuadBytes + r] |=
+                    static_cast<uint8_t>((u[8 * i + r] >> 4) << shift | (u[8 * i + 4 + r] >> 4) << (shift + F::kHighBits));
+            }
+          }
         } else {
           for (int q = 0; q < QUADS; ++q) std::memcpy(lane + q * 2 * kQuadBytes, u + 4 * q, 4);
         }
@@ -336,11 +373,20 @@ void unpack_row(const uint8_t* panel, int64_t j, int64_t num_super, float* out) 
       const uint8_t* lane = block + F::kScaleBytes + (j / W) * kQuadBytes + (j % W) * 4;
       uint8_t u[QK];
       if constexpr (F::kNibbles) {
+        const uint8_t* plane = block + F::kScaleBytes + F::kQuantBytes + (j % W) * 4;
+        constexpr int kHighMask = (1 << F::kHighBits) - 1;
         for (int i = 0; i < QUADS / 2; ++i)
           for (int r = 0; r < 4; ++r) {
             const uint8_t byte = lane[i * 2 * kQuadBytes + r];
             u[8 * i + r] = byte & 15;
             u[8 * i + 4 + r] = byte >> 4;
+            if constexpr (F::kHighBits > 0) {
+              const int shift = F::plane_shift(i, static_cast<int>(j / W));
+              const int high = plane[i / F::kStepsPerPlane * kQuadBytes + r];
+              u[8 * i + r] = static_cast<uint8_t>(u[8 * i + r] | ((high >> shift) & kHighMask) << 4);
+              u[8 * i + 4 + r] =
+                  static_cast<uint8_t>(u[8 * i + 4 + r] | ((high >> (shift + F::kHighBits)) & kHighMask) << 4);
+            }
           }
       } else {
         for (int q = 0; q < QUADS; ++q) std::memcpy(u + 4 * q, lane + q * 2 * kQuadBytes, 4);
@@ -487,7 +533,17 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
 #pragma GCC unroll 4
           for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
             const ivec w0 = load_bytes(qs + (2 * i) * kQuadBytes), w1 = load_bytes(qs + (2 * i + 1) * kQuadBytes);
-            const ivec lo0 = low_nibbles(w0), hi0 = high_nibbles(w0), lo1 = low_nibbles(w1), hi1 = high_nibbles(w1);
+            ivec lo0 = low_nibbles(w0), hi0 = high_nibbles(w0), lo1 = low_nibbles(w1), hi1 = high_nibbles(w1);
+            if constexpr (F::kHighBits > 0) {
+              // The plane's fields for this step: (column vector, k-quad) at plane_shift, moved to bit 4.
+              const ivec h = load_bytes(qs + F::kQuantBytes + i / F::kStepsPerPlane * kQuadBytes);
+              constexpr uint8_t kMask = ((1 << F::kHighBits) - 1) << 4;
+              const int s0 = F::plane_shift(i, 0), s1 = F::plane_shift(i, 1);
+              lo0 = or_bytes(lo0, place_high(h, 4 - s0, kMask));
+              hi0 = or_bytes(hi0, place_high(h, 4 - s0 - F::kHighBits, kMask));
+              lo1 = or_bytes(lo1, place_high(h, 4 - s1, kMask));
+              hi1 = or_bytes(hi1, place_high(h, 4 - s1 - F::kHighBits, kMask));
+            }
             for (int r = 0; r < R; ++r) {
               const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
               const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
@@ -708,7 +764,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   const int64_t ldc = out.stride(0);
   // With W < 16 a gate/up group of 32 rows is two panels, run by one thread: gate, then up.
   const bool pairs = silu_mul && kPairEpilogue == kMulSilu;
-  at::parallel_for(0, pairs ? panels / 2 : panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_panels(pairs ? panels / 2 : panels, [&](int64_t begin, int64_t end) {
     const int64_t first = pairs ? 2 * begin : begin, last = pairs ? 2 * end : end;
     float edge[NR];
     for (int64_t p = first; p < last; ++p) {
