@@ -105,7 +105,7 @@ def estimate_weight_bytes(checkpoint: list[str], precision: LinearPrecision, is_
 
 
 def _estimate_gguf(path: str, precision: LinearPrecision) -> tuple[int, int]:
-    gguf_file = GGUFFile(path)
+    gguf_file = GGUFFile.cached(path)
     file_bytes = resident = 0
     fallback = {"bfloat16": 2, "float32": 8, "int8": 2}[precision.fallback]
     tied = "output.weight" not in gguf_file.tensors

@@ -8,7 +8,9 @@ bit-identical to transformers' GGUF load.
 """
 from __future__ import annotations
 
+import functools
 import mmap
+import os
 import re
 import struct
 from collections.abc import Container, Iterator
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
 from pagellm.models.gguf_types import GGUFWeight
@@ -120,6 +122,14 @@ class GGUFFile:
                 name, shape, ggml_type, data_start + offset, num_elements // block_size * type_size
             )
 
+    @classmethod
+    def cached(cls, path: str) -> "GGUFFile":
+        """The file's table without its string arrays, parsed once per version of the file: the
+        config, the memory plan, the loader and the EOS lookup all read it at start-up, and
+        walking past a large vocabulary costs tens of milliseconds each time."""
+        stat = os.stat(path)
+        return _cached_gguf_file(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
     def _read_str(self, pos: int) -> tuple[str, int]:
         (length,) = struct.unpack_from("<Q", self._buf, pos)
         pos += 8
@@ -181,6 +191,12 @@ class GGUFFile:
         return tensor.float()
 
 
+@functools.lru_cache(maxsize=4)
+def _cached_gguf_file(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    del mtime_ns, size  # the cache key: a rewritten file is parsed again
+    return GGUFFile(path)
+
+
 def gguf_config_dict(gguf_file: GGUFFile) -> dict[str, Any]:
     """A transformers config dict from GGUF metadata, mirroring transformers' own GGUF config read."""
     arch = gguf_file.architecture
@@ -207,9 +223,48 @@ def gguf_config_dict(gguf_file: GGUFFile) -> dict[str, Any]:
     return config
 
 
+# What transformers' config class of each architecture gives the fields the engine reads when a
+# GGUF file leaves them out (tests/models/test_model_loader.py holds these to the classes). The
+# config is built on the base PretrainedConfig with them instead of through AutoConfig: importing
+# an architecture's config class imports most of transformers and torch.distributed, a second of
+# a server's start-up.
+_TRAINING_DEFAULTS: dict[str, Any] = {"attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
+_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+              "pretraining_tp": 1},
+    "mistral": {"vocab_size": 32000, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "hidden_act": "silu", "num_key_value_heads": 8, "sliding_window": 4096, "bos_token_id": 1,
+                "eos_token_id": 2},
+    "qwen2": {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "hidden_act": "silu", "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": None,
+              "max_window_layers": 28, "bos_token_id": None, "eos_token_id": None},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _config_class(model_type: str) -> type[PretrainedConfig]:
+    # A subclass only to carry model_type, which transformers keeps on the class.
+    return type(f"GGUF{model_type.capitalize()}Config", (PretrainedConfig,), {"model_type": model_type})
+
+
 def load_gguf_config(path: str) -> PretrainedConfig:
-    config = gguf_config_dict(GGUFFile(path))
-    return AutoConfig.for_model(config.pop("model_type"), **config)
+    """The transformers config of a GGUF file: its metadata over the defaults of the architecture's
+    config class (:data:`_CONFIG_DEFAULTS`), RoPE settings as transformers 5 keeps them."""
+    values = gguf_config_dict(GGUFFile.cached(path))
+    model_type = values.pop("model_type")
+    values = {**_TRAINING_DEFAULTS, **_CONFIG_DEFAULTS[model_type], **values}
+    if "hidden_size" not in values or "num_attention_heads" not in values:
+        raise ValueError(f"{path}: the GGUF metadata gives no embedding length or attention head count")
+    values.setdefault("num_key_value_heads", values["num_attention_heads"])
+    if model_type != "qwen2":  # Qwen2's class has no head_dim; its layers divide hidden_size
+        values.setdefault("head_dim", values["hidden_size"] // values["num_attention_heads"])
+    values["rope_parameters"] = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta"))}
+    config = _config_class(model_type)(**values)
+    for key, value in values.items():  # the few the base class takes as arguments but does not keep
+        if not hasattr(config, key):
+            setattr(config, key, value)
+    return config
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -238,7 +293,7 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
     """(Hugging Face name, tensor as stored) for every weight in the file, in file order: blocks
     as :class:`GGUFWeight`, float tensors in their own dtype. Nothing is dequantized here: each
     linear layer's method decides (pagellm.models.linear_method)."""
-    gguf_file = GGUFFile(path)
+    gguf_file = GGUFFile.cached(path)
     permute = gguf_file.architecture in _PERMUTED_QK_ARCHITECTURES
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads

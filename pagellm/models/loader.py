@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
@@ -76,6 +76,8 @@ def load_hf_config(model_path: str) -> PretrainedConfig:
     path = resolve_model_path(model_path)
     if is_gguf(path):
         return load_gguf_config(path)
+    from transformers import AutoConfig  # resolving it imports the config classes: HF directories only
+
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
@@ -112,6 +114,19 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
                 yield name, f.get_tensor(name).clone()
 
 
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Gives a model built on the meta device uninitialised storage on ``device``, floating tensors
+    in ``dtype``: what ``model.to(dtype).to_empty(device)`` does, without their route through
+    torch's Python reference ops, whose first use imports sympy (most of a second of start-up)."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            kind = dtype if buffer.is_floating_point() else buffer.dtype
+            module._buffers[name] = torch.empty(buffer.shape, dtype=kind, device=device)
+
+
 def load_model(
     model_path: str,
     hf_config: PretrainedConfig,
@@ -127,7 +142,7 @@ def load_model(
     # Built on the meta device so no time goes into random initialization we would overwrite.
     with torch.device("meta"):
         model = model_cls(hf_config, attn_backend)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    materialize(model, dtype, device)
     weights = iter_gguf_weights(path, hf_config) if is_gguf(path) else iter_safetensors_weights(path)
     with torch.no_grad():
         model.load_weights(weights, precision, device, dtype)
@@ -176,7 +191,7 @@ def eos_token_ids(model_path: str, hf_config: PretrainedConfig, tokenizer: Any |
 
     path = resolve_model_path(model_path)
     if is_gguf(path):
-        metadata = GGUFFile(path).metadata
+        metadata = GGUFFile.cached(path).metadata
         for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
             add(metadata.get(f"tokenizer.ggml.{key}"))
     else:

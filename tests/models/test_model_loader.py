@@ -97,3 +97,41 @@ def test_registry() -> None:
         get_model_class(LlamaConfig(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ValueError, match="names no architecture"):
         get_model_class(LlamaConfig())
+
+
+# The config fields the engine reads (models, rope, loader, executor).
+_ENGINE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "hidden_act", "attention_bias", "mlp_bias",
+    "tie_word_embeddings", "sliding_window", "use_sliding_window", "bos_token_id", "eos_token_id", "architectures",
+)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("left_out", [(), ("head_dim", "num_key_value_heads", "rope_theta", "max_position_embeddings",
+                                           "vocab_size", "rms_norm_eps", "bos_token_id", "eos_token_id")])
+def test_gguf_config_has_what_transformers_class_gives(model_type: str, left_out: tuple[str, ...], monkeypatch) -> None:
+    """A GGUF file's config is built without importing the architecture's config class; every field
+    the engine reads must still come out as that class makes it, defaults included."""
+    from transformers import AutoConfig
+
+    from pagellm.models import gguf_loader
+    from pagellm.models.rope import get_rope_parameters, head_dim_of
+
+    metadata = {"model_type": model_type, "architectures": ["X"], "tie_word_embeddings": True, "num_hidden_layers": 3,
+                "max_position_embeddings": 4096, "hidden_size": 96, "intermediate_size": 160, "num_attention_heads": 6,
+                "num_key_value_heads": 2, "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "vocab_size": 300,
+                "head_dim": 16, "bos_token_id": 5, "eos_token_id": 7}
+    if model_type == "qwen2":
+        del metadata["head_dim"]  # transformers' GGUF mapping drops qwen2's rope.dimension_count
+    metadata = {k: v for k, v in metadata.items() if k not in left_out}
+    monkeypatch.setattr(gguf_loader.GGUFFile, "cached", classmethod(lambda cls, path: path))
+    monkeypatch.setattr(gguf_loader, "gguf_config_dict", lambda _: dict(metadata))
+    ours = gguf_loader.load_gguf_config("model.gguf")
+    fields = dict(metadata)
+    theirs = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    for name in _ENGINE_FIELDS:
+        assert getattr(ours, name, None) == getattr(theirs, name, None), name
+    assert head_dim_of(ours) == head_dim_of(theirs)
+    assert get_rope_parameters(ours) == get_rope_parameters(theirs)
+    assert get_max_model_len(ours) == get_max_model_len(theirs)
