@@ -5,8 +5,8 @@ offline ``LLM`` drives it in a loop; the async engine drives it from a backgroun
 """
 from __future__ import annotations
 
-import gc
 import concurrent.futures
+import gc
 import itertools
 import logging
 import time
