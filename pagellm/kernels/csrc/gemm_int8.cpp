@@ -8,10 +8,11 @@
 // 64 multiply-adds per instruction where an FMA does 16.
 //
 // Every type holds, per weight, a small integer stored unsigned as u = q + bias (u of 4 bits,
-// "nibbles", 5 or 6 as nibbles and a plane of high bits, or 8, "bytes"), and per group of 32 (or 16) inputs a scale D and for some an offset
-// M: w = D (u - bias) + M. The int32 sum starts at -bias sum(qa) (vpdpbusd multiplies unsigned
-// bytes by signed ones, so the offset goes there), then sum w x ~ D da isum + M da sum(qa) once
-// per group. D and M come in three kinds ("scales" below):
+// "nibbles", of 5 or 6 as nibbles and a plane of high bits, or of 8, "bytes"), and per group of
+// 32 (or 16) inputs a scale D and for some an offset M: w = D (u - bias) + M. The int32 sum
+// starts at -bias sum(qa) (vpdpbusd multiplies unsigned bytes by signed ones, so the offset goes
+// there), then sum w x ~ D da isum + M da sum(qa) once per group. D and M come in three kinds
+// ("scales" below):
 //   half    (Q4_0 ... Q8_0): the file's fp16 d (and m) per 32 inputs, converted by vcvtph2ps.
 //   super32 (Q4_K, Q5_K): per 256 inputs fp16 d and -dmin, per 32 6-bit sc and mn: D = d sc, M = -dmin mn.
 //   super16 (Q2_K, Q3_K, Q6_K): per 256 fp16 d (and -dmin), per 16 an 8-bit sc (and mn): a 32-block
@@ -345,8 +346,8 @@ void pack_panel(const uint8_t* raw, int64_t ld, int64_t n, int64_t p, int64_t nu
             for (int i = 0; i < QUADS / 2; ++i) {
               const int shift = F::plane_shift(i, static_cast<int>(j / W));
               for (int r = 0; r < 4; ++r)
-                plane[i / F::kStepsPerPlane * kQuadBytes + r] |=
-                    static_cast<uint8_t>((u[8 * i + r] >> 4) << shift | (u[8 * i + 4 + r] >> 4) << (shift + F::kHighBits));
+                plane[i / F::kStepsPerPlane * kQuadBytes + r] |= static_cast<uint8_t>(
+                    (u[8 * i + r] >> 4) << shift | (u[8 * i + 4 + r] >> 4) << (shift + F::kHighBits));
             }
           }
         } else {
