@@ -149,8 +149,9 @@ struct Form {
   static constexpr int64_t kQuantBytes = kNibbles ? QK * W : QK * NR;
   static constexpr int64_t kBlockBytes = kScaleBytes + kQuantBytes + kHighBits * QK * W / 4;
   static constexpr int64_t kSuperBytes = kHeaderBytes + kBlocks * kBlockBytes;
-  // Where in its byte of the plane the high bits of step i's column vector `cv` sit (low k-quad;
-  // the high one follows).
+  // Byte offset in a 32-block's quants of the plane vector holding step i's high bits, and where
+  // in its byte those of column vector `cv` sit (the low k-quad's; the high one's follow).
+  static constexpr int64_t plane_at(int i) { return kQuantBytes + i / kStepsPerPlane * kQuadBytes; }
   static constexpr int plane_shift(int i, int cv) { return ((i % kStepsPerPlane) * 4 + cv * 2) * kHighBits; }
 };
 
@@ -342,12 +343,13 @@ void pack_panel(const uint8_t* raw, int64_t ld, int64_t n, int64_t p, int64_t nu
             for (int r = 0; r < 4; ++r)
               lane[i * 2 * kQuadBytes + r] = static_cast<uint8_t>((u[8 * i + r] & 15) | (u[8 * i + 4 + r] & 15) << 4);
           if constexpr (F::kHighBits > 0) {
-            uint8_t* plane = block + F::kScaleBytes + F::kQuantBytes + (j % W) * 4;
             for (int i = 0; i < QUADS / 2; ++i) {
+              uint8_t* plane = block + F::kScaleBytes + F::plane_at(i) + (j % W) * 4;
               const int shift = F::plane_shift(i, static_cast<int>(j / W));
-              for (int r = 0; r < 4; ++r)
-                plane[i / F::kStepsPerPlane * kQuadBytes + r] |= static_cast<uint8_t>(
-                    (u[8 * i + r] >> 4) << shift | (u[8 * i + 4 + r] >> 4) << (shift + F::kHighBits));
+              for (int r = 0; r < 4; ++r) {
+                const int low_quad = u[8 * i + r] >> 4, high_quad = u[8 * i + 4 + r] >> 4;
+                plane[r] |= static_cast<uint8_t>(low_quad << shift | high_quad << (shift + F::kHighBits));
+              }
             }
           }
         } else {
@@ -374,16 +376,15 @@ void unpack_row(const uint8_t* panel, int64_t j, int64_t num_super, float* out) 
       const uint8_t* lane = block + F::kScaleBytes + (j / W) * kQuadBytes + (j % W) * 4;
       uint8_t u[QK];
       if constexpr (F::kNibbles) {
-        const uint8_t* plane = block + F::kScaleBytes + F::kQuantBytes + (j % W) * 4;
-        constexpr int kHighMask = (1 << F::kHighBits) - 1;
         for (int i = 0; i < QUADS / 2; ++i)
           for (int r = 0; r < 4; ++r) {
             const uint8_t byte = lane[i * 2 * kQuadBytes + r];
             u[8 * i + r] = byte & 15;
             u[8 * i + 4 + r] = byte >> 4;
             if constexpr (F::kHighBits > 0) {
+              constexpr int kHighMask = (1 << F::kHighBits) - 1;
               const int shift = F::plane_shift(i, static_cast<int>(j / W));
-              const int high = plane[i / F::kStepsPerPlane * kQuadBytes + r];
+              const int high = block[F::kScaleBytes + F::plane_at(i) + (j % W) * 4 + r];
               u[8 * i + r] = static_cast<uint8_t>(u[8 * i + r] | ((high >> shift) & kHighMask) << 4);
               u[8 * i + 4 + r] =
                   static_cast<uint8_t>(u[8 * i + 4 + r] | ((high >> (shift + F::kHighBits)) & kHighMask) << 4);
@@ -537,7 +538,7 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
             ivec lo0 = low_nibbles(w0), hi0 = high_nibbles(w0), lo1 = low_nibbles(w1), hi1 = high_nibbles(w1);
             if constexpr (F::kHighBits > 0) {
               // The plane's fields for this step: (column vector, k-quad) at plane_shift, moved to bit 4.
-              const ivec h = load_bytes(qs + F::kQuantBytes + i / F::kStepsPerPlane * kQuadBytes);
+              const ivec h = load_bytes(qs + F::plane_at(i));
               constexpr uint8_t kMask = ((1 << F::kHighBits) - 1) << 4;
               const int s0 = F::plane_shift(i, 0), s1 = F::plane_shift(i, 1);
               lo0 = or_bytes(lo0, place_high(h, 4 - s0, kMask));
