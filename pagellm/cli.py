@@ -53,7 +53,13 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--kv-cache-dtype",
         default="auto",
         help="KV cache element type: auto (the model's dtype; on a CPU bfloat16 under low-precision linear layers, "
-        "else float32), float32, float16 or bfloat16",
+        "else float32), float32, float16, bfloat16, or 8 bits: fp8 (= fp8_e4m3), fp8_e5m2 (per-layer scales), "
+        "int8 (a scale per token and head)",
+    )
+    parser.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="fp8 KV cache: measure each layer's key/value scales from the first step (else the checkpoint's, or 1.0)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--attention-backend", default=None, help="cpu_paged, triton_paged, torch_sdpa or torch_ref (default: fastest)")
@@ -95,6 +101,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
         device=args.device,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,

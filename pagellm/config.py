@@ -18,6 +18,14 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+# --kv-cache-dtype names for the 8-bit formats (vLLM's, plus int8; pagellm.attention.kv_quant).
+KV_CACHE_DTYPE_NAMES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+
 # What --quantization takes (pagellm.models.precision implements it).
 QUANTIZATION_METHODS = ("gguf",)
 
@@ -115,8 +123,12 @@ class EngineConfig:
     # The KV cache's element type; "auto" is the model's dtype on a GPU, and on a CPU bfloat16
     # when the linear layers run in low precision (else float32). float16 or bfloat16 under a
     # float32 model halves the cache's memory and the bytes decode attention reads; keys and values
-    # are rounded once, on their way into the cache, and attention still runs in float32.
+    # are rounded once, on their way into the cache, and attention still runs in float32. The
+    # 8-bit formats (fp8 = fp8_e4m3, fp8_e5m2, int8; pagellm.attention.kv_quant) halve it again.
     kv_cache_dtype: Union[str, torch.dtype] = "auto"
+    # fp8 caches: measure each layer's k/v scales from the first step (vLLM's flag) instead of the
+    # checkpoint's scales or 1.0.
+    calculate_kv_scales: bool = False
     device: Optional[Union[str, torch.device]] = None
     attention_backend: Optional[str] = None  # None -> the fastest available
     max_waiting_requests: Optional[int] = None
@@ -149,13 +161,15 @@ class EngineConfig:
         self.dtype = parse_dtype(self.dtype)
         if self.kv_cache_dtype == "auto":
             self.kv_cache_dtype = self.dtype
-        else:
+        elif isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype.lower() in KV_CACHE_DTYPE_NAMES:
+            self.kv_cache_dtype = KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype.lower()]
+        elif self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES.values():
             try:
                 self.kv_cache_dtype = parse_dtype(self.kv_cache_dtype)
             except ValueError:
                 raise ValueError(
                     f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose auto (the model's dtype), "
-                    "float16, bfloat16 or float32"
+                    "float16, bfloat16, float32, fp8 (= fp8_e4m3), fp8_e5m2 or int8"
                 ) from None
         self.device = torch.device(self.device) if self.device is not None else default_device()
         if self.kv_cache_memory_bytes is not None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+from pagellm.attention import kv_quant
+from pagellm.attention.kv_quant import KVScales
 
 if TYPE_CHECKING:
     from pagellm.kernels.tuning import CpuTuning
@@ -63,16 +66,20 @@ class AttentionBackend(ABC):
         query: torch.Tensor,  # [T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
         value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]; [0]=K, [1]=V
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, row_width]; [0]=K, [1]=V
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: Optional[KVScales] = None,  # an fp8 cache's per-layer scales (kv_quant); None: 1.0
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's keys and values into their slots of the paged cache."""
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: Optional[KVScales] = None,
+) -> None:
+    """Scatter this step's keys and values into their slots of the paged cache, in its format."""
+    kv_quant.write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)

@@ -1,14 +1,17 @@
 """The C++ CPU backend: attention straight out of the paged cache, OpenMP over the batch.
 
 Handles what ``pagellm.kernels.ops.paged_attention_supports`` accepts (float32 queries on CPU,
-the head sizes the kernel is built for, a float32, float16 or bfloat16 cache); anything else goes
-through the vectorised torch path so callers never need to care.
+the head sizes the kernel is built for, a float32, float16, bfloat16, fp8 or int8 cache); anything
+else goes through the vectorised torch path so callers never need to care.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv_cache
+from pagellm.attention.kv_quant import UNIT_SCALES, KVScales
 from pagellm.attention.torch_sdpa import torch_attention
 from pagellm.attention.validation import check_attention_inputs
 from pagellm.kernels import ops
@@ -42,15 +45,17 @@ class CpuPagedBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: Optional[KVScales] = None,
     ) -> torch.Tensor:
         check_attention_inputs(query, key, value, kv_cache, metadata)
+        kv_scales = kv_scales or UNIT_SCALES
         if not self.supports(query, kv_cache):
-            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-            return torch_attention(query.contiguous(), kv_cache, metadata, scale)
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+            return torch_attention(query.contiguous(), kv_cache, metadata, scale, kv_scales)
         if ops.write_kv_cache_supports(key, value, kv_cache, metadata.slot_mapping):
-            ops.write_kv_cache(kv_cache, key, value, metadata.slot_mapping)
+            ops.write_kv_cache(kv_cache, key, value, metadata.slot_mapping, kv_scales.k_scale, kv_scales.v_scale)
         else:
-            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
             query = query.contiguous()
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -66,5 +71,7 @@ class CpuPagedBackend(AttentionBackend):
             metadata.query_start_loc,
             scale,
             self.decode_prefetch_to_l2,
+            kv_scales.k_scale,
+            kv_scales.v_scale,
         )
         return output

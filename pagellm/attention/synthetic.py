@@ -6,11 +6,12 @@ the slot mapping points the new tokens at the tail of its context.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.kv_quant import KVScales, is_quantized, quantize, row_width
 
 
 @dataclass
@@ -18,9 +19,10 @@ class SyntheticBatch:
     query: torch.Tensor  # [T, num_heads, head_dim]
     key: torch.Tensor  # [T, num_kv_heads, head_dim]
     value: torch.Tensor  # [T, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, row_width]
     metadata: AttentionMetadata
     scale: float
+    kv_scales: KVScales = field(default_factory=KVScales)
 
 
 def make_batch(
@@ -35,12 +37,15 @@ def make_batch(
     seed: int = 0,
     spare_blocks: int = 3,
     fill_unused: float = float("nan"),
+    kv_scales: KVScales | None = None,
 ) -> SyntheticBatch:
     """seqs[i] = (q_len, seq_len): sequence i adds q_len tokens and then holds seq_len.
 
     Unused cache slots hold ``fill_unused`` (NaN by default) so that a backend that reads past
     a context, or into the wrong block, poisons its output instead of passing by luck. The cache
-    holds ``cache_dtype`` (default: ``dtype``, the type of queries, keys and values).
+    holds ``cache_dtype`` (default: ``dtype``, the type of queries, keys and values); an 8-bit
+    cache holds the keys and values quantized under ``kv_scales``, and in unused slots a large
+    finite value where the format has no NaN (int8).
     """
     for q_len, seq_len in seqs:
         if q_len < 0 or seq_len < q_len:
@@ -54,7 +59,12 @@ def make_batch(
     max_blocks = max(blocks_per_seq, default=0) + 1
     block_table = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
     cache_dtype = cache_dtype or dtype
-    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), fill_unused, dtype=cache_dtype)
+    kv_scales = kv_scales or KVScales()
+    # Built in float32 for an 8-bit cache, which is quantized from it at the end.
+    build_dtype = torch.float32 if is_quantized(cache_dtype) else cache_dtype
+    if cache_dtype == torch.int8 and fill_unused != fill_unused:
+        fill_unused = 1e4
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), fill_unused, dtype=build_dtype)
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     slots: list[int] = []
     next_block = 0
@@ -66,8 +76,13 @@ def make_batch(
         cached = seq_slots[: seq_len - q_len]
         if cached:
             index = torch.tensor(cached)
-            flat[:, index] = torch.randn(2, len(cached), num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+            flat[:, index] = torch.randn(2, len(cached), num_kv_heads, head_dim, generator=gen).to(build_dtype)
         slots.extend(seq_slots[seq_len - q_len:])
+    if is_quantized(cache_dtype):
+        stored = torch.empty(2, num_blocks, block_size, num_kv_heads, row_width(head_dim, cache_dtype), dtype=cache_dtype)
+        stored[0] = quantize(kv_cache[0], cache_dtype, kv_scales.k_scale)
+        stored[1] = quantize(kv_cache[1], cache_dtype, kv_scales.v_scale)
+        kv_cache = stored
     num_tokens = sum(q_len for q_len, _ in seqs)
     query_start_loc = [0]
     for q_len, _ in seqs:
@@ -90,4 +105,5 @@ def make_batch(
         kv_cache=kv_cache.to(device),
         metadata=metadata,
         scale=head_dim**-0.5,
+        kv_scales=kv_scales,
     )

@@ -5,20 +5,29 @@ then run causal attention of its new queries over that context in float32.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv_cache
+from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize
 from pagellm.attention.validation import check_attention_inputs
 
 
-def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``context_len`` keys and values of one sequence, [context_len, num_kv_heads, head_dim] each."""
+def gather_context(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, kv_scales: Optional[KVScales] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``context_len`` keys and values of one sequence, [context_len, num_kv_heads, head_dim]
+    each, in float32 for an 8-bit cache (dequantized) and in the cache's dtype otherwise."""
+    scales = kv_scales or UNIT_SCALES
     block_size = kv_cache.shape[2]
     num_blocks = -(-context_len // block_size)
     blocks = block_ids[:num_blocks].long()
-    keys = kv_cache[0, blocks].reshape(num_blocks * block_size, *kv_cache.shape[3:])[:context_len]
-    values = kv_cache[1, blocks].reshape(num_blocks * block_size, *kv_cache.shape[3:])[:context_len]
-    return keys, values
+    keys = kv_cache[0].index_select(0, blocks).reshape(num_blocks * block_size, *kv_cache.shape[3:])[:context_len]
+    values = kv_cache[1].index_select(0, blocks).reshape(num_blocks * block_size, *kv_cache.shape[3:])[:context_len]
+    if keys.dtype.is_floating_point and keys.element_size() > 1:
+        return keys, values
+    return dequantize(keys, scales.k_scale), dequantize(values, scales.v_scale)
 
 
 def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -56,15 +65,16 @@ class TorchReferenceBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: Optional[KVScales] = None,
     ) -> torch.Tensor:
         check_attention_inputs(query, key, value, kv_cache, metadata)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         for i, context_len in enumerate(metadata.seq_lens_cpu):
             start, end = starts[i], starts[i + 1]
             if end == start:
                 continue
-            keys, values = gather_context(kv_cache, metadata.block_table[i], context_len)
+            keys, values = gather_context(kv_cache, metadata.block_table[i], context_len, kv_scales)
             output[start:end] = causal_attention(query[start:end], keys, values, scale).to(output.dtype)
         return output

@@ -7,10 +7,13 @@ gather the context out of the paged cache, which the C++ CPU kernel avoids.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv_cache
+from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize
 from pagellm.attention.validation import check_attention_inputs
 
 # Cap on the gathered K (and V) bytes per decode sub-batch, so that long contexts in big
@@ -30,6 +33,7 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [S]
     max_seq_len: int,
     scale: float,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its whole context, batched."""
     num_seqs, num_heads, head_dim = query.shape
@@ -47,8 +51,8 @@ def decode_attention(
         n = end - start
         blocks = block_table[start:end, :num_blocks].flatten().long()
         # index_select is several times faster than advanced indexing for this gather (a copy).
-        keys = kv_cache[0].index_select(0, blocks).view(n, padded_len, num_kv_heads, head_dim).to(dtype)
-        values = kv_cache[1].index_select(0, blocks).view(n, padded_len, num_kv_heads, head_dim).to(dtype)
+        keys = dequantize(kv_cache[0].index_select(0, blocks), kv_scales.k_scale, dtype).view(n, padded_len, num_kv_heads, head_dim)
+        values = dequantize(kv_cache[1].index_select(0, blocks), kv_scales.v_scale, dtype).view(n, padded_len, num_kv_heads, head_dim)
         valid = positions[None, :] < seq_lens[start:end, None].long()  # [n, L]
         # Padding slots may hold anything (even NaN): zero the values so 0-probability stays 0.
         if query.device.type == "cpu":
@@ -76,13 +80,16 @@ def prefill_attention(
     block_ids: torch.Tensor,  # this sequence's block-table row
     context_len: int,
     scale: float,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
     """Causal attention of one sequence's last q_len positions over its context."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-context_len // block_size)
     blocks = block_ids[:num_blocks].long()
-    keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:context_len]  # [L, kvh, D]
+    keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:context_len]  # [L, kvh, row_width]
     values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:context_len]
+    if keys.element_size() == 1:  # an 8-bit cache: widened here, the compute dtype below
+        keys, values = dequantize(keys, kv_scales.k_scale), dequantize(values, kv_scales.v_scale)
     if query.device.type == "cpu":
         return _prefill_matmul(query, keys, values, scale)
     return _prefill_sdpa(query, keys, values, scale)
@@ -144,16 +151,21 @@ def _prefill_matmul(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 def torch_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    kv_scales: Optional[KVScales] = None,
 ) -> torch.Tensor:
     """Attention over an already-written cache: decodes batched, prefill chunks one by one."""
+    kv_scales = kv_scales or UNIT_SCALES
     starts = metadata.query_start_loc_cpu
     seq_lens = metadata.seq_lens_cpu
     output = torch.empty_like(query)
     if metadata.num_tokens == 0:
         return output
     if metadata.num_tokens == metadata.num_seqs and metadata.max_query_len <= 1:
-        return decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.max_seq_len, scale)
+        return decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.max_seq_len, scale, kv_scales)
     decode_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
     if decode_seqs:
         seq_index = torch.tensor(decode_seqs, device=query.device)
@@ -165,11 +177,14 @@ def torch_attention(
             metadata.seq_lens.index_select(0, seq_index),
             max(seq_lens[i] for i in decode_seqs),
             scale,
+            kv_scales,
         )
     for i in range(metadata.num_seqs):
         start, end = starts[i], starts[i + 1]
         if end - start > 1:
-            output[start:end] = prefill_attention(query[start:end], kv_cache, metadata.block_table[i], seq_lens[i], scale)
+            output[start:end] = prefill_attention(
+                query[start:end], kv_cache, metadata.block_table[i], seq_lens[i], scale, kv_scales
+            )
     return output
 
 
@@ -186,7 +201,8 @@ class TorchSdpaBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: Optional[KVScales] = None,
     ) -> torch.Tensor:
         check_attention_inputs(query, key, value, kv_cache, metadata)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return torch_attention(query, kv_cache, metadata, scale)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+        return torch_attention(query, kv_cache, metadata, scale, kv_scales)

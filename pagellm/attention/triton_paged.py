@@ -6,17 +6,23 @@ possibly mixed with decodes) through the varlen causal kernel. Every launch depe
 device tensors and on (num_seqs, num_tokens, max_seq_len) of the metadata, so a decode step is
 capturable in a CUDA graph when those are fixed (see pagellm.worker.cuda_graphs).
 
+8-bit caches (kv_quant) are quantized by the cache-write kernel and dequantized in registers by
+the attention kernels; fp8's per-layer scales are read from ``KVScales.device_tensor`` inside
+the kernels, so a captured graph replays with the scales current at replay time.
+
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors in Triton's interpreter, which is
 how the test suite checks them without a GPU.
 """
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 
 import torch
 
 from pagellm import envs
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_quant import FP8_DTYPES, QUANTIZED_DTYPES, UNIT_SCALES, KVScales
 from pagellm.attention.validation import check_attention_inputs
 
 # Decode: KV tokens per split before a context is split across programs (flash-decoding), and
@@ -25,7 +31,7 @@ DEFAULT_PARTITION = 512
 MAX_SPLITS = 64
 DEFAULT_BLOCK_N = 64  # KV tokens per tile
 DEFAULT_BLOCK_M = 64  # query rows per prefill tile
-_SUPPORTED_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SUPPORTED_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + QUANTIZED_DTYPES
 
 
 def triton_available() -> bool:
@@ -50,7 +56,7 @@ def split_plan(max_seq_len: int, partition: int, block_n: int, max_splits: int =
 
 
 class TritonPagedBackend(AttentionBackend):
-    """Triton kernels for the cache write, decode and prefill; fp32, fp16 and bf16 caches; GQA."""
+    """Triton kernels for the cache write, decode and prefill; fp32, fp16, bf16, fp8 and int8 caches; GQA."""
 
     name = "triton_paged"
     accepts_strided_qkv = True
@@ -84,12 +90,13 @@ class TritonPagedBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: Optional[KVScales] = None,
     ) -> torch.Tensor:
         check_attention_inputs(query, key, value, kv_cache, metadata)
         if not runs_on(query.device):
             raise ValueError(f"attention backend 'triton_paged' runs on CUDA (or with TRITON_INTERPRET=1), not on {query.device}")
         if kv_cache.dtype not in _SUPPORTED_CACHE_DTYPES:
-            raise ValueError(f"triton_paged supports float32, float16 and bfloat16 KV caches, not {kv_cache.dtype}")
+            raise ValueError(f"triton_paged supports float32, float16, bfloat16, fp8 and int8 KV caches, not {kv_cache.dtype}")
         if kv_cache.stride(-1) != 1:
             raise ValueError("triton_paged needs a KV cache whose head_dim is contiguous")
         # The kernels take any token/head strides (views into the fused qkv) but a contiguous head_dim.
@@ -98,7 +105,11 @@ class TritonPagedBackend(AttentionBackend):
         if block_table.stride(-1) != 1:
             block_table = block_table.contiguous()
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        self._cache_write.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        if kv_cache.dtype in FP8_DTYPES:
+            scales = (kv_scales or UNIT_SCALES).device_tensor(query.device)
+        else:
+            scales = metadata.seq_lens  # a placeholder pointer: only fp8 kernels read scales
+        self._cache_write.write_kv_cache(key, value, kv_cache, metadata.slot_mapping, scales)
         if metadata.num_tokens == 0:
             return output
         # The interpreter computes bf16 dot products wrongly (numpy has no bf16); it upcasts them.
@@ -111,6 +122,7 @@ class TritonPagedBackend(AttentionBackend):
                 kv_cache,
                 block_table,
                 metadata.seq_lens,
+                scales,
                 num_splits,
                 per_split,
                 scale,
@@ -125,6 +137,7 @@ class TritonPagedBackend(AttentionBackend):
                 block_table,
                 metadata.query_start_loc,
                 metadata.seq_lens,
+                scales,
                 metadata.max_query_len,
                 scale,
                 self.block_m,

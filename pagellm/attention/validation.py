@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.kv_quant import row_width
 
 # The per-sequence checks walk Python lists; one metadata object serves every layer of a step,
 # so it is checked once and marked rather than re-walked per layer.
@@ -23,16 +24,19 @@ def check_attention_inputs(
             f"query/key/value must be [T, heads, head_dim]; got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]; got {tuple(kv_cache.shape)}")
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, row_width]; got {tuple(kv_cache.shape)}")
     num_tokens, num_heads, head_dim = query.shape
-    _, num_blocks, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    _, num_blocks, block_size, num_kv_heads, cache_row_width = kv_cache.shape
     if key.shape != (num_tokens, num_kv_heads, head_dim) or value.shape != key.shape:
         raise ValueError(
             f"key/value must be [{num_tokens}, {num_kv_heads}, {head_dim}] to match query and kv_cache; "
             f"got {tuple(key.shape)}, {tuple(value.shape)}"
         )
-    if cache_head_dim != head_dim:
-        raise ValueError(f"kv_cache head_dim {cache_head_dim} != query head_dim {head_dim}")
+    if cache_row_width != row_width(head_dim, kv_cache.dtype):
+        raise ValueError(
+            f"kv_cache rows of {cache_row_width} {kv_cache.dtype} elements do not fit query head_dim {head_dim} "
+            f"(expected {row_width(head_dim, kv_cache.dtype)})"
+        )
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if metadata.slot_mapping.shape != (num_tokens,):

@@ -7,7 +7,9 @@ time per call, the median speed-up over the torch reference, the achieved rate a
 (KV-cache GB/s for decode, counting a shared prefix once per sequence; attention GFLOP/s
 otherwise) and the largest difference from the reference output. With ``--layers N`` a call is N
 layers, each with its own copy of the KV cache, as in a model's step: the cache then comes from
-memory rather than from the caches a single repeated call keeps it in.
+memory rather than from the caches a single repeated call keeps it in. ``--kv-cache-dtype`` takes
+a comma-separated list (``bfloat16,fp8,int8``): each case then runs once per cache type, in one
+process, so the types compare under the same machine load.
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pagellm.attention.kv_quant import bytes_per_token_head, kv_cache_dtype_name
 from pagellm.attention.selector import BACKEND_NAMES, get_attn_backend
 from pagellm.attention.synthetic import SyntheticBatch, make_batch
-from pagellm.config import parse_dtype
+from pagellm.config import KV_CACHE_DTYPE_NAMES, parse_dtype
 
 # SmolLM2-135M attention.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -51,6 +54,7 @@ class BenchRow:
     rate: float
     rate_unit: str
     max_abs_diff: float
+    kv_cache_dtype: str = "float32"
 
 
 def attention_flops(seqs: list[tuple[int, int]]) -> float:
@@ -62,8 +66,9 @@ def attention_flops(seqs: list[tuple[int, int]]) -> float:
     return flops
 
 
-def kv_bytes(seqs: list[tuple[int, int]], element_size: int = 4) -> float:
-    return float(sum(seq_len for _, seq_len in seqs)) * 2 * NUM_KV_HEADS * HEAD_DIM * element_size
+def kv_bytes(seqs: list[tuple[int, int]], cache_dtype: torch.dtype = torch.float32) -> float:
+    """Bytes of K and V the contexts hold in a cache of ``cache_dtype`` (an int8 row's scale included)."""
+    return float(sum(seq_len for _, seq_len in seqs)) * 2 * NUM_KV_HEADS * bytes_per_token_head(HEAD_DIM, cache_dtype)
 
 
 def share_prefixes(batch: SyntheticBatch, num_prefixes: int, prefix_tokens: int, seed: int = 0) -> None:
@@ -90,7 +95,7 @@ def time_backend(
 
     def call() -> torch.Tensor:
         for cache in caches:
-            out = backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale)
+            out = backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale, batch.kv_scales)
         return out
 
     output = call()  # warm-up (and the output checked against the reference)
@@ -123,11 +128,13 @@ def run_case(
             ref_timing if name == "torch_ref" else time_backend(name, batch, min_seconds, max_repeats, num_layers)
         )
         if case.startswith("decode"):
-            rate, unit = num_layers * kv_bytes(seqs, batch.kv_cache.element_size()) / seconds / 1e9, "GB/s"
+            rate, unit = num_layers * kv_bytes(seqs, cache_dtype) / seconds / 1e9, "GB/s"
         else:
             rate, unit = num_layers * attention_flops(seqs) / seconds / 1e9, "GFLOP/s"
         diff = (out - ref_out).abs().max().item()
-        rows.append(BenchRow(case, name, seconds * 1e3, best * 1e3, ref_seconds / seconds, rate, unit, diff))
+        rows.append(
+            BenchRow(case, name, seconds * 1e3, best * 1e3, ref_seconds / seconds, rate, unit, diff, kv_cache_dtype_name(cache_dtype))
+        )
     return rows
 
 
@@ -139,10 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before timing")
     parser.add_argument("--layers", type=int, default=1, help="layers per call, each with its own copy of the cache")
-    parser.add_argument("--kv-cache-dtype", default="float32", help="the cache's element type: float32, float16 or bfloat16")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="float32",
+        help="the cache's element type(s), comma-separated: float32, float16, bfloat16, fp8 (fp8_e4m3), fp8_e5m2, int8",
+    )
     parser.add_argument("--save-result", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
-    cache_dtype = parse_dtype(args.kv_cache_dtype)
+    cache_dtypes = [KV_CACHE_DTYPE_NAMES.get(n) or parse_dtype(n) for n in args.kv_cache_dtype.lower().split(",") if n]
     if args.layers < 1:
         raise ValueError(f"--layers must be at least 1, got {args.layers}")
     if args.threads:
@@ -153,16 +164,16 @@ def main(argv: list[str] | None = None) -> int:
         if case not in CASES:
             raise ValueError(f"unknown case {case!r}; choose from {', '.join(CASES)}")
     rows: list[BenchRow] = []
-    header = f"{'case':<13}{'backend':<12}{'ms/call':>10}{'best ms':>10}{'vs ref':>9}{'rate':>10} {'unit':<8}{'max|diff|':>11}"
+    header = f"{'case':<13}{'cache':<10}{'backend':<12}{'ms/call':>10}{'best ms':>10}{'vs ref':>9}{'rate':>10} {'unit':<8}{'max|diff|':>11}"
     print(f"attention micro-benchmark: heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}, "
-          f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call, {cache_dtype} cache")
+          f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call")
     print(header)
     print("-" * len(header))
-    for case in cases:
+    for case, cache_dtype in ((c, d) for c in cases for d in cache_dtypes):
         for row in run_case(case, backends, args.min_seconds, args.max_repeats, args.layers, cache_dtype):
             rows.append(row)
-            print(f"{row.case:<13}{row.backend:<12}{row.ms_per_call:>10.3f}{row.best_ms:>10.3f}{row.speedup_vs_ref:>8.1f}x"
-                  f"{row.rate:>10.1f} {row.rate_unit:<8}{row.max_abs_diff:>11.2e}")
+            print(f"{row.case:<13}{row.kv_cache_dtype:<10}{row.backend:<12}{row.ms_per_call:>10.3f}{row.best_ms:>10.3f}"
+                  f"{row.speedup_vs_ref:>8.1f}x{row.rate:>10.1f} {row.rate_unit:<8}{row.max_abs_diff:>11.2e}")
     worst = max((r.max_abs_diff for r in rows), default=0.0)
     agree = worst < 1e-4
     print(f"all backends agree with torch_ref: {agree} (max |diff| {worst:.2e})")
@@ -174,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
             "cases": {c: CASES[c] for c in cases},
             "layers": args.layers,
-            "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
+            "kv_cache_dtypes": [kv_cache_dtype_name(d) for d in cache_dtypes],
             "rows": [asdict(r) for r in rows],
             "all_agree": agree,
         }

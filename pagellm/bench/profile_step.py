@@ -5,7 +5,8 @@
 Fills a batch with prompts, lets the prefills finish, then times decode steps: the engine's own
 phase clocks (scheduling, input preparation, forward pass, logits + sampling, bookkeeping) and,
 under torch.profiler, the split of the forward pass between matrix multiplies, attention and
-everything else (norms, RoPE, activations, Python).
+everything else (norms, RoPE, activations, Python); and the KV cache bytes decode attention
+reads per step (every context's keys and values in every layer, in the cache's format).
 """
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def main(args: argparse.Namespace) -> int:
     for _ in range(3):  # warm-up of the pure decode shape
         step()
     phases = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "update": 0.0, "step": 0.0}
+    _, scheduler = engine.kv_cache_view()
+    context_tokens_before = sum(r.num_computed_tokens for r in scheduler.running)
     t0 = time.perf_counter()
     for _ in range(args.num_steps):
         step()
@@ -69,6 +72,7 @@ def main(args: argparse.Namespace) -> int:
             phases[key] += getattr(s, f"{key}_s")
         phases["step"] += s.duration_s
     wall = time.perf_counter() - t0
+    context_tokens_after = sum(r.num_computed_tokens for r in scheduler.running)
     def profiled_steps():
         # The profiler records the thread it is entered on, so it runs on the engine's thread.
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -109,4 +113,10 @@ def main(args: argparse.Namespace) -> int:
           f"({args.batch_size * n / wall:.1f} tok/s incl. output processing)")
     for name, ms in rows:
         print(f"  {name:<40}{ms:8.1f} ms {share(ms):6.1f}%")
+    core = engine.core
+    bytes_per_token = core.kv_cache_bytes / (core.num_blocks * core.block_size)  # K and V, all layers
+    kv_read = (context_tokens_before + context_tokens_after) / 2 * bytes_per_token
+    rate = f", {kv_read / (attn_fwd / 1000) / 1e9:.1f} GB/s in attention" if attn_fwd > 0 else ""
+    print(f"  KV cache read by attention per step: {kv_read / 2**20:.1f} MiB "
+          f"({engine.memory_plan.kv_cache_dtype}, {bytes_per_token:,.0f} bytes a token){rate}")
     return 0

@@ -55,8 +55,11 @@ class KVCacheSnapshotter:
         kv_cache_manager: KVCacheManagerBase,
         scheduler: Scheduler,
         decode: Optional[Callable[[list[int]], str]] = None,
+        cache_info: Optional[dict[str, Any]] = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        # What the blocks hold, for the header: element type, bytes, tokens (the engine's memory plan).
+        self.cache_info = dict(cache_info or {})
         self.scheduler = scheduler
         self.decode = decode
         self.block_size: int = kv_cache_manager.block_size
@@ -190,6 +193,7 @@ class KVCacheSnapshotter:
             "num_blocks": len(self.codes),
             "block_size": self.block_size,
             "show_text": self.decode is not None,
+            "cache": self.cache_info,
             "codes": base64.b64encode(bytes(self.codes)).decode("ascii"),
             "tables": {req_id: [b.block_id for b in blocks[:n]] for req_id, (blocks, n) in self._tables.items()},
             "requests": self._requests,

@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from pagellm.attention.kv_quant import kv_cache_dtype_name
 from pagellm.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from pagellm.core.block_hash import make_block_hasher
 from pagellm.core.kv_cache_base import create_kv_cache_manager
@@ -129,6 +130,7 @@ class EngineCore:
                 shape.vocab_size,
                 config.enforce_eager,
                 structured_output,
+                config.calculate_kv_scales,
             )
             self.executor: Executor = UniProcExecutor(self.runner, KVCachePrefaulter(kv_caches))
         else:
@@ -151,7 +153,7 @@ class EngineCore:
             config.block_size,
             self.kv_cache_bytes / 2**20,
             self.num_blocks * config.block_size,
-            str(config.kv_cache_dtype).removeprefix("torch."),
+            kv_cache_dtype_name(config.kv_cache_dtype),
         )
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params, max_tokens: int, **kwargs) -> Request:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
+from pagellm.attention.kv_quant import kv_cache_dtype_name
 from pagellm.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, LinearPrecision, model_dtype
 from pagellm.core.kv_cache_base import KVCacheManagerBase
 from pagellm.core.scheduler import Scheduler
@@ -163,6 +164,7 @@ class LLMEngine:
             weight_bytes=self.model.weight_bytes() if self.model is not None else plan.weight_bytes,
             kv_cache_bytes=self.core.kv_cache_bytes,
             kv_cache_tokens=self.core.num_blocks * config.block_size,
+            kv_cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype),
         )
         logger.info("memory: %s", self.memory_plan.describe())
         self.input_processor = InputProcessor(
@@ -176,7 +178,7 @@ class LLMEngine:
             self.load_time_s,
             model_path,
             precision.describe(),
-            str(config.kv_cache_dtype).removeprefix("torch."),
+            kv_cache_dtype_name(config.kv_cache_dtype),
             attn_name,
         )
 

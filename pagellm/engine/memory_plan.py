@@ -39,6 +39,7 @@ class MemoryPlan:
     activation_bytes: int
     available_bytes: Optional[int]  # what the machine (or its cgroup) can still give; None if unknown
     kv_cache_tokens: int = 0
+    kv_cache_dtype: str = ""  # --kv-cache-dtype's name for what the cache holds
 
     @property
     def total_bytes(self) -> int:
@@ -46,6 +47,7 @@ class MemoryPlan:
 
     def describe(self) -> str:
         tokens = f", {self.kv_cache_tokens:,} tokens" if self.kv_cache_tokens else ""
+        tokens += f" of {self.kv_cache_dtype}" if self.kv_cache_dtype else ""
         available = f" of {self.available_bytes / GiB:.2f} GiB available" if self.available_bytes else ""
         return (
             f"weights {self.weight_bytes / GiB:.2f} GiB (checkpoint {self.checkpoint_bytes / GiB:.2f} GiB), "

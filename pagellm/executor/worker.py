@@ -100,6 +100,7 @@ class TPWorker:
             hf_config.vocab_size,
             True,
             structured_output,
+            config.calculate_kv_scales,
         )
         logger.info(
             "rank %d/%d ready: q heads %d-%d, kv heads %d-%d, %d threads",

@@ -22,7 +22,11 @@ from pagellm.kernels.build import load_kernels
 
 # What paged_attention.cpp instantiates its templates for.
 PAGED_ATTENTION_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256})
-PAGED_ATTENTION_CACHE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+PAGED_ATTENTION_CACHE_DTYPES = frozenset(
+    {torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8}
+)
+# Caches that take float32 keys and values, converted or quantized as they are written.
+_CONVERTING_CACHE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8})
 
 
 def available() -> bool:
@@ -68,22 +72,29 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     prefetch_to_l2: bool,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of ``query`` ``[T, heads, dim]`` over each sequence's paged context, into ``out``.
 
     ``prefetch_to_l2``: decode prefetches the next keys and values into L2 only rather than L1;
     which is faster depends on the core (:class:`pagellm.kernels.tuning.CpuTuning`).
+    ``k_scale`` / ``v_scale``: an fp8 cache's per-layer scales (pagellm.attention.kv_quant).
     """
-    torch.ops.pagellm_attn.paged_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, float(scale), prefetch_to_l2)
+    torch.ops.pagellm_attn.paged_attention(
+        out, query, kv_cache, block_table, seq_lens, query_start_loc, float(scale), float(k_scale), float(v_scale), prefetch_to_l2
+    )
 
 
 def write_kv_cache_supports(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """Whether :func:`write_kv_cache` takes these: each token's heads contiguous, int64 slots, and
-    keys/values of the cache's dtype (or float32 for a half-precision cache, converted as written)."""
-    converts = kv_cache.dtype in (torch.float16, torch.bfloat16) and key.dtype == torch.float32
+    keys/values of the cache's dtype, or float32 for a 16- or 8-bit cache (converted or quantized
+    as written; an 8-bit cache takes only float32)."""
+    converts = kv_cache.dtype in _CONVERTING_CACHE_DTYPES and key.dtype == torch.float32
+    same = key.dtype == kv_cache.dtype and kv_cache.element_size() > 1
     return (
         kv_cache.device.type == "cpu"
-        and (key.dtype == kv_cache.dtype or converts)
+        and (same or converts)
         and value.dtype == key.dtype
         and key.stride(-1) == 1
         and value.stride(-1) == 1
@@ -95,10 +106,18 @@ def write_kv_cache_supports(key: torch.Tensor, value: torch.Tensor, kv_cache: to
     )
 
 
-def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Scatters this step's keys and values ``[T, kv_heads, dim]`` into their cache slots: one
-    copy per token row, spread over the threads, without index_copy_'s generic machinery."""
-    torch.ops.pagellm_attn.write_kv_cache(kv_cache, key, value, slot_mapping)
+    copy (or conversion, or quantization: byte for byte what ``kv_quant.quantize`` gives) per
+    token row, spread over the threads, without index_copy_'s generic machinery."""
+    torch.ops.pagellm_attn.write_kv_cache(kv_cache, key, value, slot_mapping, float(k_scale), float(v_scale))
 
 
 # --- layer ops (layer_ops.cpp) ----------------------------------------------------------------

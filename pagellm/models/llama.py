@@ -14,6 +14,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_quant import KVScales
 from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import TPShard
@@ -44,6 +45,17 @@ def tp_shard_of(hf_config: PretrainedConfig) -> TPShard:
 
 # Buffers some checkpoints carry that we compute ourselves instead.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# An fp8 checkpoint's KV cache scales, as its quantizer names them (compressed-tensors, AutoFP8's
+# output scales, the older shared kv_scale): which of (k, v) each sets.
+_KV_SCALE_SUFFIXES = {
+    ".self_attn.k_scale": "k",
+    ".self_attn.v_scale": "v",
+    ".self_attn.attn.k_scale": "k",
+    ".self_attn.attn.v_scale": "v",
+    ".self_attn.k_proj.output_scale": "k",
+    ".self_attn.v_proj.output_scale": "v",
+    ".self_attn.kv_scale": "kv",
+}
 
 
 class LlamaAttention(nn.Module):
@@ -81,6 +93,8 @@ class LlamaAttention(nn.Module):
             shard_sizes={"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
         )
         self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        # An fp8 cache's scales for this layer (pagellm.attention.kv_quant); unused by other caches.
+        self.kv_scales = KVScales()
 
     def tp_source_range(self, shard: str) -> tuple[int, int]:
         """(offset, length) of this rank's part of a checkpoint projection: rows of q/k/v, columns of o."""
@@ -103,7 +117,9 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
         if not self.attn_backend.accepts_strided_qkv:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        if self.kv_scales.calculate and num_tokens > 0:
+            self.kv_scales.measure(k, v)
+        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
@@ -228,6 +244,24 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
+    def kv_scales(self) -> list[KVScales]:
+        """Each layer's KV cache scales, in layer order."""
+        return [layer.self_attn.kv_scales for layer in self.model.layers]
+
+    def _load_kv_scale(self, name: str, tensor: WeightSource) -> bool:
+        """Takes a checkpoint's KV cache scale if ``name`` is one; returns whether it was."""
+        for suffix, which in _KV_SCALE_SUFFIXES.items():
+            if name.endswith(suffix) and name.startswith("model.layers."):
+                layer = int(name.removeprefix("model.layers.").partition(".")[0])
+                value = tensor.dequantize() if isinstance(tensor, GGUFWeight) else tensor
+                if value.numel() != 1:
+                    raise ValueError(f"checkpoint KV cache scale {name!r} must hold one number, not {tuple(value.shape)}")
+                scales = self.model.layers[layer].self_attn.kv_scales
+                scale = float(value.float().reshape(()))
+                scales.set(scale if "k" in which else scales.k_scale, scale if "v" in which else scales.v_scale)
+                return True
+        return False
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -317,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
             expected |= {(param_name, s) for s in shards}
         written: set[tuple[str, str | None]] = set()
         for name, tensor in weights:
-            if name.endswith(_IGNORED_WEIGHT_SUFFIXES):
+            if name.endswith(_IGNORED_WEIGHT_SUFFIXES) or self._load_kv_scale(name, tensor):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: some checkpoints still store a copy of the embeddings

@@ -11,14 +11,16 @@ from typing import Callable, Optional
 
 import torch
 
+from pagellm.attention.kv_quant import bytes_per_token_head, row_width
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 * 2**20
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of one block, across all layers."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """K and V of one block, across all layers (an int8 cache's row scales included)."""
+    return 2 * num_layers * block_size * num_kv_heads * bytes_per_token_head(head_dim, dtype)
 
 
 def determine_num_blocks(
@@ -80,12 +82,13 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+    """One ``[2, num_blocks, block_size, num_kv_heads, row_width]`` tensor per layer (row_width is
+    head_dim, plus two for an int8 cache's row scale: pagellm.attention.kv_quant).
 
     Zero-filled rather than empty: attention multiplies masked-out probabilities (exact zeros)
     with whatever sits in unused slots, and 0 * NaN from uninitialised memory would be NaN.
     """
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (2, num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype))
     if device.type == "cpu":
         return [zeros_on_huge_pages(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -43,6 +43,7 @@ class ModelRunner:
         vocab_size: int,
         enforce_eager: bool = False,
         structured_output: Optional[StructuredOutputManager] = None,
+        calculate_kv_scales: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -61,6 +62,11 @@ class ModelRunner:
         self.cuda_graphs: Optional[DecodeGraphRunner] = None
         if self.device.type == "cuda" and not enforce_eager and model_supports_cuda_graphs(model):
             self.cuda_graphs = self._capture_cuda_graphs(max_num_reqs, max_num_blocks_per_req)
+        if calculate_kv_scales:
+            # Armed after the graphs' capture, whose padding batches must not be what is measured:
+            # the first real step sets each layer's scales (in place, so graphs replay them).
+            for kv_scales in model.kv_scales():
+                kv_scales.calculate = True
 
     def _capture_cuda_graphs(self, max_num_reqs: int, max_num_blocks_per_req: int) -> Optional[DecodeGraphRunner]:
         from pagellm.worker.cuda_graphs import CudaGraphDevice

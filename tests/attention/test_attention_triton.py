@@ -4,7 +4,8 @@ TRITON_INTERPRET must be set before the kernels are defined (Triton reads it in 
 so it is set here, at collection, before anything imports them. Shapes stay tiny: the
 interpreter runs each program in numpy. Two interpreter limits shape the bf16 checks: it upcasts
 bf16 dot products (the backend asks it to), and it truncates float32 -> bfloat16 where a GPU
-rounds to nearest, so a bf16 cache written from float32 is compared within one bf16 step.
+rounds to nearest, so a bf16 cache written from float32 is compared within one bf16 step. 8-bit
+caches are compared byte for byte.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'pagellm[gpu]')")
 
+from pagellm.attention.kv_quant import KVScales, row_width, write_kv_cache
 from pagellm.attention.synthetic import SyntheticBatch, make_batch
+from pagellm.attention.triton_kernels import cache_write as triton_cache_write
 from pagellm.attention.triton_paged import TritonPagedBackend, split_plan
 
 pytestmark = pytest.mark.skipif(os.environ["TRITON_INTERPRET"] != "1", reason="needs TRITON_INTERPRET=1 on CPU")
@@ -36,8 +39,8 @@ def small_backend(partition: int = 512) -> TritonPagedBackend:
 
 def run(batch: SyntheticBatch, backend: TritonPagedBackend, reference) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
-    expected = reference.forward(batch.query, batch.key, batch.value, ref_cache, batch.metadata, batch.scale)
-    got = backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale)
+    expected = reference.forward(batch.query, batch.key, batch.value, ref_cache, batch.metadata, batch.scale, batch.kv_scales)
+    got = backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale, batch.kv_scales)
     return got, expected, cache, ref_cache
 
 
@@ -145,3 +148,88 @@ def test_rejects_cpu_outside_the_interpreter(monkeypatch) -> None:
 def test_bad_tile_sizes_raise(bad) -> None:
     with pytest.raises(ValueError):
         TritonPagedBackend(**bad)
+
+
+# 8-bit caches: fp8 under per-layer scales, int8 under per-row ones. The kernels encode with bit
+# arithmetic (see cache_write), so their caches must equal kv_quant's byte for byte.
+EIGHT_BIT = [
+    pytest.param(torch.float8_e4m3fn, KVScales(0.05, 0.02), id="fp8_e4m3"),
+    pytest.param(torch.float8_e5m2, KVScales(0.05, 0.02), id="fp8_e5m2"),
+    pytest.param(torch.int8, KVScales(), id="int8"),
+]
+
+
+def assert_same_bytes(cache: torch.Tensor, ref_cache: torch.Tensor) -> None:
+    assert cache.dtype == ref_cache.dtype
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("cache_dtype", "kv_scales"), EIGHT_BIT)
+@pytest.mark.parametrize("seqs", [DECODE, MIXED], ids=["decode_split_k", "mixed"])
+def test_8bit_cache(cache_dtype, kv_scales, seqs, reference) -> None:
+    batch = make_batch(seqs, 9, 3, 64, block_size=16, cache_dtype=cache_dtype, kv_scales=kv_scales, seed=10)
+    got, expected, cache, ref_cache = run(batch, small_backend(32), reference)
+    assert_same_bytes(cache, ref_cache)
+    # Both dequantize the same bytes in float32: only the summation order differs (errors ~1e-6).
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"), [(torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.int8)], ids=["bf16_fp8", "fp16_int8"]
+)
+def test_half_precision_model_with_8bit_cache(dtype, cache_dtype, reference) -> None:
+    scales = KVScales(0.05, 0.02) if cache_dtype != torch.int8 else KVScales()
+    batch = make_batch(MIXED, 9, 3, 64, block_size=16, dtype=dtype, cache_dtype=cache_dtype, kv_scales=scales, seed=11)
+    got, expected, cache, ref_cache = run(batch, small_backend(32), reference)
+    assert got.dtype == dtype
+    assert_same_bytes(cache, ref_cache)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=2e-2)
+
+
+def test_fp8_scales_are_read_from_the_device_tensor(reference) -> None:
+    # A CUDA graph replays its pointers: scales set after the first call must reach the kernels
+    # through the same tensor, not as launch constants.
+    scales = KVScales(0.05, 0.02)
+    # Decode with one split: the path test_8bit_cache (split-K and prefill) leaves out.
+    batch = make_batch([(1, 20), (1, 40)], 9, 3, 64, block_size=16, cache_dtype=torch.float8_e4m3fn, kv_scales=scales, seed=12)
+    backend = small_backend()
+    tensor = scales.device_tensor(batch.query.device)
+    backend.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), batch.metadata, batch.scale, scales)
+    scales.set(0.1, 0.04)
+    assert scales.device_tensor(batch.query.device) is tensor
+    got, expected, cache, ref_cache = run(batch, backend, reference)
+    assert_same_bytes(cache, ref_cache)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _edge_rows(dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+    """Values at every rounding boundary of an 8-bit format, as rows [T, 1, head_dim]."""
+    if dtype == torch.int8:
+        gen = torch.Generator().manual_seed(13)
+        s = 2.0**-4  # a float16 row scale exactly: absmax 127 * s
+        ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5, 3.49, -3.51]) * s
+        rows = [torch.cat([ties, torch.zeros(head_dim - ties.numel())]), torch.zeros(head_dim)]  # an all-zero row: scale 0
+        # Scales that underflow float16 and that are clamped to its max, and an ordinary row.
+        rows += [torch.full((head_dim,), 1e-9), torch.randn(head_dim, generator=gen) * 1e7, torch.randn(head_dim, generator=gen)]
+        return torch.stack(rows)[:, None, :]
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    finite = codes[torch.isfinite(codes)].unique()
+    mids = (finite[1:] + finite[:-1]) / 2  # ties go to the even code
+    inf = torch.tensor(float("inf"))
+    specials = torch.tensor([float("nan"), float("inf"), 1e-30, 1e38, torch.finfo(dtype).max * 1.03])
+    values = torch.cat([finite, mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf), specials])
+    values = torch.cat([values, -values])
+    values = torch.cat([values, torch.zeros(-values.numel() % head_dim)])
+    return values.view(-1, 1, head_dim)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
+def test_8bit_write_rounds_to_nearest_even_and_saturates(cache_dtype) -> None:
+    rows = _edge_rows(cache_dtype, 64)
+    num = rows.shape[0]
+    cache = torch.zeros(2, num, 1, 1, row_width(64, cache_dtype), dtype=cache_dtype)
+    ref_cache = cache.clone()
+    slots = torch.randperm(num, generator=torch.Generator().manual_seed(14))
+    write_kv_cache(rows, -rows, ref_cache, slots, KVScales())
+    triton_cache_write.write_kv_cache(rows, -rows, cache, slots, KVScales().device_tensor(torch.device("cpu")))
+    assert_same_bytes(cache, ref_cache)

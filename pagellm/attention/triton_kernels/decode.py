@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.attention.kv_quant import FP8_DTYPES
+from pagellm.attention.triton_kernels.kv_codec import FORMAT_INT8, fp8_unit, kernel_view, kv_format, load_int8_row_scale, load_kv
+
 _LOG2E = 1.4426950408889634
 
 
@@ -21,6 +24,7 @@ def _decode_kernel(
     block_table_ptr,
     seq_lens_ptr,
     out_ptr,
+    scales_ptr,  # fp8: float32 [k_scale, v_scale], read here so that CUDA graphs see updates
     part_out_ptr,
     part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -44,6 +48,9 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_UNIT: tl.constexpr,  # 256 for e4m3 (decode_fp8 leaves it 2^-8 small), 1 for e5m2
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -64,6 +71,10 @@ def _decode_kernel(
     )
     if DOT_F32:
         q = q.to(tl.float32)
+    if IS_FP8:
+        # fp8's per-layer scales fold into the scores and the output.
+        qk_scale = qk_scale * (tl.load(scales_ptr) * FP8_UNIT)
+        v_scale = tl.load(scales_ptr + 1) * FP8_UNIT
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -77,19 +88,27 @@ def _decode_kernel(
         slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok
         kv_mask = valid[:, None] & mask_dims[None, :]
         # other=0: slots past the context may hold anything (even NaN), and 0 * NaN would leak.
-        k = tl.load(k_base + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(k_base + stride_cache_kv + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k_row = k_base + slot
+        k = load_kv(k_row[:, None] + dims[None, :], kv_mask, q.dtype, KV_FORMAT)
+        v = load_kv(k_row[:, None] + stride_cache_kv + dims[None, :], kv_mask, q.dtype, KV_FORMAT)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if KV_FORMAT == FORMAT_INT8:
+            s = s * load_int8_row_scale(k_row, valid, HEAD_DIM)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_FORMAT == FORMAT_INT8:
+            # l_i sums the softmax weights; the dot takes them times each value row's scale.
+            p = p * load_int8_row_scale(k_row + stride_cache_kv, valid, HEAD_DIM)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     # An empty split (or a padding sequence of length 0) has l == 0: its output is 0, its weight 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if IS_FP8:
+        out = out * v_scale
     mask_out = mask_rows[:, None] & mask_dims[None, :]
     if SINGLE_SPLIT:
         tl.store(
@@ -141,9 +160,10 @@ def _reduce_kernel(
 def decode_attention(
     out: torch.Tensor,  # [S, num_heads, head_dim], written
     query: torch.Tensor,  # [S, num_heads, head_dim], last dim contiguous
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, row_width]
     block_table: torch.Tensor,  # int32 [S, max_blocks], last dim contiguous
     seq_lens: torch.Tensor,  # int32 [S]
+    scales: torch.Tensor,  # float32 [k_scale, v_scale] on the device; read for an fp8 cache only
     num_splits: int,
     partition: int,
     scale: float,
@@ -159,12 +179,14 @@ def decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused
+    cache = kernel_view(kv_cache)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
-        kv_cache,
+        cache,
         block_table,
         seq_lens,
         out,
+        scales,
         part_out,
         part_lse,
         scale * _LOG2E,
@@ -189,6 +211,9 @@ def decode_attention(
         BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1,
         DOT_F32=dot_f32,
+        KV_FORMAT=kv_format(kv_cache.dtype),
+        IS_FP8=kv_cache.dtype in FP8_DTYPES,
+        FP8_UNIT=fp8_unit(kv_cache.dtype),
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](

@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.attention.kv_quant import FP8_DTYPES
+from pagellm.attention.triton_kernels.kv_codec import FORMAT_INT8, fp8_unit, kernel_view, kv_format, load_int8_row_scale, load_kv
+
 _LOG2E = 1.4426950408889634
 
 
@@ -23,6 +26,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
+    scales_ptr,  # fp8: float32 [k_scale, v_scale], read here so that CUDA graphs see updates
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
     stride_qh,
@@ -40,6 +44,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_UNIT: tl.constexpr,  # 256 for e4m3 (decode_fp8 leaves it 2^-8 small), 1 for e5m2
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -63,6 +70,10 @@ def _prefill_kernel(
     )
     if DOT_F32:
         q = q.to(tl.float32)
+    if IS_FP8:
+        # fp8's per-layer scales fold into the scores and the output.
+        qk_scale = qk_scale * (tl.load(scales_ptr) * FP8_UNIT)
+        v_scale = tl.load(scales_ptr + 1) * FP8_UNIT
     q_pos = prefix + rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -79,9 +90,12 @@ def _prefill_kernel(
         slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok
         kv_mask = in_context[:, None] & mask_dims[None, :]
         # other=0: slots past the context may hold anything (even NaN), and 0 * NaN would leak.
-        k = tl.load(k_base + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(k_base + stride_cache_kv + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k_row = k_base + slot
+        k = load_kv(k_row[:, None] + dims[None, :], kv_mask, q.dtype, KV_FORMAT)
+        v = load_kv(k_row[:, None] + stride_cache_kv + dims[None, :], kv_mask, q.dtype, KV_FORMAT)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if KV_FORMAT == FORMAT_INT8:
+            s = s * load_int8_row_scale(k_row, in_context, HEAD_DIM)[None, :]
         visible = in_context[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -90,10 +104,15 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_FORMAT == FORMAT_INT8:
+            # l_i sums the softmax weights; the dot takes them times each value row's scale.
+            p = p * load_int8_row_scale(k_row + stride_cache_kv, in_context, HEAD_DIM)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if IS_FP8:
+        out = out * v_scale
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -104,10 +123,11 @@ def _prefill_kernel(
 def prefill_attention(
     out: torch.Tensor,  # [T, num_heads, head_dim], written
     query: torch.Tensor,  # [T, num_heads, head_dim], last dim contiguous
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, row_width]
     block_table: torch.Tensor,  # int32 [S, max_blocks], last dim contiguous
     query_start_loc: torch.Tensor,  # int32 [S + 1]
     seq_lens: torch.Tensor,  # int32 [S]
+    scales: torch.Tensor,  # float32 [k_scale, v_scale] on the device; read for an fp8 cache only
     max_query_len: int,
     scale: float,
     block_m: int,
@@ -118,13 +138,15 @@ def prefill_attention(
     _, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    cache = kernel_view(kv_cache)
     _prefill_kernel[grid](
         query,
-        kv_cache,
+        cache,
         block_table,
         query_start_loc,
         seq_lens,
         out,
+        scales,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
@@ -142,4 +164,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_F32=dot_f32,
+        KV_FORMAT=kv_format(kv_cache.dtype),
+        IS_FP8=kv_cache.dtype in FP8_DTYPES,
+        FP8_UNIT=fp8_unit(kv_cache.dtype),
     )

@@ -204,7 +204,11 @@ class DashboardHub:
         if self.show_text:
             tokenizer = engine.tokenizer
             decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        self._snapshotter = KVCacheSnapshotter(kv_cache_manager, scheduler, decode)
+        plan = getattr(engine, "memory_plan", None)
+        cache_info = None
+        if plan is not None:
+            cache_info = {"dtype": plan.kv_cache_dtype, "bytes": plan.kv_cache_bytes, "tokens": plan.kv_cache_tokens}
+        self._snapshotter = KVCacheSnapshotter(kv_cache_manager, scheduler, decode, cache_info)
         self._pending.clear()
         self._reset = True  # a new mirror: every client starts again from a full snapshot
         return self._snapshotter

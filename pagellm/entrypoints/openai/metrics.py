@@ -60,6 +60,11 @@ class EngineMetrics:
         self.kv_cache_bytes = gauge("pagellm:kv_cache_bytes", "Bytes of the KV cache.")
         self.kv_cache_tokens = gauge("pagellm:kv_cache_tokens", "Tokens the KV cache holds.")
         self.activation_bytes = gauge("pagellm:activation_reserve_bytes", "Bytes planned for one step's activations.")
+        # vLLM's cache_config_info: 1, with what the cache holds as a label.
+        self._cache_config_info = Gauge(
+            "pagellm:cache_config_info", "Information of the KV cache configuration.", ["model_name", "cache_dtype"], registry=reg
+        )
+        self._model_name = name
         self.prefix_cache_queries = counter("pagellm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("pagellm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.num_preemptions = counter("pagellm:num_preemptions", "Cumulative number of preemptions from the engine.")
@@ -100,6 +105,7 @@ class EngineMetrics:
         self.kv_cache_bytes.set(plan.kv_cache_bytes)
         self.kv_cache_tokens.set(plan.kv_cache_tokens)
         self.activation_bytes.set(plan.activation_bytes)
+        self._cache_config_info.labels(self._model_name, plan.kv_cache_dtype or "unknown").set(1)
 
     def record_step(self, engine_stats: EngineStats, now: float) -> None:
         stats = engine_stats.scheduler

@@ -1,14 +1,21 @@
-// The element types a KV cache may hold: float32, or float16 / bfloat16 (half the bytes, and
-// decode attention is bound by the bytes it reads). Kernels compute in float32 either way:
-// load_kv() widens W elements into one vector, store_kv() narrows one back, rounding to nearest
-// even as torch's .to() does, so a row written here equals the same row converted by torch.
+// The element types a KV cache may hold: float32, float16 / bfloat16 (half the bytes, and
+// decode attention is bound by the bytes it reads), or 8 bits (a quarter): fp8 e4m3 / e5m2 under
+// a per-layer scale, or int8 rows with a float16 scale each (pagellm/attention/kv_quant.py).
+// Kernels compute in float32 either way: load_kv() widens W elements into one vector, store_kv()
+// and quantize_row() narrow, rounding to nearest even as torch's .to() and round() do, so a row
+// written here equals the same row written by torch.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -20,6 +27,25 @@ namespace pagellm {
 
 typedef uint32_t vuint __attribute__((vector_size(W * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(W * 2)));
+typedef uint8_t vu8 __attribute__((vector_size(W)));
+typedef int8_t vi8 __attribute__((vector_size(W)));
+
+// W float16 bit patterns widened to float32 (exact, subnormals included).
+inline vfloat half_bits_to_float(vu16 bits) {
+#if defined(__AVX512F__)
+  __m256i raw;
+  std::memcpy(&raw, &bits, sizeof(bits));
+  return (vfloat)_mm512_cvtph_ps(raw);
+#elif defined(__F16C__) && defined(__AVX__)
+  __m128i raw;
+  std::memcpy(&raw, &bits, sizeof(bits));
+  return (vfloat)_mm256_cvtph_ps(raw);
+#else
+  vfloat x;
+  for (int i = 0; i < W; ++i) x[i] = static_cast<float>(c10::Half(bits[i], c10::Half::from_bits()));
+  return x;
+#endif
+}
 
 inline vfloat load_kv(const float* p) { return vload(p); }
 inline void store_kv(float* p, vfloat x) { vstore(p, x); }
@@ -62,6 +88,95 @@ inline void store_kv(c10::BFloat16* p, vfloat x) {
   rounded = x != x ? vuint{} + 0x7FC0u : rounded;
   const vu16 narrow = __builtin_convertvector(rounded, vu16);
   std::memcpy(p, &narrow, sizeof(narrow));
+}
+
+// W bytes zero-extended to 16 bits. (GCC's generic __builtin_convertvector between element
+// sizes is scalarised for some of these widenings, so the x86 forms are spelled out.)
+inline vu16 widen_bytes(const void* p) {
+#if defined(__AVX512F__)
+  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+#else
+  vu8 bytes;
+  std::memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(bytes, vu16);
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+  vu16 out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+#endif
+}
+
+// fp8 e5m2 is the top byte of a float16 (same exponent bias): widening is a shift.
+inline vfloat load_kv(const c10::Float8_e5m2* p) { return half_bits_to_float(widen_bytes(p) << 8); }
+
+// fp8 e4m3's exponent and mantissa placed in a float16's give the value / 2^8 (exactly, also for
+// subnormals): kernels fold kKvUnit into the layer's scale instead of multiplying every element.
+// The byte goes to the top, then one arithmetic shift puts the exponent in place and copies the
+// sign into bit 14, which the mask clears.
+inline vfloat load_kv(const c10::Float8_e4m3fn* p) {
+  typedef int16_t vi16 __attribute__((vector_size(W * 2)));
+  const vi16 top = (vi16)(widen_bytes(p) << 8);
+  return half_bits_to_float((vu16)(top >> 1) & 0xBFFF);
+}
+
+// int8 rows: the raw integers; their row's scale (row_scale) is applied to scores and weights.
+inline vfloat load_kv(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vfloat x;
+  for (int i = 0; i < W; ++i) x[i] = static_cast<float>(p[i]);
+  return x;
+#endif
+}
+
+// What load_kv() returns times kKvUnit<T> is the stored value (before the layer's scale).
+template <typename T>
+constexpr float kKvUnit = std::is_same_v<T, c10::Float8_e4m3fn> ? 256.f : 1.f;
+// Whether each head row carries its own scale, as a float16 in kRowExtra<T> elements after its values.
+template <typename T>
+constexpr bool kRowScaled = std::is_same_v<T, int8_t>;
+template <typename T>
+constexpr int kRowExtra = kRowScaled<T> ? 2 : 0;
+
+// The scale of the head row starting at `row` (head_dim D); 1 for types without row scales.
+template <int D, typename T>
+inline float row_scale(const T* row) {
+  if constexpr (kRowScaled<T>) {
+    uint16_t bits;
+    std::memcpy(&bits, row + D, sizeof(bits));
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  } else {
+    return 1.f;
+  }
+}
+
+// One head row of n float32 values into the cache's form: int8 with its float16 scale (absmax /
+// 127) after the values, fp8 divided by the layer's `scale` and saturated, else rounded.
+template <typename T>
+inline void quantize_row(T* dst, const float* src, int64_t n, float scale) {
+  if constexpr (kRowScaled<T>) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
+    const c10::Half half_scale(std::min(amax / 127.f, 65504.f));
+    const float s = static_cast<float>(half_scale);
+    for (int64_t i = 0; i < n; ++i) {
+      const float q = s > 0.f ? std::nearbyint(src[i] / s) : 0.f;
+      dst[i] = static_cast<int8_t>(std::clamp(q, -127.f, 127.f));
+    }
+    std::memcpy(dst + n, &half_scale.x, sizeof(half_scale.x));
+  } else {
+    constexpr float kMax = std::is_same_v<T, c10::Float8_e4m3fn> ? 448.f : 57344.f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = scale == 1.f ? src[i] : src[i] / scale;
+      dst[i] = T(std::clamp(x, -kMax, kMax));
+    }
+  }
 }
 
 // n elements from float32 into the cache's type; n need not be a multiple of W.

@@ -11,8 +11,11 @@
 //     query tile).  A tile holds ~64 (token, head) query rows, stored transposed so that
 //     scores, masking and the softmax update are vectorised across rows; keys stream in
 //     chunks of kKeyChunk.
-// The cache holds float32, float16 or bfloat16 (kv_types.h); every kernel is a template over
-// that element type and widens rows to float32 as it reads them.
+// The cache holds float32, float16, bfloat16, fp8 (e4m3 / e5m2, one scale per layer) or int8
+// (a float16 scale per head row, stored after the row's values) (kv_types.h); every kernel is a
+// template over that element type and widens rows to float32 as it reads them. Scales are folded
+// in rather than applied per element: the layer's key scale into the query, its value scale into
+// the output, an int8 row's scale into that key's score and that value's weight.
 // Vector helpers (vec.h) are GCC vector extensions: one source for AVX-512, AVX2 or NEON.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -121,8 +124,10 @@ struct Problem {
   int num_heads;
   int num_kv_heads;
   int head_dim;
+  int head_stride;  // cache elements per (token, kv head) row: head_dim, plus an int8 row's scale
   int block_size;
-  float scale_log2;  // softmax scale * log2(e): scores live in the log2 domain
+  float scale_log2;   // softmax scale * log2(e) * the keys' scale: scores live in the log2 domain
+  float value_scale;  // the values' scale (fp8), applied to the output
   // Whether decode prefetches the next chunk into L2 only (prefetcht1) rather than into L1 as
   // well (prefetcht0). Which is faster depends on the core (the L1 fill buffers that prefetches
   // to L1 hold are few on some), so the caller measures both at start-up (kernels/tuning.py).
@@ -151,13 +156,13 @@ template <typename T>
 inline void locate_rows(const Problem& p, int seq, int kv_head, int pos, int n, int context_len, const T* zero_row,
                         const T** key_rows, const T** value_rows) {
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
-  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * p.head_stride;
   int block_index = pos / p.block_size;
   int offset = pos - block_index * p.block_size;
   for (int i = 0; i < n; ++i) {
     if (pos + i < context_len) {
       const int64_t slot = static_cast<int64_t>(table[block_index]) * p.block_size + offset;
-      const int64_t at = slot * row_stride + static_cast<int64_t>(kv_head) * p.head_dim;
+      const int64_t at = slot * row_stride + static_cast<int64_t>(kv_head) * p.head_stride;
       key_rows[i] = static_cast<const T*>(p.key_cache) + at;
       value_rows[i] = static_cast<const T*>(p.value_cache) + at;
     } else {
@@ -190,7 +195,7 @@ struct DecodeState {
 template <int D, typename T>
 inline void prefetch_head_row(const T* row, bool to_l2) {
   constexpr int kLine = 64 / static_cast<int>(sizeof(T));  // elements per cache line
-  for (int line = 0; line < D; line += kLine) {
+  for (int line = 0; line < D + kRowExtra<T>; line += kLine) {
     if (to_l2) {  // the same every call: a predicted branch, not worth a template
       __builtin_prefetch(row + line, 0, 2);
     } else {
@@ -214,12 +219,14 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
   vfloat scores[G][KV];
   for (int kv = 0; kv < KV; ++kv) {
     vfloat part[G][W];
+    vfloat key_scales = vsplat(1.f);
     for (int n = 0; n < W; ++n) {
       if (ahead_keys != nullptr) {
         prefetch_head_row<D, T>(ahead_keys[kv * W + n] + head_offset, to_l2);
         if constexpr (!kMemoryBound<T>) prefetch_head_row<D, T>(ahead_values[kv * W + n] + head_offset, to_l2);
       }
       const T* k = key_rows[kv * W + n] + head_offset;
+      if constexpr (kRowScaled<T>) key_scales[n] = row_scale<D>(k);
       vfloat kr[NV];
       for (int v = 0; v < NV; ++v) kr[v] = load_kv(k + v * W);
       for (int j = 0; j < G; ++j) {
@@ -229,7 +236,11 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
       }
     }
     const vint valid = lane < (n_keys - kv * W);
-    for (int j = 0; j < G; ++j) scores[j][kv] = valid ? transpose_sum(part[j]) : vsplat(kNegInf);
+    for (int j = 0; j < G; ++j) {
+      vfloat sum = transpose_sum(part[j]);
+      if constexpr (kRowScaled<T>) sum *= key_scales;
+      scores[j][kv] = valid ? sum : vsplat(kNegInf);
+    }
   }
   for (int j = 0; j < G; ++j) {
     vfloat cm = scores[j][0];
@@ -253,10 +264,11 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
       if (ahead_values != nullptr) prefetch_head_row<D, T>(ahead_values[n] + head_offset, to_l2);
     }
     const T* vrow = value_rows[n] + head_offset;
+    const float value_scale = row_scale<D>(vrow);
     vfloat vr[NV];
     for (int v = 0; v < NV; ++v) vr[v] = load_kv(vrow + v * W);
     for (int j = 0; j < G; ++j) {
-      const vfloat pj = vsplat(scores[j][n / W][n % W]);
+      const vfloat pj = vsplat(scores[j][n / W][n % W] * value_scale);
       for (int v = 0; v < NV; ++v) st.acc[j][v] += pj * vr[v];
     }
   }
@@ -294,7 +306,7 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
       locate_rows(p, item.seq, item.kv_head, item.begin + c * kDecodeChunk, kDecodeChunk, context_len, zero_row,
                   rows[c][0], rows[c][1]);
       for (int n = 0; n < kDecodeChunk; ++n) {
-        for (int line = 0; line < num_kv * D; line += kLine) {
+        for (int line = 0; line < num_kv * p.head_stride; line += kLine) {
           __builtin_prefetch(rows[c][0][n] + line, 0, 3);
           __builtin_prefetch(rows[c][1][n] + line, 0, 3);
         }
@@ -311,7 +323,7 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
       locate_rows(p, item.seq, item.kv_head, ahead, kDecodeChunk, context_len, zero_row, rows[ahead_slot][0],
                   rows[ahead_slot][1]);
     for (int h = 0; h < num_kv; ++h) {
-      decode_chunk<D, G, T>(states[h], rows[cur][0], rows[cur][1], h * D, n_keys,
+      decode_chunk<D, G, T>(states[h], rows[cur][0], rows[cur][1], h * p.head_stride, n_keys,
                             fetch_ahead ? rows[ahead_slot][0] : nullptr, fetch_ahead ? rows[ahead_slot][1] : nullptr,
                             to_l2);
     }
@@ -323,7 +335,7 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
           p.out + static_cast<int64_t>(token) * p.num_heads * D + static_cast<int64_t>(item.head_begin + h * G) * D;
       for (int j = 0; j < G; ++j) {
         const float total = hsum(st.l[j]);
-        const float inv = total > 0.f ? 1.f / total : 0.f;
+        const float inv = total > 0.f ? p.value_scale / total : 0.f;
         for (int v = 0; v < NV; ++v) vstore(dst + j * D + v * W, st.acc[j][v] * inv);
       }
     } else {
@@ -332,7 +344,7 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
       for (int j = 0; j < G; ++j) {
         dst[j] = st.m[j];
         dst[kMaxGroup + j] = hsum(st.l[j]);
-        for (int v = 0; v < NV; ++v) vstore(dst + 2 * kMaxGroup + j * D + v * W, st.acc[j][v]);
+        for (int v = 0; v < NV; ++v) vstore(dst + 2 * kMaxGroup + j * D + v * W, st.acc[j][v] * p.value_scale);
       }
     }
   }
@@ -424,9 +436,10 @@ void qk_chunk(const float* kc, int n_keys, const float* qt, int rows, float* st,
 }
 
 // o[r] = o[r] * corr[r] + sum_n p[n][r] * v_n for rows [r0, r0 + R), output vectors [c0, c0 + C).
+// `value_scales`: each value row's scale (int8 rows), else unused.
 template <int D, int R, int C, typename T>
-inline void pv_block(const T* const* value_rows, int n_keys, const float* st, const float* corr, float* o, int r0,
-                     int c0) {
+inline void pv_block(const T* const* value_rows, const float* value_scales, int n_keys, const float* st,
+                     const float* corr, float* o, int r0, int c0) {
   vfloat acc[R][C];
   for (int r = 0; r < R; ++r) {
     const vfloat cr = vsplat(corr[r0 + r]);
@@ -436,7 +449,9 @@ inline void pv_block(const T* const* value_rows, int n_keys, const float* st, co
     vfloat vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load_kv(value_rows[n] + (c0 + c) * W);
     for (int r = 0; r < R; ++r) {
-      const vfloat pr = vsplat(st[n * kTileRows + r0 + r]);
+      float weight = st[n * kTileRows + r0 + r];
+      if constexpr (kRowScaled<T>) weight *= value_scales[n];
+      const vfloat pr = vsplat(weight);
       for (int c = 0; c < C; ++c) acc[r][c] += pr * vv[c];
     }
   }
@@ -445,13 +460,15 @@ inline void pv_block(const T* const* value_rows, int n_keys, const float* st, co
 }
 
 template <int D, typename T>
-void pv_chunk(const T* const* value_rows, int n_keys, const float* st, int rows, const float* corr, float* o) {
+void pv_chunk(const T* const* value_rows, const float* value_scales, int n_keys, const float* st, int rows,
+              const float* corr, float* o) {
   constexpr int NV = D / W;
   constexpr int kTail = NV % kPvVecs;
   for (int r0 = 0; r0 < rows; r0 += kPvRows) {
     int c0 = 0;
-    for (; c0 + kPvVecs <= NV; c0 += kPvVecs) pv_block<D, kPvRows, kPvVecs>(value_rows, n_keys, st, corr, o, r0, c0);
-    if constexpr (kTail > 0) pv_block<D, kPvRows, kTail>(value_rows, n_keys, st, corr, o, r0, c0);
+    for (; c0 + kPvVecs <= NV; c0 += kPvVecs)
+      pv_block<D, kPvRows, kPvVecs>(value_rows, value_scales, n_keys, st, corr, o, r0, c0);
+    if constexpr (kTail > 0) pv_block<D, kPvRows, kTail>(value_rows, value_scales, n_keys, st, corr, o, r0, c0);
   }
 }
 
@@ -506,8 +523,16 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
     // Round up to the QK block; the extra keys are zero rows and get masked below.
     const int n_keys_qk = (n_keys + kQkKeys - 1) / kQkKeys * kQkKeys;
     locate_rows(p, item.seq, item.kv_head, k0, n_keys_qk, key_end, zero_row, key_rows, value_rows);
-    for (int n = 0; n < n_keys_qk; ++n)
-      for (int v = 0; v < NV; ++v) vstore(kc + n * D + v * W, load_kv(key_rows[n] + v * W));
+    for (int n = 0; n < n_keys_qk; ++n) {
+      const vfloat key_scale = vsplat(row_scale<D>(key_rows[n]));
+      for (int v = 0; v < NV; ++v) {
+        const vfloat k = load_kv(key_rows[n] + v * W);
+        vstore(kc + n * D + v * W, kRowScaled<T> ? k * key_scale : k);
+      }
+    }
+    float value_scales[kKeyChunk];
+    if constexpr (kRowScaled<T>)
+      for (int n = 0; n < n_keys; ++n) value_scales[n] = row_scale<D>(value_rows[n]);
     for (int rv = 0; rv < rows; rv += W) vstore(s.chunk_max.data() + rv, vsplat(kNegInf));
     qk_chunk<D>(kc, n_keys_qk, qt, rows, st, s.chunk_max.data());
     // Only chunks that reach past the tile's first position need the causal mask.
@@ -538,13 +563,13 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
       vstore(s.l.data() + rv, vload(s.l.data() + rv) * corr + sum);
       vstore(s.m.data() + rv, m_new);
     }
-    pv_chunk<D>(value_rows, n_keys, st, rows, s.corr.data(), o);
+    pv_chunk<D>(value_rows, value_scales, n_keys, st, rows, s.corr.data(), o);
   }
   for (int r = 0; r < used_rows; ++r) {
     const int t = r / g, j = r % g;
     float* dst = p.out + static_cast<int64_t>(token0 + item.begin + t) * p.num_heads * D +
                  static_cast<int64_t>(item.head_begin + j) * D;
-    const vfloat inv = vsplat(s.l[r] > 0.f ? 1.f / s.l[r] : 0.f);
+    const vfloat inv = vsplat(s.l[r] > 0.f ? p.value_scale / s.l[r] : 0.f);
     for (int v = 0; v < NV; ++v) vstore(dst + v * W, vload(o + r * D + v * W) * inv);
   }
 }
@@ -720,7 +745,13 @@ void run(const Problem& p, int num_seqs, int num_threads) {
 
 bool supported_head_dim(int64_t d) { return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
 
-bool supported_cache_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+bool supported_cache_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 ||
+         t == at::kChar;
+}
+
+// Cache elements after each head row's values: an int8 row's float16 scale.
+int64_t row_extra(at::ScalarType t) { return t == at::kChar ? 2 : 0; }
 
 template <typename T>
 void run_for_head_dim(const Problem& p, int num_seqs, int threads) {
@@ -736,11 +767,11 @@ void run_for_head_dim(const Problem& p, int num_seqs, int threads) {
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale, bool prefetch_to_l2) {
+                     double scale, double k_scale, double v_scale, bool prefetch_to_l2) {
   TORCH_CHECK_VALUE(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                         supported_cache_type(kv_cache.scalar_type()),
-                    "paged_attention: float32 query and output, float32/float16/bfloat16 cache only");
+                    "paged_attention: float32 query and output, float32/float16/bfloat16/fp8/int8 cache only");
   TORCH_CHECK_VALUE(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_attention: bad shapes");
   TORCH_CHECK_VALUE(kv_cache.is_contiguous() && out.is_contiguous(),
                     "paged_attention: kv_cache and out must be contiguous");
@@ -756,8 +787,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t head_dim = query.size(2);
   TORCH_CHECK_VALUE(supported_head_dim(head_dim), "paged_attention: unsupported head_dim ", head_dim);
-  TORCH_CHECK_VALUE(kv_cache.size(4) == head_dim && query.size(1) % kv_cache.size(3) == 0,
-                    "paged_attention: head shapes do not match");
+  TORCH_CHECK_VALUE(
+      kv_cache.size(4) == head_dim + row_extra(kv_cache.scalar_type()) && query.size(1) % kv_cache.size(3) == 0,
+      "paged_attention: head shapes do not match");
   TORCH_CHECK_VALUE(query_start_loc.size(0) == num_seqs + 1 && block_table.size(0) >= num_seqs,
                     "paged_attention: metadata sizes do not match");
   TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "paged_attention: out must be shaped like query");
@@ -775,8 +807,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.num_heads = static_cast<int>(query.size(1));
   p.num_kv_heads = static_cast<int>(kv_cache.size(3));
   p.head_dim = static_cast<int>(head_dim);
+  p.head_stride = static_cast<int>(kv_cache.size(4));
   p.block_size = static_cast<int>(kv_cache.size(2));
-  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  // Only fp8 caches are stored under the layer's scales; the others hold values as they are.
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2;
+  const float unit = kv_cache.scalar_type() == at::kFloat8_e4m3fn ? kKvUnit<c10::Float8_e4m3fn> : 1.f;
+  p.scale_log2 = static_cast<float>(scale * (fp8 ? k_scale : 1.0)) * unit * kLog2e;
+  p.value_scale = static_cast<float>(fp8 ? v_scale : 1.0) * unit;
   p.prefetch_to_l2 = prefetch_to_l2;
 
   // Every block a sequence reaches must exist: a bad table would otherwise read out of bounds.
@@ -799,42 +836,60 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   switch (kv_cache.scalar_type()) {
     case at::kHalf: return run_for_head_dim<c10::Half>(p, static_cast<int>(num_seqs), threads);
     case at::kBFloat16: return run_for_head_dim<c10::BFloat16>(p, static_cast<int>(num_seqs), threads);
+    case at::kFloat8_e4m3fn: return run_for_head_dim<c10::Float8_e4m3fn>(p, static_cast<int>(num_seqs), threads);
+    case at::kFloat8_e5m2: return run_for_head_dim<c10::Float8_e5m2>(p, static_cast<int>(num_seqs), threads);
+    case at::kChar: return run_for_head_dim<int8_t>(p, static_cast<int>(num_seqs), threads);
     default: return run_for_head_dim<float>(p, static_cast<int>(num_seqs), threads);
   }
 }
 
 // Scatter this step's keys and values into their cache slots (what write_kv_cache does, without
 // the generic index_copy_ machinery: one memcpy per token row, spread over the threads). A
-// float16 / bfloat16 cache takes float32 rows, converted on the way in.
+// float16 / bfloat16 cache takes float32 rows, converted on the way in; an 8-bit cache takes
+// float32 rows, quantized one head row at a time (kv_types.h's quantize_row).
 template <typename T>
 void scatter_converted(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const int64_t* slots,
-                       int64_t num_tokens) {
-  T* key_cache = kv_cache.data_ptr<T>();
+                       int64_t num_tokens, float k_scale, float v_scale) {
+  T* key_cache = static_cast<T*>(kv_cache.data_ptr());
   T* value_cache = key_cache + kv_cache.stride(0);
   const float* key_src = key.data_ptr<float>();
   const float* value_src = value.data_ptr<float>();
-  const int64_t row = kv_cache.size(3) * kv_cache.size(4);
-  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+  const int64_t num_kv_heads = key.size(1), head_dim = key.size(2);
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4);  // cache elements per token
+  constexpr bool kQuantized = sizeof(T) == 1;
+  at::parallel_for(0, num_tokens, kQuantized ? 16 : 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      convert_row(key_cache + slots[t] * row, key_src + t * key.stride(0), row);
-      convert_row(value_cache + slots[t] * row, value_src + t * value.stride(0), row);
+      if constexpr (kQuantized) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          T* dst = key_cache + slots[t] * row + h * kv_cache.size(4);
+          quantize_row(dst, key_src + t * key.stride(0) + h * head_dim, head_dim, k_scale);
+          quantize_row(dst + kv_cache.stride(0), value_src + t * value.stride(0) + h * head_dim, head_dim, v_scale);
+        }
+      } else {
+        convert_row(key_cache + slots[t] * row, key_src + t * key.stride(0), row);
+        convert_row(value_cache + slots[t] * row, value_src + t * value.stride(0), row);
+      }
     }
   });
 }
 
 void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
-                    const at::Tensor& slot_mapping) {
+                    const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   TORCH_CHECK_VALUE(
       kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
-      "write_kv_cache: kv_cache must be a contiguous CPU [2, blocks, block_size, kv_heads, head_dim]");
+      "write_kv_cache: kv_cache must be a contiguous CPU [2, blocks, block_size, kv_heads, row_width]");
   const at::ScalarType cache_type = kv_cache.scalar_type();
-  const bool converts = (cache_type == at::kHalf || cache_type == at::kBFloat16) && key.scalar_type() == at::kFloat;
-  TORCH_CHECK_VALUE(key.scalar_type() == value.scalar_type() && (key.scalar_type() == cache_type || converts),
-                    "write_kv_cache: key/value dtype must match the cache, or be float32 for a float16/bfloat16 cache");
+  const bool quantizes = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2 || cache_type == at::kChar;
+  const bool converts =
+      (cache_type == at::kHalf || cache_type == at::kBFloat16 || quantizes) && key.scalar_type() == at::kFloat;
+  TORCH_CHECK_VALUE(
+      key.scalar_type() == value.scalar_type() && (converts || (key.scalar_type() == cache_type && !quantizes)),
+      "write_kv_cache: key/value dtype must match the cache, or be float32 for a 16- or 8-bit cache");
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1,
                     "write_kv_cache: slot_mapping must be contiguous int64");
+  TORCH_CHECK_VALUE(k_scale > 0 && v_scale > 0, "write_kv_cache: scales must be positive");
   const int64_t num_tokens = slot_mapping.size(0);
-  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4) - row_extra(cache_type);
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == num_kv_heads && t->size(2) == head_dim,
                       "write_kv_cache: key/value must be [tokens, kv_heads, head_dim] matching the cache");
@@ -846,8 +901,16 @@ void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot ", slots[t], " out of ", num_slots);
   if (converts) {
-    if (cache_type == at::kHalf) return scatter_converted<c10::Half>(kv_cache, key, value, slots, num_tokens);
-    return scatter_converted<c10::BFloat16>(kv_cache, key, value, slots, num_tokens);
+    const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+    switch (cache_type) {
+      case at::kHalf: return scatter_converted<c10::Half>(kv_cache, key, value, slots, num_tokens, ks, vs);
+      case at::kBFloat16: return scatter_converted<c10::BFloat16>(kv_cache, key, value, slots, num_tokens, ks, vs);
+      case at::kFloat8_e4m3fn:
+        return scatter_converted<c10::Float8_e4m3fn>(kv_cache, key, value, slots, num_tokens, ks, vs);
+      case at::kFloat8_e5m2:
+        return scatter_converted<c10::Float8_e5m2>(kv_cache, key, value, slots, num_tokens, ks, vs);
+      default: return scatter_converted<int8_t>(kv_cache, key, value, slots, num_tokens, ks, vs);
+    }
   }
   const int64_t row_bytes = num_kv_heads * head_dim * static_cast<int64_t>(kv_cache.element_size());
   char* key_cache = static_cast<char*>(kv_cache.data_ptr());
@@ -869,8 +932,10 @@ void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
 TORCH_LIBRARY(pagellm_attn, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale, bool prefetch_to_l2) -> ()");
-  m.def("write_kv_cache(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
+      "Tensor query_start_loc, float scale, float k_scale, float v_scale, bool prefetch_to_l2) -> ()");
+  m.def(
+      "write_kv_cache(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping, float k_scale, "
+      "float v_scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_attn, CPU, m) {

@@ -107,7 +107,9 @@
     drawAll();
     renderCounts();
     renderQueues();
-    $('summary').textContent = `${S.numBlocks.toLocaleString()} blocks × ${S.blockSize} tokens`;
+    const cache = full.cache || {};
+    const held = cache.dtype ? ` · ${cache.dtype}, ${(cache.bytes / 2 ** 30).toFixed(2)} GiB` : '';
+    $('summary').textContent = `${S.numBlocks.toLocaleString()} blocks × ${S.blockSize} tokens${held}`;
     $('privacy').textContent = S.showText
       ? 'Showing request text (--dashboard-show-text).'
       : 'Request text hidden: token counts and hashes only (start the server with --dashboard-show-text to show it).';
