@@ -27,6 +27,18 @@ def test_kv_cache_dtype_resolves(dtype, kv_cache_dtype, expected) -> None:
     assert config.kv_cache_dtype == expected
 
 
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("fp8", torch.float8_e4m3fn), ("FP8_E4M3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2), ("int8", torch.int8)],
+)
+def test_eight_bit_kv_cache_dtypes_take_vllms_names(name, expected) -> None:
+    assert EngineConfig(kv_cache_dtype=name, device="cpu").kv_cache_dtype == expected
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--kv-cache-dtype", name, "--calculate-kv-scales"]))
+    assert kwargs["kv_cache_dtype"] == name and kwargs["calculate_kv_scales"] is True
+
+
 def test_bad_kv_cache_dtype_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="unsupported kv_cache_dtype 'int7'; choose auto"):
         EngineConfig(kv_cache_dtype="int7", device="cpu")

@@ -27,3 +27,15 @@ def test_tiny_tp2_matches_tp1(tiny_model):
             assert all(abs(a[k].logprob - b[k].logprob) < 1e-3 for k in a)
         for a, b in zip(r.prompt_logprobs[1:], t.prompt_logprobs[1:]):
             assert all(abs(a[k].logprob - b[k].logprob) < 1e-3 for k in a.keys() & b.keys())
+
+
+def test_tiny_tp2_eight_bit_kv_matches_tp1(tiny_model):
+    # An int8 row's scale is per token and kv head, and fp8 under unit scales is per element, so each
+    # rank stores its heads' bytes exactly as one rank would: the outputs agree as closely as in float32.
+    for kv_cache_dtype in ("int8", "fp8"):
+        ref = _run(tiny_model, kv_cache_dtype=kv_cache_dtype)
+        tp2 = _run(tiny_model, tensor_parallel_size=2, kv_cache_dtype=kv_cache_dtype)
+        for r, t in zip(ref, tp2):
+            assert t.outputs[0].token_ids == r.outputs[0].token_ids, kv_cache_dtype
+            for a, b in zip(r.outputs[0].logprobs, t.outputs[0].logprobs):
+                assert all(abs(a[k].logprob - b[k].logprob) < 1e-3 for k in a.keys() & b.keys())

@@ -269,4 +269,5 @@ def test_metrics_names(server, client):
     assert 0 < metric_value(text, "pagellm:model_checkpoint_bytes") <= metric_value(text, "pagellm:model_weight_bytes")
     assert metric_value(text, "pagellm:kv_cache_bytes") > 0 and metric_value(text, "pagellm:kv_cache_tokens") > 0
     assert metric_value(text, "pagellm:activation_reserve_bytes") > 0
+    assert re.search(r'^pagellm:cache_config_info\{.*cache_dtype="bfloat16".*\} 1\.0$', text, re.MULTILINE)
     assert json.loads(httpx.get(f"{server.url}/version").text)["version"]

@@ -142,6 +142,24 @@ def test_load_weights_reports_missing_unknown_and_misshapen() -> None:
         LlamaForCausalLM(config, backend).load_weights(bad.items())
 
 
+def test_load_weights_takes_an_fp8_checkpoints_kv_scales() -> None:
+    # The names fp8 quantizers write (compressed-tensors, AutoFP8, the old shared kv_scale).
+    config = _configs()["llama-untied-linear-bias"]
+    hf_state = make_random_hf_model(config).state_dict()
+    model = LlamaForCausalLM(config, TorchReferenceBackend())
+    scales = {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+        "model.layers.0.self_attn.v_proj.output_scale": torch.tensor([0.25]),
+        "model.layers.1.self_attn.kv_scale": torch.tensor(2.0, dtype=torch.bfloat16),
+    }
+    model.load_weights([*hf_state.items(), *scales.items()])
+    assert [(s.k_scale, s.v_scale) for s in model.kv_scales()] == [(0.5, 0.25), (2.0, 2.0)]
+    with pytest.raises(ValueError, match="one number"):
+        LlamaForCausalLM(config, TorchReferenceBackend()).load_weights(
+            [*hf_state.items(), ("model.layers.0.self_attn.k_scale", torch.ones(2))]
+        )
+
+
 def test_fused_projections_hold_the_checkpoint_rows() -> None:
     config = _configs()["qwen2-mqa-bias"]
     hf_state = make_random_hf_model(config).state_dict()

@@ -26,6 +26,23 @@ def test_block_bytes_and_count() -> None:
         determine_num_blocks(None, block - 1, 0, block, 16, 2048)
 
 
+def test_eight_bit_caches_hold_twice_the_tokens_of_bfloat16() -> None:
+    # SmolLM2-135M in the default 2 GiB: an int8 row carries its float16 scale (66 bytes a head).
+    shape = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
+    tokens = {
+        name: determine_num_blocks(None, None, 2 << 30, bytes_per_block(**shape, dtype=dtype), 16, 8192) * 16
+        for name, dtype in [("bfloat16", torch.bfloat16), ("fp8", torch.float8_e4m3fn), ("int8", torch.int8)]
+    }
+    assert bytes_per_block(**shape, dtype=torch.int8) == 2 * 30 * 16 * 3 * 66
+    assert tokens == {"bfloat16": 93200, "fp8": 186400, "int8": 180752}
+
+
+@pytest.mark.parametrize(("dtype", "width"), [(torch.int8, 66), (torch.float8_e5m2, 64)])
+def test_eight_bit_caches_are_shaped_by_their_rows(dtype: torch.dtype, width: int) -> None:
+    caches = allocate_kv_caches(2, 10, 16, 3, 64, dtype, torch.device("cpu"))
+    assert all(c.shape == (2, 10, 16, 3, width) and c.dtype == dtype and not c.view(torch.uint8).any() for c in caches)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_caches_are_zero_and_shaped_per_layer(dtype: torch.dtype) -> None:
     caches = allocate_kv_caches(3, 100, 16, 3, 64, dtype, torch.device("cpu"))

@@ -370,6 +370,7 @@ void decode_dispatch(const Problem& p, const Item& item, const T* zero_row, floa
 struct TileScratch {
   std::vector<float> qt;                              // [D][kTileRows]: transposed, pre-scaled queries
   std::vector<float> kc;                              // [kKeyChunk][D]: the chunk's keys, contiguous
+  std::vector<float> vc;                              // [kKeyChunk][D]: its values widened to float32
   std::vector<float> st;                              // [kKeyChunk][kTileRows]: scores, then probabilities
   std::vector<float> o;                               // [kTileRows][D]: unnormalised output
   std::vector<float> m, l, corr, row_pos, chunk_max;  // [kTileRows]
@@ -377,6 +378,7 @@ struct TileScratch {
   explicit TileScratch(int head_dim)
       : qt(static_cast<size_t>(head_dim) * kTileRows),
         kc(static_cast<size_t>(kKeyChunk) * head_dim),
+        vc(static_cast<size_t>(kKeyChunk) * head_dim),
         st(static_cast<size_t>(kKeyChunk) * kTileRows),
         o(static_cast<size_t>(kTileRows) * head_dim),
         m(kTileRows),
@@ -436,10 +438,10 @@ void qk_chunk(const float* kc, int n_keys, const float* qt, int rows, float* st,
 }
 
 // o[r] = o[r] * corr[r] + sum_n p[n][r] * v_n for rows [r0, r0 + R), output vectors [c0, c0 + C).
-// `value_scales`: each value row's scale (int8 rows), else unused.
-template <int D, int R, int C, typename T>
-inline void pv_block(const T* const* value_rows, const float* value_scales, int n_keys, const float* st,
-                     const float* corr, float* o, int r0, int c0) {
+// Value rows are float32: every row block reads them again, so other types are widened once first.
+template <int D, int R, int C>
+inline void pv_block(const float* const* value_rows, int n_keys, const float* st, const float* corr, float* o, int r0,
+                     int c0) {
   vfloat acc[R][C];
   for (int r = 0; r < R; ++r) {
     const vfloat cr = vsplat(corr[r0 + r]);
@@ -447,11 +449,9 @@ inline void pv_block(const T* const* value_rows, const float* value_scales, int 
   }
   for (int n = 0; n < n_keys; ++n) {
     vfloat vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load_kv(value_rows[n] + (c0 + c) * W);
+    for (int c = 0; c < C; ++c) vv[c] = vload(value_rows[n] + (c0 + c) * W);
     for (int r = 0; r < R; ++r) {
-      float weight = st[n * kTileRows + r0 + r];
-      if constexpr (kRowScaled<T>) weight *= value_scales[n];
-      const vfloat pr = vsplat(weight);
+      const vfloat pr = vsplat(st[n * kTileRows + r0 + r]);
       for (int c = 0; c < C; ++c) acc[r][c] += pr * vv[c];
     }
   }
@@ -459,16 +459,14 @@ inline void pv_block(const T* const* value_rows, const float* value_scales, int 
     for (int c = 0; c < C; ++c) vstore(o + (r0 + r) * D + (c0 + c) * W, acc[r][c]);
 }
 
-template <int D, typename T>
-void pv_chunk(const T* const* value_rows, const float* value_scales, int n_keys, const float* st, int rows,
-              const float* corr, float* o) {
+template <int D>
+void pv_chunk(const float* const* value_rows, int n_keys, const float* st, int rows, const float* corr, float* o) {
   constexpr int NV = D / W;
   constexpr int kTail = NV % kPvVecs;
   for (int r0 = 0; r0 < rows; r0 += kPvRows) {
     int c0 = 0;
-    for (; c0 + kPvVecs <= NV; c0 += kPvVecs)
-      pv_block<D, kPvRows, kPvVecs>(value_rows, value_scales, n_keys, st, corr, o, r0, c0);
-    if constexpr (kTail > 0) pv_block<D, kPvRows, kTail>(value_rows, value_scales, n_keys, st, corr, o, r0, c0);
+    for (; c0 + kPvVecs <= NV; c0 += kPvVecs) pv_block<D, kPvRows, kPvVecs>(value_rows, n_keys, st, corr, o, r0, c0);
+    if constexpr (kTail > 0) pv_block<D, kPvRows, kTail>(value_rows, n_keys, st, corr, o, r0, c0);
   }
 }
 
@@ -485,6 +483,7 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
   const int rows = (used_rows + W - 1) / W * W;
   float* qt = s.qt.data();
   float* kc = s.kc.data();
+  float* vc = s.vc.data();
   float* st = s.st.data();
   float* o = s.o.data();
   // Transpose the tile's queries W rows x W dims at a time; padding rows read zeros.
@@ -530,9 +529,19 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
         vstore(kc + n * D + v * W, kRowScaled<T> ? k * key_scale : k);
       }
     }
-    float value_scales[kKeyChunk];
-    if constexpr (kRowScaled<T>)
-      for (int n = 0; n < n_keys; ++n) value_scales[n] = row_scale<D>(value_rows[n]);
+    const float* values[kKeyChunk];  // the chunk's values as float32 rows
+    for (int n = 0; n < n_keys; ++n) {
+      if constexpr (std::is_same_v<T, float>) {
+        values[n] = value_rows[n];
+      } else {
+        const vfloat value_scale = vsplat(row_scale<D>(value_rows[n]));
+        for (int v = 0; v < NV; ++v) {
+          const vfloat x = load_kv(value_rows[n] + v * W);
+          vstore(vc + n * D + v * W, kRowScaled<T> ? x * value_scale : x);
+        }
+        values[n] = vc + n * D;
+      }
+    }
     for (int rv = 0; rv < rows; rv += W) vstore(s.chunk_max.data() + rv, vsplat(kNegInf));
     qk_chunk<D>(kc, n_keys_qk, qt, rows, st, s.chunk_max.data());
     // Only chunks that reach past the tile's first position need the causal mask.
@@ -563,7 +572,7 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
       vstore(s.l.data() + rv, vload(s.l.data() + rv) * corr + sum);
       vstore(s.m.data() + rv, m_new);
     }
-    pv_chunk<D>(value_rows, value_scales, n_keys, st, rows, s.corr.data(), o);
+    pv_chunk<D>(values, n_keys, st, rows, s.corr.data(), o);
   }
   for (int r = 0; r < used_rows; ++r) {
     const int t = r / g, j = r % g;
