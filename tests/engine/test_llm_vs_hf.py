@@ -108,6 +108,8 @@ EIGHT_BIT_KV = {
     "kv_fp8_e4m3_calculated_scales": (dict(EXACT, kv_cache_dtype="fp8", calculate_kv_scales=True), 14),
     "kv_fp8_e5m2": (dict(EXACT, kv_cache_dtype="fp8_e5m2"), 12),
     "kv_int8": (dict(EXACT, kv_cache_dtype="int8"), 14),
+    # Preempted and recomputed requests rewrite their blocks; prefix-cached blocks are read back.
+    "kv_int8_preemption": (dict(EXACT, kv_cache_dtype="int8", num_kv_blocks=140, max_num_batched_tokens=2048), 14),
 }
 # The linear layers in low precision (where this CPU has the instructions; float32 elsewhere):
 # vLLM's rule on every prompt is the bar, identical tokens are only counted.
@@ -147,13 +149,15 @@ def test_eight_bit_kv_caches_meet_vllms_rule(name, prompts, references):
     print(f"{name}: {verdicts.count('identical')}/{len(prompts)} identical, {num_meeting} meet vLLM's rule")
     assert num_meeting >= num_required, [v for v in verdicts if v.startswith("fails")]
     core = llm.llm_engine.core
-    expected = {"kv_fp8_e5m2": torch.float8_e5m2, "kv_int8": torch.int8}.get(name, torch.float8_e4m3fn)
+    expected = {"fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}.get(config["kv_cache_dtype"], torch.float8_e4m3fn)
     assert {cache.dtype for cache in core.runner.kv_caches} == {expected}
     scales = core.runner.model.kv_scales()
     if config.get("calculate_kv_scales"):  # measured from the first step: no longer 1.0, and fixed
         assert all(not s.calculate and s.k_scale != 1.0 and s.v_scale != 1.0 for s in scales)
     else:
         assert all(s.k_scale == 1.0 and s.v_scale == 1.0 for s in scales)
+    if name.endswith("preemption"):
+        assert core.stats().scheduler.num_preemptions > 0
     core.kv_cache_manager.check_integrity()
 
 
