@@ -206,6 +206,35 @@ def check_greedy(path: str, plan: Plan) -> dict[str, Any]:
     }
 
 
+def check_eight_bit_kv(path: str, plan: Plan) -> dict[str, Any]:
+    """Greedy tokens with 8-bit KV caches (Triton's fp8 / int8 kernels, CUDA graphs replaying the
+    measured fp8 scales) against a bfloat16 cache: how many sequences stay equal, and where the
+    others first differ."""
+    tokenizer_llm = None
+    results: dict[str, Any] = {}
+    reference: list[list[int]] = []
+    for kv_cache_dtype, extra in (("bfloat16", {}), ("fp8", {"calculate_kv_scales": True}), ("int8", {})):
+        llm = LLM(model=path, dtype="float32", device=plan.device, max_num_seqs=16, kv_cache_memory_bytes="1GiB",
+                  kv_cache_dtype=kv_cache_dtype, **extra)
+        tokenizer_llm = tokenizer_llm or llm.get_tokenizer()
+        prompt_ids = [tokenizer_llm(p)["input_ids"] for p in PROMPTS[: plan.check_prompts]]
+        params = SamplingParams(max_tokens=plan.check_tokens, temperature=0.0, ignore_eos=True)
+        outs = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": i} for i in prompt_ids], params, use_tqdm=False)]
+        graphs = llm.llm_engine.core.runner.cuda_graphs is not None
+        free(llm)
+        if not reference:
+            reference = outs
+            results[kv_cache_dtype] = {"cuda_graphs": graphs}
+            continue
+        first_diffs = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(outs, reference)]
+        results[kv_cache_dtype] = {
+            "sequences_equal_to_bfloat16": sum(d is None for d in first_diffs),
+            "first_differences": [d for d in first_diffs if d is not None],
+            "cuda_graphs": graphs,
+        }
+    return results
+
+
 def param_count(hf_like: dict[str, int]) -> int:
     h, i, layers, vocab = hf_like["hidden"], hf_like["intermediate"], hf_like["layers"], hf_like["vocab"]
     q, kv = hf_like["q_size"], hf_like["kv_size"]
@@ -335,6 +364,7 @@ def run(plan: Plan, tokenizer_dir: str, work_dir: str) -> dict[str, Any]:
         }
         entry: dict[str, Any] = {"shape": asdict(shape), "params": param_count(dims)}
         entry["greedy_float32"] = check_greedy(path, plan)
+        entry["eight_bit_kv"] = check_eight_bit_kv(path, plan)
         entry["throughput"] = throughput(path, plan, vocab_size, dims)
         entry["seconds"] = time.perf_counter() - t0
         report["shapes"][shape.name] = entry

@@ -61,6 +61,10 @@ class ModelRunner:
         # Decode steps replay CUDA graphs on a GPU; the CPU path never builds any.
         self.cuda_graphs: Optional[DecodeGraphRunner] = None
         if self.device.type == "cuda" and not enforce_eager and model_supports_cuda_graphs(model):
+            # Each layer's fp8 scales on the device before capture: graphs hold their addresses,
+            # and a copy to the device cannot happen inside a capture.
+            for kv_scales in model.kv_scales():
+                kv_scales.device_tensor(self.device)
             self.cuda_graphs = self._capture_cuda_graphs(max_num_reqs, max_num_blocks_per_req)
         if calculate_kv_scales:
             # Armed after the graphs' capture, whose padding batches must not be what is measured:
