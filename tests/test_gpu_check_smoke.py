@@ -27,4 +27,9 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert entry["greedy_float32"]["all_equal"]
     assert entry["greedy_float32"]["first_step_max_abs_logit_diff"] < 1e-3
     assert entry["throughput"]["pagellm"]["output_tokens_per_s"] > 0
+    eight_bit = entry["eight_bit_kv"]
+    assert set(eight_bit) == {"bfloat16", "fp8", "int8"}
+    for name in ("fp8", "int8"):
+        runs = eight_bit[name]
+        assert runs["sequences_equal_to_bfloat16"] + len(runs["first_differences"]) == 2  # the smoke plan's 2 prompts
     assert entry["throughput"]["decode_step"]["eager_ms"] > 0
