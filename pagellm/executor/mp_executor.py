@@ -7,17 +7,26 @@ at once, not after a collective's timeout: the other ranks are killed and the st
 ``WorkerDiedError``, which kills the engine cleanly (the server answers 503 and exits 1). A
 rank that stops answering without dying fails the step after ``execute_timeout_s``. Ranks die
 with the driver (PR_SET_PDEATHSIG on Linux), even when it leaves through ``os._exit``.
+
+Ranks are spawned, not forked (a fork would copy the driver's threads' locks and OpenMP pool
+mid-use), but without re-running the user's script: spawned processes normally import
+``__main__`` again, and a script that builds ``LLM(tensor_parallel_size=2)`` at its top level,
+with no ``if __name__ == "__main__":`` guard, would start an engine in every rank. A rank needs
+only pagellm's modules, so ``__main__`` is hidden from multiprocessing while the ranks start.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import socket
+import sys
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -35,6 +44,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """While processes start: ``__main__`` with no ``__spec__`` name and no ``__file__``, which is
+    how multiprocessing's spawn decides to import the main script (by module name or path) in the child."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _die_with_parent() -> None:
@@ -94,7 +121,8 @@ class MultiprocExecutor(Executor):
             spec = WorkerSpec(world_size=world_size, init_method=init_method, num_threads=threads, cpus=cpus, **spec_base)
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"pagellm-tp{rank}", daemon=True)
-            proc.start()
+            with _main_not_reimported():
+                proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)

@@ -39,3 +39,34 @@ def test_tiny_tp2_eight_bit_kv_matches_tp1(tiny_model):
             assert t.outputs[0].token_ids == r.outputs[0].token_ids, kv_cache_dtype
             for a, b in zip(r.outputs[0].logprobs, t.outputs[0].logprobs):
                 assert all(abs(a[k].logprob - b[k].logprob) < 1e-3 for k in a.keys() & b.keys())
+
+
+_UNGUARDED_SCRIPT = """
+import sys
+from pagellm import LLM, SamplingParams
+from pagellm.models.loader import default_model_path
+
+llm = LLM(model=sys.argv[1], tokenizer=default_model_path(), tensor_parallel_size=2, num_kv_blocks=64, max_model_len=128)
+params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+print("TOKENS", list(llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0].outputs[0].token_ids))
+llm.shutdown()
+"""
+
+
+def test_tp_from_a_script_without_a_main_guard(tiny_model, tmp_path):
+    # Spawned ranks must not re-run the user's script (which would build an engine in each rank).
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), tiny_model], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokens = [line for line in done.stdout.splitlines() if line.startswith("TOKENS")]
+    llm = LLM(model=tiny_model, tokenizer=default_model_path(), num_kv_blocks=64, max_model_len=128)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        expected = list(llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0].outputs[0].token_ids)
+    finally:
+        llm.shutdown()
+    assert tokens == [f"TOKENS {expected}"]
