@@ -130,3 +130,29 @@ def test_only_the_ops_module_calls_native_ops():
 def test_find_cycle_reports_a_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+# Inside entrypoints: what each part may import of the others. The shared pieces (the server's
+# state and its one key check, the error bodies, the metrics) import none of them; the dashboard
+# is not OpenAI API and never imports it; the OpenAI server attaches the dashboard's routes.
+ENTRYPOINTS_ALLOWED: dict[str, set[str]] = {
+    "server_state": set(),
+    "errors": set(),
+    "metrics": set(),
+    "dashboard": {"server_state", "errors", "metrics"},
+    "openai": {"server_state", "errors", "metrics", "dashboard"},
+    "cli_generate": set(),
+    "cli_chat": {"cli_generate"},
+}
+
+
+def test_entrypoints_parts_import_only_what_they_may():
+    base = ROOT / "entrypoints"
+    parts = {p.stem if p.is_file() else p.name for p in base.iterdir() if p.name != "__init__.py" and not p.name.startswith("__")}
+    assert parts == set(ENTRYPOINTS_ALLOWED), "a new part of pagellm.entrypoints needs its rule here"
+    for path in base.rglob("*.py"):
+        part = path.relative_to(base).parts[0].removesuffix(".py")
+        if part == "__init__":
+            continue
+        used = {n.split(".")[2] for n in imports_of(path) if n.startswith("pagellm.entrypoints.") and n.count(".") >= 2}
+        assert used - {part} <= ENTRYPOINTS_ALLOWED[part], (path, used - {part} - ENTRYPOINTS_ALLOWED[part])

@@ -1,6 +1,6 @@
 """A snapshot of the paged KV cache and the scheduler's queues, kept up to date by diffs.
 
-The dashboard (``pagellm.entrypoints.openai.dashboard``) and ``pagellm bench compare
+The dashboard (``pagellm.entrypoints.dashboard``) and ``pagellm bench compare
 --block-map-png`` read the engine's cache and queues (``LLMEngine.kv_cache_view``) only through
 this module. ``KVCacheSnapshotter`` keeps a mirror
 of every block's state as one byte; ``poll()`` brings it up to date from the block ids the pool

@@ -54,7 +54,7 @@ class EngineOverloadedError(RuntimeError):
 
 
 class StatLogger(Protocol):
-    """Receives engine statistics on the engine thread (see ``pagellm.entrypoints.openai.metrics``)."""
+    """Receives engine statistics on the engine thread (see ``pagellm.entrypoints.metrics``)."""
 
     def record_step(self, stats: EngineStats, now: float) -> None: ...
 

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry
 
 from pagellm.core.scheduler import SchedulerStats
 from pagellm.engine.stats import EngineStats, StepStats, StepTotals
-from pagellm.entrypoints.openai.metrics import EngineMetrics
+from pagellm.entrypoints.metrics import EngineMetrics
 
 
 def test_step_totals_split_prefill_and_decode_steps():

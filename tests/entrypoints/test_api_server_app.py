@@ -11,8 +11,9 @@ import pytest
 from fake_engine import FakeEngine
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.entrypoints.openai.api_server import GracefulServer, ServerState, build_app
-from pagellm.entrypoints.openai.metrics import EngineMetrics
+from pagellm.entrypoints.metrics import EngineMetrics
+from pagellm.entrypoints.openai.api_server import GracefulServer, build_app
+from pagellm.entrypoints.server_state import ServerState
 
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -18,9 +18,9 @@ from pagellm.core.block_hash import make_block_hasher
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.dashboard.hub import StatsSampler, histogram_quantile
+from pagellm.entrypoints.metrics import EngineMetrics
 from pagellm.entrypoints.openai.api_server import build_app
-from pagellm.entrypoints.openai.dashboard import StatsSampler, histogram_quantile
-from pagellm.entrypoints.openai.metrics import EngineMetrics
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 

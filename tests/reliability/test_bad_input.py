@@ -193,8 +193,8 @@ def test_request_chat_template_needs_the_operators_trust():
     from fake_engine import FakeEngine
 
     from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.entrypoints.metrics import EngineMetrics
     from pagellm.entrypoints.openai.api_server import build_app
-    from pagellm.entrypoints.openai.metrics import EngineMetrics
 
     async def post(app, path: str, body: dict) -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:

@@ -19,8 +19,8 @@ from openai_server_utils import API_KEY
 from reliability_utils import AUTH, MODEL, StreamResult, finished_count, metric_value, parse_sse_event, run, stream_request
 
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.metrics import EngineMetrics
 from pagellm.entrypoints.openai.api_server import build_app
-from pagellm.entrypoints.openai.metrics import EngineMetrics
 
 LONG = {"model": MODEL, "max_tokens": 64, "ignore_eos": True, "temperature": 0.8, "seed": 7}
 

@@ -9,13 +9,11 @@ are aborted) and the process exits 0; a crashed engine makes ``/health`` 503 and
 from __future__ import annotations
 
 import argparse
-import hmac
 import logging
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import uvicorn
@@ -28,13 +26,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import pagellm
 from pagellm import envs
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
-from pagellm.entrypoints.openai.errors import (
+from pagellm.entrypoints.errors import (
     APIError,
     api_error_response,
     error_response,
     format_validation_error,
 )
-from pagellm.entrypoints.openai.metrics import EngineMetrics
+from pagellm.entrypoints.metrics import EngineMetrics
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,20 +46,12 @@ from pagellm.entrypoints.openai.serving_base import to_api_error
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, authorize
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 # Paths that must keep answering while draining or overloaded (probes and scrapers).
 _UNGUARDED_PATHS = ("/metrics",)
-
-
-@dataclass
-class ServerState:
-    api_key: Optional[str] = None
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    draining: bool = False
-    num_in_flight: int = 0  # HTTP requests inside the app (a stream counts until its last byte)
 
 
 class GuardMiddleware:
@@ -97,11 +87,8 @@ class GuardMiddleware:
             state.num_in_flight -= 1
 
     def _authorized(self, scope: Scope) -> bool:
-        expected = f"Bearer {self.state.api_key}".encode()
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return hmac.compare_digest(value, expected)
-        return False
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        return authorize(self.state, header)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Optional[Receive]:
         """Reads the whole body under the cap; returns a receive that replays it, or None if answered."""
@@ -235,9 +222,11 @@ def build_app(
         return await chat.create_chat_completion(request, raw_request)
 
     if dashboard:
-        from pagellm.entrypoints.openai.dashboard import add_dashboard_routes
+        from pagellm.entrypoints.dashboard.hub import DashboardHub
+        from pagellm.entrypoints.dashboard.router import dashboard_router
 
-        add_dashboard_routes(app, async_llm, metrics, state, dashboard_show_text)
+        app.state.dashboard = DashboardHub(async_llm, metrics, state, dashboard_show_text)
+        app.include_router(dashboard_router(app.state.dashboard, state))
     app.add_middleware(GuardMiddleware, state=state)
     return app
 

@@ -10,7 +10,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, LazyPrompt, RequestStream
-from pagellm.entrypoints.openai.errors import APIError, error_body
+from pagellm.entrypoints.errors import APIError, error_body
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptTokensDetails, UsageInfo
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.engine.async_llm import RequestStream
-from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.errors import APIError
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,

@@ -1,7 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's extensions), run on the engine thread."""
 from __future__ import annotations
 
-from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.errors import APIError
 from pagellm.entrypoints.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from pagellm.entrypoints.openai.serving_base import OpenAIServing, messages_to_dicts, to_api_error
 from pagellm.entrypoints.openai.serving_chat import make_chat_prompt

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.errors import APIError
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatTool
 from pagellm.entrypoints.openai.tool_parsers import ParsedToolCall
 from pagellm.sampling_params import StructuredOutputsParams

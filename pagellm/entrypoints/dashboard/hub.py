@@ -1,4 +1,5 @@
-"""``GET /dashboard``: a live view of the paged KV cache, its requests and the engine's counters.
+"""The dashboard's hub: what ``GET /dashboard`` (router.py) streams, a live view of the paged KV
+cache, its requests and the engine's counters.
 
 The page (``static/dashboard.html`` + ``dashboard.js``, uPlot vendored beside them, no build step)
 reads one server-sent-event stream, ``/dashboard/events``:
@@ -23,35 +24,19 @@ redirects to drop the key from the address bar. Token text is sent only with
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
 from collections import deque
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
-
-from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from typing import Any, AsyncIterator, Optional
 
 from pagellm.core.kv_cache_snapshot import KVCacheSnapshotter
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.entrypoints.openai.errors import error_response
-from pagellm.entrypoints.openai.metrics import EngineMetrics
-
-if TYPE_CHECKING:  # api_server imports this module
-    from pagellm.entrypoints.openai.api_server import ServerState
+from pagellm.entrypoints.metrics import EngineMetrics
+from pagellm.entrypoints.server_state import ServerState
 
 logger = logging.getLogger(__name__)
 
-STATIC_DIR = Path(__file__).parent / "static"
-STATIC_FILES = {
-    "dashboard.js": "text/javascript",
-    "dashboard.css": "text/css",
-    "uPlot.iife.min.js": "text/javascript",
-    "uPlot.min.css": "text/css",
-}
-COOKIE = "pagellm_dashboard_key"
 POLL_INTERVAL_S = 0.25
 STATS_HISTORY = 480  # points kept for a client that connects later (2 minutes at 4 per second)
 CLIENT_QUEUE = 64  # events a slow client may lag before it is resynced with a full snapshot
@@ -170,7 +155,7 @@ class DashboardHub:
         self,
         async_llm: AsyncLLM,
         metrics: EngineMetrics,
-        server_state: "ServerState",
+        server_state: ServerState,
         show_text: bool = False,
         interval_s: float = POLL_INTERVAL_S,
     ) -> None:
@@ -307,69 +292,3 @@ class DashboardHub:
 
 
 # -- routes ------------------------------------------------------------------------------------------
-
-
-def add_dashboard_routes(app: FastAPI, async_llm: Any, metrics: Any, server_state: Any, show_text: bool = False) -> DashboardHub:
-    hub = DashboardHub(async_llm, metrics, server_state, show_text)
-    app.state.dashboard = hub
-
-    def authorized(request: Request) -> bool:
-        key = server_state.api_key
-        if key is None:
-            return True
-        header = request.headers.get("authorization")
-        if header is not None and hmac.compare_digest(header.encode(), f"Bearer {key}".encode()):
-            return True
-        for candidate in (request.cookies.get(COOKIE), request.query_params.get("key")):
-            if candidate is not None and hmac.compare_digest(candidate.encode(), key.encode()):
-                return True
-        return False
-
-    def unauthorized() -> Response:
-        return error_response("Unauthorized: a valid API key is required (Authorization: Bearer <key>, or open /dashboard?key=<key>)", 401)
-
-    @app.get("/dashboard", include_in_schema=False)
-    async def dashboard_page(request: Request) -> Response:
-        if not authorized(request):
-            return unauthorized()
-        if "key" in request.query_params:  # keep the key out of the address bar and history
-            response = RedirectResponse("/dashboard", status_code=303)
-            response.set_cookie(COOKIE, request.query_params["key"], httponly=True, samesite="strict", path="/dashboard")
-            return response
-        return FileResponse(STATIC_DIR / "dashboard.html", media_type="text/html", headers={"Cache-Control": "no-store"})
-
-    @app.get("/dashboard/static/{name}", include_in_schema=False)
-    async def dashboard_static(name: str) -> Response:
-        if name not in STATIC_FILES:  # static assets carry no data, so no key is needed for them
-            return error_response(f"no such file: {name}", 404)
-        return FileResponse(STATIC_DIR / name, media_type=STATIC_FILES[name])
-
-    @app.get("/dashboard/events", include_in_schema=False)
-    async def dashboard_events(request: Request) -> Response:
-        if not authorized(request):
-            return unauthorized()
-        return StreamingResponse(
-            hub.stream(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-        )
-
-    @app.get("/dashboard/api/snapshot", include_in_schema=False)
-    async def dashboard_snapshot(request: Request) -> Response:
-        if not authorized(request):
-            return unauthorized()
-        return JSONResponse(await hub.snapshot())
-
-    @app.get("/dashboard/api/cost", include_in_schema=False)
-    async def dashboard_cost(request: Request) -> Response:
-        if not authorized(request):
-            return unauthorized()
-        return JSONResponse({"polls": hub.num_polls, "engine_s": hub.engine_s, "loop_s": hub.loop_s, "clients": len(hub.clients)})
-
-    @app.get("/dashboard/api/block/{block_id}", include_in_schema=False)
-    async def dashboard_block(block_id: int, request: Request) -> Response:
-        if not authorized(request):
-            return unauthorized()
-        return JSONResponse(await hub.describe_block(block_id))
-
-    return hub
