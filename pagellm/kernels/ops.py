@@ -211,13 +211,18 @@ def int8_types() -> frozenset[int]:
     return frozenset(int(t) for t in torch.ops.pagellm_gemm_int8.int8_types())
 
 
-def pack_weight_int8(raw: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
+def pack_weight_int8(
+    raw: torch.Tensor | list[torch.Tensor], ggml_type: int, in_features: int, interleave: int = 0
+) -> torch.Tensor:
     """A GGUF weight's blocks, uint8 ``[N, row bytes]`` (each row one output's blocks in file order,
     rows contiguous), repacked for :func:`linear_int8`: uint8 panels of 32 outputs holding exactly
-    the values gguf dequantizes them to. For a fused SiLU-and-mul the caller interleaves the rows
-    first, 16 gate rows then the same outputs' 16 up rows. ValueError for a type not in
-    :func:`int8_types` or ``in_features`` not a multiple of its block."""
-    return torch.ops.pagellm_gemm_int8.pack_weight_int8(raw, ggml_type, in_features)
+    the values gguf dequantizes them to. A list of such tensors is the weight of their rows one
+    after another, read in place (a fused projection's shards, never concatenated). For a fused
+    SiLU-and-mul, ``interleave=16`` takes the rows' first half (gate) and second half (up)
+    alternately, 16 rows at a time. ValueError for a type not in :func:`int8_types` or
+    ``in_features`` not a multiple of its block."""
+    parts = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+    return torch.ops.pagellm_gemm_int8.pack_weight_int8(parts, ggml_type, in_features, interleave)
 
 
 def int8_rows(packed: torch.Tensor, ggml_type: int, in_features: int, ids: torch.Tensor) -> torch.Tensor:

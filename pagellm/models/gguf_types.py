@@ -102,14 +102,6 @@ class GGUFWeight:
         padded[: self.rows] = self.data
         return GGUFWeight(self.ggml_type, padded, self.cols)
 
-    @staticmethod
-    def cat_rows(parts: list[GGUFWeight]) -> GGUFWeight:
-        """The parts' rows one after another; ValueError when their types or widths differ."""
-        first = parts[0]
-        if any(p.ggml_type != first.ggml_type or p.cols != first.cols for p in parts):
-            raise ValueError("only weights of one GGUF type and width concatenate as blocks")
-        return GGUFWeight(first.ggml_type, torch.cat([p.data for p in parts]), first.cols)
-
 
 def dequantize_rows(data: torch.Tensor, ggml_type: GGMLQuantizationType, cols: int) -> torch.Tensor:
     """Float32 ``[rows, cols]`` of GGUF rows ``data`` (uint8 ``[rows, row_bytes]``)."""

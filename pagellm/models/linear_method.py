@@ -173,19 +173,25 @@ class BF16Method(_PanelsMethod):
 
 
 class GGUFInt8Method(_PanelsMethod):
-    """One GGUF type's blocks, repacked once for the int8 kernel; with ``silu_and_mul`` the gate
-    and up rows are interleaved first (in groups of one vector) so the kernel stores silu(gate) * up."""
+    """One GGUF type's blocks, repacked once for the int8 kernel, straight from the parts' rows as
+    stored (the shards of a fused projection are read in place, not concatenated); with
+    ``silu_and_mul`` the gate and up rows are taken alternately (in groups of one vector) so the
+    kernel stores silu(gate) * up."""
 
-    def __init__(self, weight: GGUFWeight, silu_and_mul: bool = False) -> None:
-        self.ggml_type = weight.ggml_type
-        self.out_features = weight.rows
-        self.in_features = weight.cols
-        data = weight.data
-        if silu_and_mul and weight.rows % (2 * SILU_MUL_GROUP) == 0:
-            half = weight.rows // 2
-            data = data.view(2, half // SILU_MUL_GROUP, SILU_MUL_GROUP, -1).transpose(0, 1).reshape(weight.rows, -1)
+    def __init__(self, weight: GGUFWeight | list[GGUFWeight], silu_and_mul: bool = False) -> None:
+        parts = [weight] if isinstance(weight, GGUFWeight) else weight
+        first = parts[0]
+        if any(p.ggml_type != first.ggml_type or p.cols != first.cols for p in parts):
+            raise ValueError("only weights of one GGUF type and width pack as one")
+        self.ggml_type = first.ggml_type
+        self.out_features = sum(p.rows for p in parts)
+        self.in_features = first.cols
+        interleave = 0
+        if silu_and_mul and self.out_features % (2 * SILU_MUL_GROUP) == 0:
+            interleave = SILU_MUL_GROUP
             self.fused_silu_mul = True
-        self.packed = ops.pack_weight_int8(data.contiguous(), int(self.ggml_type), weight.cols)
+        datas = [p.data if p.data.stride(-1) == 1 else p.data.contiguous() for p in parts]
+        self.packed = ops.pack_weight_int8(datas, int(self.ggml_type), self.in_features, interleave)
 
     def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool) -> None:
         ops.linear_int8(out, x, self.packed, int(self.ggml_type), bias, silu_mul)
@@ -277,7 +283,7 @@ def create_linear_method(
     def build(k: str, group: list[WeightSource], silu: bool) -> LinearMethod:
         if k == "float":
             return _float_method(group, precision, device, dtype, silu, has_bias)
-        return GGUFInt8Method(GGUFWeight.cat_rows(group), silu)  # type: ignore[arg-type]
+        return GGUFInt8Method(group, silu)  # type: ignore[arg-type]
 
     if len(groups) == 1:
         return build(*groups[0], silu_and_mul)

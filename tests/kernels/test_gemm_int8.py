@@ -113,6 +113,26 @@ def test_rows_may_be_strided(qtype: T) -> None:
     assert_float32_close(out, x.double(), reference(raw, qtype), None)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_parts_pack_in_place_as_their_rows_one_after_another(qtype: T) -> None:
+    # A fused projection's shards (strided views of the file) pack as their concatenation, and
+    # interleave=16 as the gate/up order silu_mul mode needs, without either being built first.
+    in_features = 512
+    gate, up = (random_blocks(qtype, 64, in_features, seed) for seed in (1, 2))
+    wide = torch.zeros(64, gate.shape[1] + 32, dtype=torch.uint8)
+    wide[:, 16 : 16 + gate.shape[1]] = torch.from_numpy(gate)
+    parts = [wide[:, 16 : 16 + gate.shape[1]], torch.from_numpy(up)]
+    both = np.concatenate([gate, up])
+    expected = ops.pack_weight_int8(torch.from_numpy(both), int(qtype), in_features)
+    assert torch.equal(ops.pack_weight_int8(parts, int(qtype), in_features), expected)
+    assert torch.equal(
+        ops.pack_weight_int8(parts, int(qtype), in_features, interleave=16),
+        ops.pack_weight_int8(torch.from_numpy(interleaved(both)), int(qtype), in_features),
+    )
+    with pytest.raises(ValueError, match="gate and up groups"):
+        ops.pack_weight_int8(parts[:1] + [parts[1][:8]], int(qtype), in_features, interleave=16)
+
+
 def interleaved(raw: np.ndarray) -> np.ndarray:
     """A gate/up weight's rows (gate first) in groups of 16: 16 gate rows, the same outputs' up rows, ..."""
     d = raw.shape[0] // 2

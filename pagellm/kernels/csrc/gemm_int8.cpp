@@ -312,9 +312,9 @@ struct Q6_K {
   }
 };
 
-// Panel p (columns [p NR, p NR + NR) of n) of raw rows (`ld` bytes apart) into `dst`, laid out as Form says.
+// Panel p (columns [p NR, p NR + NR) of n) of raw rows (`rows[i]`: row i's blocks) into `dst`, laid out as Form says.
 template <typename T>
-void pack_panel(const uint8_t* raw, int64_t ld, int64_t n, int64_t p, int64_t num_super, uint8_t* dst) {
+void pack_panel(const uint8_t* const* rows, int64_t n, int64_t p, int64_t num_super, uint8_t* dst) {
   using F = typename T::F;
   const int64_t cols = std::min<int64_t>(NR, n - p * NR);
   // A whole panel's bytes are all written below, the high-bit planes by OR; an edge panel's
@@ -325,7 +325,7 @@ void pack_panel(const uint8_t* raw, int64_t ld, int64_t n, int64_t p, int64_t nu
     uint8_t* super = dst + sb * F::kSuperBytes;
     uint16_t* header = reinterpret_cast<uint16_t*>(super);
     for (int64_t j = 0; j < cols; ++j) {
-      T::decode(raw + (p * NR + j) * ld + sb * T::kTypeSize, dec);
+      T::decode(rows[p * NR + j] + sb * T::kTypeSize, dec);
       header[j] = dec.d;
       if constexpr (F::kHasMin) header[NR + j] = dec.m;
       for (int b = 0; b < F::kBlocks; ++b) {
@@ -636,7 +636,7 @@ struct TypeInfo {
   int type, block, type_size, bias;
   int64_t super_bytes;  // per panel and file block (superblock)
   const TileTable* tiles;
-  void (*pack)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, uint8_t*);
+  void (*pack)(const uint8_t* const*, int64_t, int64_t, int64_t, uint8_t*);
   void (*unpack)(const uint8_t*, int64_t, int64_t, float*);
 };
 template <typename T>
@@ -682,25 +682,46 @@ const TypeInfo& checked_type(int64_t ggml_type, const char* op) {
   return *t;
 }
 
-// raw uint8 [N, row bytes]: each row one output's blocks as the file stores them.
-at::Tensor pack_weight_int8(const at::Tensor& raw, int64_t ggml_type, int64_t in_features) {
+// parts: uint8 [N_i, row bytes] each, rows of one output's blocks as the file stores them; the
+// weight is their rows one after another, read in place (a fused projection's shards are not
+// concatenated first). interleave > 0: the rows' first half (gate) and second half (up) are
+// taken alternately in groups of that many rows, the order silu_mul mode needs.
+at::Tensor pack_weight_int8(const std::vector<at::Tensor>& parts, int64_t ggml_type, int64_t in_features,
+                            int64_t interleave) {
   const TypeInfo& t = checked_type(ggml_type, "pack_weight_int8");
-  TORCH_CHECK_VALUE(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.stride(1) == 1 &&
-                        raw.size(0) > 0,
-                    "pack_weight_int8: raw must be a 2-D uint8 CPU tensor of rows of blocks, with contiguous rows");
+  TORCH_CHECK_VALUE(!parts.empty(), "pack_weight_int8: no rows");
   TORCH_CHECK_VALUE(in_features > 0 && in_features % t.block == 0, "pack_weight_int8: in_features (", in_features,
                     ") must be a positive multiple of the type's block of ", t.block);
   const int64_t num_super = in_features / t.block;
-  TORCH_CHECK_VALUE(raw.size(1) == num_super * t.type_size, "pack_weight_int8: rows of ", raw.size(1), " bytes, but ",
-                    in_features, " inputs take ", num_super * t.type_size);
+  std::vector<const uint8_t*> rows;
+  for (const at::Tensor& raw : parts) {
+    TORCH_CHECK_VALUE(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.stride(1) == 1 &&
+                          raw.size(0) > 0,
+                      "pack_weight_int8: raw must be a 2-D uint8 CPU tensor of rows of blocks, with contiguous rows");
+    TORCH_CHECK_VALUE(raw.size(1) == num_super * t.type_size, "pack_weight_int8: rows of ", raw.size(1), " bytes, but ",
+                      in_features, " inputs take ", num_super * t.type_size);
+    const uint8_t* base = raw.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < raw.size(0); ++i) rows.push_back(base + i * raw.stride(0));
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if (interleave > 0) {
+    TORCH_CHECK_VALUE(n % (2 * interleave) == 0, "pack_weight_int8: ", n,
+                      " rows do not split into gate and up groups of ", interleave);
+    std::vector<const uint8_t*> order(n);
+    const int64_t half = n / 2;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t group = r / (2 * interleave), within = r % (2 * interleave);
+      order[r] = within < interleave ? rows[group * interleave + within]
+                                     : rows[half + group * interleave + within - interleave];
+    }
+    rows.swap(order);
+  }
 #if PAGELLM_INT8
-  const int64_t n = raw.size(0), panels = (n + NR - 1) / NR, panel_bytes = num_super * t.super_bytes;
-  at::Tensor packed = at::empty({panels, panel_bytes}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
+  const int64_t panels = (n + NR - 1) / NR, panel_bytes = num_super * t.super_bytes;
+  at::Tensor packed = at::empty({panels, panel_bytes}, parts[0].options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  const int64_t ld = raw.stride(0);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) t.pack(src, ld, n, p, num_super, dst + p * panel_bytes);
+    for (int64_t p = begin; p < end; ++p) t.pack(rows.data(), n, p, num_super, dst + p * panel_bytes);
   });
   return packed;
 #else
@@ -840,7 +861,7 @@ at::Tensor int8_rows(const at::Tensor& packed, int64_t ggml_type, int64_t in_fea
 }  // namespace pagellm
 
 TORCH_LIBRARY(pagellm_gemm_int8, m) {
-  m.def("pack_weight_int8(Tensor raw, int ggml_type, int in_features) -> Tensor");
+  m.def("pack_weight_int8(Tensor[] parts, int ggml_type, int in_features, int interleave) -> Tensor");
   m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor packed, int ggml_type, Tensor? bias, bool silu_mul) -> ()");
   // No tensor arguments to dispatch on: one kernel for every backend.
   m.def("int8_supported() -> bool", &pagellm::int8_supported);
