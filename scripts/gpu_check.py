@@ -210,15 +210,16 @@ def check_eight_bit_kv(path: str, plan: Plan) -> dict[str, Any]:
     """Greedy tokens with 8-bit KV caches (Triton's fp8 / int8 kernels, CUDA graphs replaying the
     measured fp8 scales) against a bfloat16 cache: how many sequences stay equal, and where the
     others first differ."""
-    tokenizer_llm = None
     results: dict[str, Any] = {}
     reference: list[list[int]] = []
+    prompt_ids: list[list[int]] = []
+    params = SamplingParams(max_tokens=plan.check_tokens, temperature=0.0, ignore_eos=True)
     for kv_cache_dtype, extra in (("bfloat16", {}), ("fp8", {"calculate_kv_scales": True}), ("int8", {})):
         llm = LLM(model=path, dtype="float32", device=plan.device, max_num_seqs=16, kv_cache_memory_bytes="1GiB",
                   kv_cache_dtype=kv_cache_dtype, **extra)
-        tokenizer_llm = tokenizer_llm or llm.get_tokenizer()
-        prompt_ids = [tokenizer_llm(p)["input_ids"] for p in PROMPTS[: plan.check_prompts]]
-        params = SamplingParams(max_tokens=plan.check_tokens, temperature=0.0, ignore_eos=True)
+        if not prompt_ids:
+            tokenizer = llm.get_tokenizer()
+            prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS[: plan.check_prompts]]
         outs = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": i} for i in prompt_ids], params, use_tqdm=False)]
         graphs = llm.llm_engine.core.runner.cuda_graphs is not None
         free(llm)

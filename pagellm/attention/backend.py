@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from pagellm.attention import kv_quant
 from pagellm.attention.kv_quant import KVScales
 
 if TYPE_CHECKING:
@@ -73,13 +72,3 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
-
-def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_scales: Optional[KVScales] = None,
-) -> None:
-    """Scatter this step's keys and values into their slots of the paged cache, in its format."""
-    kv_quant.write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)

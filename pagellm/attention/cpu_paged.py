@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv_cache
-from pagellm.attention.kv_quant import UNIT_SCALES, KVScales
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, write_kv_cache
 from pagellm.attention.torch_sdpa import torch_attention
 from pagellm.attention.validation import check_attention_inputs
 from pagellm.kernels import ops

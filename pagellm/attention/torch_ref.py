@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv_cache
-from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize, write_kv_cache
 from pagellm.attention.validation import check_attention_inputs
 
 

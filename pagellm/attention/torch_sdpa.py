@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv_cache
-from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize, write_kv_cache
 from pagellm.attention.validation import check_attention_inputs
 
 # Cap on the gathered K (and V) bytes per decode sub-batch, so that long contexts in big

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pagellm.attention.backend import write_kv_cache
+from pagellm.attention.kv_quant import write_kv_cache
 from pagellm.attention.synthetic import make_batch
 from pagellm.attention.torch_ref import TorchReferenceBackend
 

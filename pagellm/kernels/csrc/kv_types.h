@@ -172,10 +172,7 @@ inline void quantize_row(T* dst, const float* src, int64_t n, float scale) {
     std::memcpy(dst + n, &half_scale.x, sizeof(half_scale.x));
   } else {
     constexpr float kMax = std::is_same_v<T, c10::Float8_e4m3fn> ? 448.f : 57344.f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = scale == 1.f ? src[i] : src[i] / scale;
-      dst[i] = T(std::clamp(x, -kMax, kMax));
-    }
+    for (int64_t i = 0; i < n; ++i) dst[i] = T(std::clamp(src[i] / scale, -kMax, kMax));
   }
 }
 

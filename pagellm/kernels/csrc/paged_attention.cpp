@@ -470,6 +470,16 @@ void pv_chunk(const float* const* value_rows, int n_keys, const float* st, int r
   }
 }
 
+// One head row as float32 values: widened, and times its own scale for an int8 row.
+template <int D, typename T>
+inline void widen_row(float* dst, const T* row) {
+  const vfloat scale = vsplat(row_scale<D>(row));
+  for (int v = 0; v < D / W; ++v) {
+    const vfloat x = load_kv(row + v * W);
+    vstore(dst + v * W, kRowScaled<T> ? x * scale : x);
+  }
+}
+
 template <int D, typename T>
 void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
   constexpr int NV = D / W;
@@ -522,23 +532,13 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
     // Round up to the QK block; the extra keys are zero rows and get masked below.
     const int n_keys_qk = (n_keys + kQkKeys - 1) / kQkKeys * kQkKeys;
     locate_rows(p, item.seq, item.kv_head, k0, n_keys_qk, key_end, zero_row, key_rows, value_rows);
-    for (int n = 0; n < n_keys_qk; ++n) {
-      const vfloat key_scale = vsplat(row_scale<D>(key_rows[n]));
-      for (int v = 0; v < NV; ++v) {
-        const vfloat k = load_kv(key_rows[n] + v * W);
-        vstore(kc + n * D + v * W, kRowScaled<T> ? k * key_scale : k);
-      }
-    }
+    for (int n = 0; n < n_keys_qk; ++n) widen_row<D>(kc + n * D, key_rows[n]);
     const float* values[kKeyChunk];  // the chunk's values as float32 rows
     for (int n = 0; n < n_keys; ++n) {
       if constexpr (std::is_same_v<T, float>) {
         values[n] = value_rows[n];
       } else {
-        const vfloat value_scale = vsplat(row_scale<D>(value_rows[n]));
-        for (int v = 0; v < NV; ++v) {
-          const vfloat x = load_kv(value_rows[n] + v * W);
-          vstore(vc + n * D + v * W, kRowScaled<T> ? x * value_scale : x);
-        }
+        widen_row<D>(vc + n * D, value_rows[n]);
         values[n] = vc + n * D;
       }
     }
