@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pagellm.models.gguf_types import GGUFWeight
+from pagellm.layers.gguf_types import GGUFWeight
 
 T = GGMLQuantizationType
 

@@ -27,17 +27,19 @@ ALLOWED: dict[str, set[str]] = {
     "core": {"sampling_params", "request"},
     "attention": SHARED | {"kernels"},
     "sample": SHARED | {"kernels"},
-    "models": SHARED | {"kernels", "attention", "distributed"},
+    "layers": SHARED | {"kernels", "attention", "distributed"},
+    "models": SHARED | {"kernels", "attention", "distributed", "layers"},
     "structured_output": {"sampling_params"},
     "distributed": set(),
     "worker": SHARED | {"kernels", "attention", "sample", "core", "structured_output", "distributed"},
     "executor": SHARED
-    | {"kernels", "attention", "sample", "models", "worker", "core", "tokenizer", "structured_output", "distributed"},
+    | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output", "distributed"},
     "engine": SHARED
-    | {"kernels", "attention", "sample", "models", "worker", "core", "tokenizer", "structured_output", "distributed", "executor"},
+    | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output"}
+    | {"distributed", "executor"},
     "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer"},
     "bench": SHARED
-    | {"kernels", "attention", "sample", "models", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"}
+    | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"}
     | {"structured_output", "distributed", "executor"},
 }
 # Subpackages that must not pull in torch: the scheduler and block pool are pure bookkeeping.

@@ -47,6 +47,30 @@ class AttentionMetadata:
         return self.query_start_loc_cpu[-1]
 
 
+@dataclass(eq=False)
+class AttentionOptions:
+    """How one layer attends, beyond plain causal softmax attention (every field off by default).
+
+    - ``sliding_window``: a query at position p attends to keys at positions p - window + 1 ... p
+      (transformers' ``kv_idx > q_idx - sliding_window``); keys before that are never read, so the
+      KV cache manager may free blocks that lie wholly before every query's window.
+    - ``logits_soft_cap``: scores (after ``scale``) become ``cap * tanh(score / cap)`` (Gemma 2).
+    - ``sinks``: float32 ``[num_heads]`` (this rank's query heads), one extra logit per head that
+      joins each row's softmax denominator but has no value (gpt-oss's attention sinks).
+    """
+
+    sliding_window: Optional[int] = None
+    logits_soft_cap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+
+    @property
+    def plain(self) -> bool:
+        return self.sliding_window is None and self.logits_soft_cap is None and self.sinks is None
+
+
+PLAIN_ATTENTION = AttentionOptions()
+
+
 class AttentionBackend(ABC):
     """Writes the new keys/values into the paged cache, then attends over each sequence's context."""
 
@@ -69,6 +93,7 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: Optional[KVScales] = None,  # an fp8 cache's per-layer scales (kv_quant); None: 1.0
+        options: Optional[AttentionOptions] = None,  # this layer's window, soft cap, sinks; None: plain
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 

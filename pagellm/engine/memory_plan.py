@@ -2,7 +2,7 @@
 against the machine's memory before anything large is allocated.
 
 Weights are estimated from the checkpoint's own tensor table and the form each linear layer will
-be held in (pagellm.models.linear_method): a GGUF weight the int8 kernel takes stays near its
+be held in (pagellm.layers.linear_method): a GGUF weight the int8 kernel takes stays near its
 file size, a bfloat16 one two bytes a weight, the exact float32 path eight (the weight and its
 panels). A plan that does not fit raises a ValueError naming the parts, instead of letting the
 kernel's OOM killer end the process halfway through loading.
@@ -17,8 +17,8 @@ from typing import Optional
 from safetensors import safe_open
 
 from pagellm.config import LinearPrecision
+from pagellm.layers.gguf_types import FLOAT_TYPES, kernel_takes
 from pagellm.models.gguf_loader import GGUFFile
-from pagellm.models.gguf_types import FLOAT_TYPES, kernel_takes
 
 logger = logging.getLogger(__name__)
 

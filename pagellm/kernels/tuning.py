@@ -104,7 +104,7 @@ class CpuTuning:
 
 
 class PackedForms(Protocol):
-    """A weight's packed form as :mod:`pagellm.models.layers` keeps it."""
+    """A weight's packed form as :mod:`pagellm.layers.linear` keeps it."""
 
     panels: torch.Tensor  # float32 panels, from ops.pack_weight or ops.pack_weight_silu_mul
 

@@ -23,7 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from transformers import PretrainedConfig
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-from pagellm.models.gguf_types import GGUFWeight
+from pagellm.layers.gguf_types import GGUFWeight
+from pagellm.models.gguf_arch import LLAMA_BLOCK_NAMES, GGUFArch, arch_of, finish_config
 
 WeightSource = GGUFWeight | torch.Tensor
 _FLOAT_DTYPES = {
@@ -47,28 +48,11 @@ _SCALAR_FORMATS: dict[int, str] = {
     GGUFValueType.FLOAT64: "<d",
 }
 
-# GGUF architecture -> (transformers model_type, architectures[0]) for the models we serve.
-GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-}
 # llama.cpp permutes Q/K rows only when converting these architectures (transformers'
 # TENSOR_PROCESSORS applies the inverse for the same set).
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
 
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -200,18 +184,14 @@ def _cached_gguf_file(path: str, mtime_ns: int, size: int) -> GGUFFile:
 def gguf_config_dict(gguf_file: GGUFFile) -> dict[str, Any]:
     """A transformers config dict from GGUF metadata, mirroring transformers' own GGUF config read."""
     arch = gguf_file.architecture
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}."
-        )
-    model_type, architecture_name = GGUF_ARCHITECTURES[arch]
+    spec = arch_of(arch, gguf_file.metadata)
     config: dict[str, Any] = {
-        "model_type": model_type,
-        "architectures": [architecture_name],
+        "model_type": spec.model_type,
+        "architectures": [spec.architecture],
         # llama.cpp only writes an output matrix when it differs from the embeddings.
         "tie_word_embeddings": "output.weight" not in gguf_file.tensors,
     }
-    arch_keys = GGUF_CONFIG_MAPPING[model_type]
+    arch_keys = {**GGUF_CONFIG_MAPPING[spec.mapping_key], **spec.extra_keys}
     tokenizer_keys = GGUF_CONFIG_MAPPING["tokenizer"]
     for key, value in gguf_file.metadata.items():
         prefix, _, rest = key.partition(".")
@@ -251,11 +231,20 @@ def _config_class(model_type: str) -> type[PretrainedConfig]:
 def load_gguf_config(path: str) -> PretrainedConfig:
     """The transformers config of a GGUF file: its metadata over the defaults of the architecture's
     config class (:data:`_CONFIG_DEFAULTS`), RoPE settings as transformers 5 keeps them."""
-    values = gguf_config_dict(GGUFFile.cached(path))
+    gguf_file = GGUFFile.cached(path)
+    values = gguf_config_dict(gguf_file)
     model_type = values.pop("model_type")
-    values = {**_TRAINING_DEFAULTS, **_CONFIG_DEFAULTS[model_type], **values}
     if "hidden_size" not in values or "num_attention_heads" not in values:
         raise ValueError(f"{path}: the GGUF metadata gives no embedding length or attention head count")
+    if model_type not in _CONFIG_DEFAULTS:
+        # The newer architectures derive fields (layer types, rotary per layer kind) in their
+        # config classes, so they are built through them.
+        from transformers import CONFIG_MAPPING
+
+        values.setdefault("num_key_value_heads", values["num_attention_heads"])
+        values = finish_config(arch_of(gguf_file.architecture, gguf_file.metadata), values)
+        return CONFIG_MAPPING[model_type](**values)
+    values = {**_TRAINING_DEFAULTS, **_CONFIG_DEFAULTS[model_type], **values}
     values.setdefault("num_key_value_heads", values["num_attention_heads"])
     if model_type != "qwen2":  # Qwen2's class has no head_dim; its layers divide hidden_size
         values.setdefault("head_dim", values["hidden_size"] // values["num_attention_heads"])
@@ -267,15 +256,32 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     return config
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: GGUFArch) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor, or None for tensors we do not load."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[base]}.{suffix}"
     match = _BLOCK_TENSOR.match(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
+    names = {**LLAMA_BLOCK_NAMES, **arch.block_names}
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
     return None  # e.g. rope_freqs.weight, which transformers ignores too
+
+
+def _expert_tensors(
+    gguf_name: str, shape: tuple[int, ...], tensor: WeightSource, arch: GGUFArch
+) -> Iterator[tuple[str, WeightSource]] | None:
+    """Each expert's rows of a stacked ``blk.N.ffn_*_exps`` tensor (``[experts, rows, cols]``),
+    under its HF name, as views; None for any other tensor."""
+    match = _BLOCK_TENSOR.match(gguf_name)
+    if not match or match.group(2) not in arch.expert_names:
+        return None
+    num_experts, rows = shape[0], shape[1]
+    prefix = f"model.layers.{match.group(1)}.{arch.moe_module}.experts"
+    proj, kind = arch.expert_names[match.group(2)], match.group(3)
+    if isinstance(tensor, GGUFWeight):
+        return ((f"{prefix}.{e}.{proj}.{kind}", tensor.narrow_rows(e * rows, rows)) for e in range(num_experts))
+    return ((f"{prefix}.{e}.{proj}.{kind}", tensor[e]) for e in range(num_experts))
 
 
 def _unpermute_qk(weight: WeightSource, num_heads: int) -> WeightSource:
@@ -292,16 +298,26 @@ def _unpermute_qk(weight: WeightSource, num_heads: int) -> WeightSource:
 def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, WeightSource]]:
     """(Hugging Face name, tensor as stored) for every weight in the file, in file order: blocks
     as :class:`GGUFWeight`, float tensors in their own dtype. Nothing is dequantized here: each
-    linear layer's method decides (pagellm.models.linear_method)."""
+    linear layer's method decides (pagellm.layers.linear_method)."""
     gguf_file = GGUFFile.cached(path)
+    arch = arch_of(gguf_file.architecture, gguf_file.metadata)
     permute = gguf_file.architecture in _PERMUTED_QK_ARCHITECTURES
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    for gguf_name in gguf_file.tensors:
-        hf_name = _hf_name(gguf_name)
+    for gguf_name, info in gguf_file.tensors.items():
+        tensor = None
+        if arch.expert_names:
+            tensor = gguf_file.read(gguf_name)
+            experts = _expert_tensors(gguf_name, info.shape, tensor, arch)
+            if experts is not None:
+                yield from experts
+                continue
+        hf_name = _hf_name(gguf_name, arch)
         if hf_name is None:
             continue
-        tensor = gguf_file.read(gguf_name)
+        tensor = gguf_file.read(gguf_name) if tensor is None else tensor
+        if arch.norm_shift and hf_name.endswith("norm.weight"):
+            tensor = tensor.float() - arch.norm_shift
         if permute and ".attn_q." in gguf_name:
             tensor = _unpermute_qk(tensor, num_heads)
         elif permute and ".attn_k." in gguf_name:

@@ -21,9 +21,9 @@ from transformers import PretrainedConfig
 from pagellm.attention.backend import AttentionBackend
 from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
 from pagellm.kernels.tuning import CpuTuning, measure_cpu_tuning
+from pagellm.layers.rotary import max_rope_positions
 from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights, load_gguf_config
 from pagellm.models.registry import get_model_class
-from pagellm.models.rope import max_rope_positions
 
 logger = logging.getLogger(__name__)
 

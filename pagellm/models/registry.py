@@ -4,13 +4,22 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagellm.models.gemma3 import Gemma3ForCausalLM
 from pagellm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from pagellm.models.mixtral import MixtralForCausalLM
+from pagellm.models.phi3 import Phi3ForCausalLM
+from pagellm.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 # Keyed by ``config.architectures[0]``, the class name transformers would instantiate.
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

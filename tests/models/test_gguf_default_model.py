@@ -13,9 +13,9 @@ from transformers import AutoConfig
 from pagellm.attention.torch_ref import TorchReferenceBackend
 from pagellm.config import LinearPrecision
 from pagellm.kernels import ops
+from pagellm.layers.activation import silu_and_mul
+from pagellm.layers.linear_method import GGUFInt8Method
 from pagellm.models.gguf_loader import GGUFFile, iter_dequantized_gguf_weights
-from pagellm.models.layers import silu_and_mul
-from pagellm.models.linear_method import GGUFInt8Method
 from pagellm.models.loader import default_model_path, eos_token_ids, get_max_model_len, load_hf_config, load_model
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ from gguf_requant import RECIPES, requantize_default_model
 from hf_oracle import check_close, hf_gguf_model, hf_greedy
 
 from pagellm import LLM, SamplingParams
+from pagellm.layers.linear_method import GGUFInt8Method, SegmentedMethod
 from pagellm.models.gguf_loader import GGUFFile, iter_dequantized_gguf_weights
-from pagellm.models.linear_method import GGUFInt8Method, SegmentedMethod
 from pagellm.models.loader import default_model_path, eos_token_ids, load_hf_config
 from pagellm.tokenizer import apply_chat_template, load_tokenizer
 

@@ -10,6 +10,7 @@ from model_utils import make_random_hf_model
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from pagellm.attention.torch_ref import TorchReferenceBackend
+from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.models.loader import (
     default_model_path,
     eos_token_ids,
@@ -20,7 +21,6 @@ from pagellm.models.loader import (
     resolve_model_path,
 )
 from pagellm.models.registry import get_model_class, supported_architectures
-from pagellm.models.rope import RotaryEmbedding
 
 _TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 
@@ -90,10 +90,19 @@ def test_rope_table_covers_max_model_len_and_rejects_dynamic() -> None:
 
 
 def test_registry() -> None:
-    assert supported_architectures() == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
+    assert supported_architectures() == [
+        "Gemma3ForCausalLM",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ]
     for arch in supported_architectures():
         assert get_model_class(LlamaConfig(architectures=[arch])).__name__ == arch
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported.*Gemma3ForCausalLM.*Qwen3MoeForCausalLM"):
         get_model_class(LlamaConfig(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ValueError, match="names no architecture"):
         get_model_class(LlamaConfig())
@@ -115,8 +124,8 @@ def test_gguf_config_has_what_transformers_class_gives(model_type: str, left_out
     the engine reads must still come out as that class makes it, defaults included."""
     from transformers import AutoConfig
 
+    from pagellm.layers.rotary import get_rope_parameters, head_dim_of
     from pagellm.models import gguf_loader
-    from pagellm.models.rope import get_rope_parameters, head_dim_of
 
     metadata = {"model_type": model_type, "architectures": ["X"], "tie_word_embeddings": True, "num_hidden_layers": 3,
                 "max_position_embeddings": 4096, "hidden_size": 96, "intermediate_size": 160, "num_attention_heads": 6,

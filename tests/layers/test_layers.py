@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from pagellm.kernels import ops
-from pagellm.models.layers import RMSNorm, rotate_in_place, silu_and_mul
-from pagellm.models.rope import apply_rotary
+from pagellm.layers.activation import silu_and_mul
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import apply_rotary, rotate_in_place
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
 

@@ -9,9 +9,9 @@ from torch.nn import functional as F
 
 from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.kernels import ops
-from pagellm.models.gguf_types import GGUFWeight
-from pagellm.models.layers import Linear, SiluAndMulLinear, narrow
-from pagellm.models.linear_method import BF16Method, DenseMethod, GGUFInt8Method, SegmentedMethod, create_linear_method
+from pagellm.layers.gguf_types import GGUFWeight
+from pagellm.layers.linear import Linear, SiluAndMulLinear, narrow
+from pagellm.layers.linear_method import BF16Method, DenseMethod, GGUFInt8Method, SegmentedMethod, create_linear_method
 
 INT8 = LinearPrecision(kind="int8", fallback="bfloat16")
 needs_int8 = pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build")

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from pagellm.config import LinearPrecision
 from pagellm.kernels import ops
 from pagellm.kernels.tuning import F32_PANELS, CpuTuning
-from pagellm.models.gguf_types import GGUFWeight, kernel_takes
+from pagellm.layers.gguf_types import GGUFWeight, kernel_takes
 
 logger = logging.getLogger(__name__)
 

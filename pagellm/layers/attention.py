@@ -1,0 +1,125 @@
+"""The attention layer models share: fused q/k/v projection, optional per-head q/k norm, rotary
+embedding, the paged attention backend with this layer's options, and the output projection.
+
+What varies between architectures is plain data (:class:`AttentionSpec`), so a model file states
+its attention in a few lines. Under tensor parallelism the layer holds a contiguous run of KV
+heads and the query heads that read them (column-parallel q/k/v) and the matching input columns of
+``o_proj`` (row-parallel, one all-reduce).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
+from pagellm.attention.kv_quant import KVScales
+from pagellm.distributed.partition import TPShard
+from pagellm.layers.linear import Linear, TPSplit, narrow
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import RotaryArgs, apply_rotary, rotate_in_place
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's attention, all heads counted (the layer takes its rank's share)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    qkv_bias: bool = False
+    o_bias: bool = False
+    # Per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3): its eps and weight offset.
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    qk_norm_offset: float = 0.0
+    sliding_window: Optional[int] = None
+    logits_soft_cap: Optional[float] = None
+    sinks: bool = False  # gpt-oss: one learnt logit per head in every softmax denominator
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: AttentionSpec, layer_idx: int, attn_backend: AttentionBackend, shard: TPShard) -> None:
+        super().__init__()
+        if spec.num_heads % spec.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({spec.num_heads}) must be a multiple of num_key_value_heads ({spec.num_kv_heads})."
+            )
+        self.layer_idx = layer_idx
+        self.attn_backend = attn_backend
+        self.shard = shard
+        self.num_heads = shard.num_q_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.head_dim = d = spec.head_dim
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = spec.scale
+        q_range, kv_range = (shard.q_head_start * d, self.q_size), (shard.kv_head_start * d, self.kv_size)
+        self.qkv_proj = Linear(
+            spec.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=spec.qkv_bias,
+            shard_sizes={"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            tp_split=TPSplit(
+                0,
+                {"q": q_range, "k": kv_range, "v": kv_range},
+                full_sizes={"q": spec.num_heads * d, "k": spec.num_kv_heads * d, "v": spec.num_kv_heads * d},
+            ),
+        )
+        self.o_proj = Linear(
+            self.q_size, spec.hidden_size, bias=spec.o_bias, tp_split=TPSplit(1, {"": q_range}), reduce_results=True
+        )
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.qk_norm_eps, spec.qk_norm_offset)
+            self.k_norm = RMSNorm(d, spec.qk_norm_eps, spec.qk_norm_offset)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if spec.sinks else None
+        self.options = AttentionOptions(sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap)
+        # An 8-bit cache's scales for this layer (pagellm.attention.kv_quant); unused by other caches.
+        self.kv_scales = KVScales()
+
+    def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: torch.Tensor) -> None:
+        """The layer's own parameters: gpt-oss's per-head sinks (this rank's query heads)."""
+        if kind != "sinks" or self.sinks is None:
+            raise ValueError(f"attention has no parameter {kind!r}")
+        if self.shard.world_size > 1:
+            source = narrow(source, 0, self.shard.q_head_start, self.num_heads)
+        self.sinks.data.copy_(source)
+        self.options = AttentionOptions(self.options.sliding_window, self.options.logits_soft_cap, self.sinks.data.float())
+
+    def _rotate(self, x: torch.Tensor, num_heads: int, rope: RotaryArgs) -> torch.Tensor:
+        """``x`` ``[T, heads * head_dim]`` (rows contiguous) rotated: in place where the kernel can."""
+        if rope.fused:
+            rotate_in_place(x, rope.positions, rope.cos, rope.sin, num_heads, self.head_dim)
+            return x.view(x.shape[0], num_heads, self.head_dim)
+        return apply_rotary(x.view(x.shape[0], num_heads, self.head_dim), rope.cos, rope.sin)
+
+    def forward(self, hidden: torch.Tensor, rope: RotaryArgs, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is None and rope.fused:
+            # q and k are rotated where they lie: all three stay views of one buffer, no copies.
+            rotate_in_place(qkv, rope.positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        shape_q, shape_kv = (num_tokens, self.num_heads, self.head_dim), (num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self._rotate(self.q_norm.norm_heads(q.view(shape_q)), self.num_heads, rope)
+            k = self._rotate(self.k_norm.norm_heads(k.view(shape_kv)), self.num_kv_heads, rope)
+        elif rope.fused:
+            q, k = q.view(shape_q), k.view(shape_kv)
+        else:
+            q, k = apply_rotary(q.view(shape_q), rope.cos, rope.sin), apply_rotary(k.view(shape_kv), rope.cos, rope.sin)
+        v = v.view(shape_kv)
+        if not self.attn_backend.accepts_strided_qkv:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if self.kv_scales.calculate and num_tokens > 0:
+            self.kv_scales.measure(k, v)
+        if self.options.plain:
+            out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales)
+        else:
+            out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales, options=self.options)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -1,0 +1,129 @@
+"""The vocabulary embedding, split by vocabulary rows under tensor parallelism."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pagellm.config import EXACT_LINEAR, LinearPrecision
+from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.kernels import ops
+from pagellm.layers.gguf_types import GGUFWeight, dequantize_rows, kernel_takes
+from pagellm.layers.linear import narrow, pad_rows
+from pagellm.layers.linear_method import GGUFInt8Method, WeightSource
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table, split by vocabulary rows under tensor parallelism (padded to equal
+    pieces): each rank looks up the ids it holds, zeros the others, and one all-reduce sums them.
+
+    A GGUF table stays in its blocks on a CPU and only the looked-up rows are dequantized (by the
+    same dequantizer as everything else, so values are exact); a float table stays in its dtype
+    and rows are returned as float32. A tied LM head is built from :meth:`source_rows`.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        vocab_start: int = 0,
+        vocab_size: Optional[int] = None,
+        scale: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        # Gemma multiplies the looked-up rows by sqrt(hidden), rounded to the activations' dtype.
+        self.scale = scale
+        self.tp = get_tp_group()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.vocab_start = vocab_start
+        self.vocab_size = vocab_size if vocab_size is not None else num_embeddings
+        self.dense: Optional[torch.Tensor] = None
+        self.blocks: Optional[GGUFWeight] = None
+        # On the int8 path the table lives only in the kernel's panels, shared with a tied head.
+        self.packed: Optional[GGUFInt8Method] = None
+        self.out_dtype = torch.float32  # the model's activations' dtype
+
+    @property
+    def loaded(self) -> bool:
+        return self.dense is not None or self.blocks is not None or self.packed is not None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table as float32 ``[rows, dim]`` (dequantized: a copy for a GGUF table)."""
+        if self.packed is not None:
+            return self._lookup(torch.arange(self.num_embeddings))
+        if self.blocks is not None:
+            return pad_rows(self.blocks.dequantize(), self.num_embeddings)
+        return self.dense.float()
+
+    @property
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes
+        if self.blocks is not None:
+            return self.blocks.nbytes
+        return 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
+
+    def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: WeightSource) -> None:
+        """Takes the whole checkpoint table; under tensor parallelism this rank's rows are cut here."""
+        if kind != "weight" or shard:
+            raise ValueError(f"an embedding has no {kind}{f'[{shard}]' if shard else ''}")
+        if self.tp.world_size > 1:
+            source = narrow(source, 0, self.vocab_start, self.vocab_size)
+        self.load(source)
+
+    def load(self, source: WeightSource) -> None:
+        """Takes this rank's rows of the table as stored."""
+        if source.shape[1] != self.embedding_dim or source.shape[0] > self.num_embeddings:
+            raise ValueError(f"embedding has shape {tuple(source.shape)}, expected ({self.num_embeddings}, {self.embedding_dim})")
+        if isinstance(source, GGUFWeight):
+            self.blocks = source
+        else:
+            self.dense = pad_rows(source, self.num_embeddings).contiguous()
+
+    def process_weights_after_loading(
+        self, device: torch.device | str, dtype: torch.dtype, precision: LinearPrecision = EXACT_LINEAR
+    ) -> None:
+        """Rows come out in ``dtype``; off the CPU the table is dense on ``device`` in it. On the
+        int8 path a GGUF table the kernel takes is repacked into its panels (rows padded to the
+        table's size, so a tied head can multiply by the very same panels)."""
+        self.out_dtype = dtype
+        if torch.device(device).type == "cpu":
+            if precision.kind == "int8" and self.blocks is not None and kernel_takes(self.blocks.ggml_type):
+                self.packed = GGUFInt8Method(self.blocks.pad_rows(self.num_embeddings))
+                self.blocks = None
+            return
+        if self.blocks is not None:
+            self.dense, self.blocks = pad_rows(self.blocks.dequantize(), self.num_embeddings), None
+        self.dense = self.dense.to(device=device, dtype=dtype).contiguous()
+
+    def source_rows(self, rows: int) -> WeightSource:
+        """The table as stored, padded to ``rows``, for a tied LM head to pack from."""
+        return pad_rows(self.blocks, rows) if self.blocks is not None else pad_rows(self.dense, rows)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            rows = ops.int8_rows(self.packed.packed, int(self.packed.ggml_type), self.embedding_dim, ids.cpu())
+            return rows.to(ids.device, self.out_dtype)
+        if self.blocks is not None:
+            rows = self.blocks.data.index_select(0, ids.cpu().clamp_(0, self.blocks.rows - 1))
+            return dequantize_rows(rows, self.blocks.ggml_type, self.embedding_dim).to(ids.device, self.out_dtype)
+        return F.embedding(ids, self.dense).to(self.out_dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            out = self._lookup(input_ids)
+        else:
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.vocab_size)
+            out = self._lookup(local.masked_fill(outside, 0))
+            out.masked_fill_(outside.unsqueeze(-1), 0.0)
+            out = self.tp.all_reduce(out)
+        if self.scale is not None:
+            out.mul_(torch.tensor(self.scale, dtype=out.dtype))
+        return out
+
+

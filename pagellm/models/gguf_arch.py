@@ -1,0 +1,138 @@
+"""What each GGUF architecture (llama.cpp's name for it) is here: its transformers model type and
+class, the metadata keys beyond transformers' own GGUF mapping, and its tensor names.
+
+Tensor names are llama.cpp's (gguf-py's ``TENSOR_NAMES``); each maps to the Hugging Face name our
+model classes load. llama.cpp stores a mixture of experts as one ``[experts, rows, cols]`` tensor
+per projection (``ffn_gate_exps``...), which is yielded as each expert's rows (views, no copy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    model_type: str  # transformers' config model_type
+    architecture: str  # config.architectures[0]
+    mapping_key: str  # the key of transformers' GGUF_CONFIG_MAPPING for the metadata
+    # Metadata keys (after the arch prefix) transformers' mapping lacks -> config field.
+    extra_keys: dict[str, str] = field(default_factory=dict)
+    # GGUF block tensor -> HF module under model.layers.N, where this arch differs from Llama's.
+    block_names: dict[str, str] = field(default_factory=dict)
+    # Norm weights llama.cpp stored with 1 added (Gemma's (1 + w) norms), undone on load.
+    norm_shift: float = 0.0
+    # Which HF MLP module holds the experts, and the expert projections' names.
+    moe_module: Optional[str] = None
+    expert_names: dict[str, str] = field(default_factory=dict)
+
+
+LLAMA_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QWEN_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MIXTRAL_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_MOE_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"}
+
+GGUF_ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch("llama", "LlamaForCausalLM", "llama"),
+    "mistral": GGUFArch("mistral", "MistralForCausalLM", "mistral"),
+    "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM", "qwen2"),
+    "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": GGUFArch(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        extra_keys={**_MOE_KEYS, "expert_feed_forward_length": "moe_intermediate_size"},
+        block_names={"ffn_gate_inp": "mlp.gate"},
+        moe_module="mlp",
+        expert_names=_QWEN_EXPERTS,
+    ),
+    "gemma3": GGUFArch(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        "gemma3",
+        extra_keys={"final_logit_softcapping": "final_logit_softcapping", "rope.scaling.factor": "rope_scaling_factor"},
+        block_names={
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+        norm_shift=1.0,
+    ),
+    "phi3": GGUFArch(
+        "phi3",
+        "Phi3ForCausalLM",
+        "phi3",
+        extra_keys={"attention.sliding_window": "sliding_window", "rope.dimension_count": "rotary_dim"},
+        # llama.cpp keeps Phi-3's fused projections fused; ffn_up holds gate and up rows.
+        block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    ),
+}
+# A llama-architecture file with experts is Mixtral (llama.cpp converts Mixtral as "llama").
+MIXTRAL = GGUFArch(
+    "mixtral",
+    "MixtralForCausalLM",
+    "llama",
+    extra_keys={"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+    block_names={"ffn_gate_inp": "block_sparse_moe.gate"},
+    moe_module="block_sparse_moe",
+    expert_names=_MIXTRAL_EXPERTS,
+)
+
+
+def arch_of(architecture: str, metadata: dict[str, Any]) -> GGUFArch:
+    """The :class:`GGUFArch` of a file; ValueError naming the supported ones otherwise."""
+    if architecture not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {architecture!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHS))}.")
+    if architecture == "llama" and int(metadata.get("llama.expert_count", 0) or 0) > 0:
+        return MIXTRAL
+    return GGUF_ARCHS[architecture]
+
+
+def finish_config(arch: GGUFArch, values: dict[str, Any]) -> dict[str, Any]:
+    """Fields llama.cpp leaves implicit for the architectures built on transformers' own config
+    classes (what llama.cpp's own loader assumes for the same file)."""
+    values = dict(values)
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    values["head_dim"] = head_dim
+    theta = float(values.pop("rope_theta", 10000.0))
+    if arch.model_type == "gemma3_text":
+        # llama.cpp: sliding layers rotate with base 10,000, five sliding to one global, and the
+        # query scale is 1/sqrt(head_dim) (1/sqrt(hidden / heads) for the 62-layer 27B).
+        values["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": theta},
+        }
+        factor = values.pop("rope_scaling_factor", None)
+        if factor and float(factor) != 1.0:
+            values["rope_parameters"]["full_attention"] = {"rope_type": "linear", "factor": float(factor), "rope_theta": theta}
+        big = values["num_hidden_layers"] == 62
+        values["query_pre_attn_scalar"] = values["hidden_size"] // values["num_attention_heads"] if big else head_dim
+        values.setdefault("sliding_window_pattern", 6)
+        values["layer_types"] = [
+            "full_attention" if (i + 1) % values["sliding_window_pattern"] == 0 else "sliding_attention"
+            for i in range(values["num_hidden_layers"])
+        ]
+        values["tie_word_embeddings"] = True
+    elif arch.model_type == "phi3":
+        rotary_dim = values.pop("rotary_dim", None) or head_dim
+        values["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rotary_dim / head_dim}
+    else:
+        values["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    if arch.model_type == "qwen3_moe":
+        # llama.cpp renormalises Qwen3-MoE's top-k weights and puts experts in every layer.
+        values.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if arch.model_type == "mixtral":
+        values.setdefault("sliding_window", None)
+    return values

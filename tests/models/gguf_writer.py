@@ -1,0 +1,102 @@
+"""A Hugging Face checkpoint written as a GGUF file the way llama.cpp's converter writes it, for
+the architectures the test suite builds tiny checkpoints of (the converter itself is not on the
+CI machine). Names come from gguf-py's ``TensorNameMap`` (the converter's own table), and the
+converter's conventions are applied: llama's Q/K row permutation, Gemma's norms stored as
+``1 + w``, experts stacked into one ``[experts, rows, cols]`` tensor per projection."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, MODEL_ARCH, TensorNameMap
+from safetensors.torch import load_file
+from transformers import PretrainedConfig
+
+ARCHS = {
+    "llama": MODEL_ARCH.LLAMA,
+    "mixtral": MODEL_ARCH.LLAMA,
+    "qwen3": MODEL_ARCH.QWEN3,
+    "qwen3_moe": MODEL_ARCH.QWEN3MOE,
+    "gemma3_text": MODEL_ARCH.GEMMA3,
+    "phi3": MODEL_ARCH.PHI3,
+}
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def _permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute: each head's rotary halves interleaved."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensors(model_dir: Path, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    weights = load_file(str(model_dir / "model.safetensors"))
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(f"{m.group(1)}.{m.group(3)}.weight", {})[int(m.group(2))] = t
+            continue
+        if config.model_type in ("llama", "mixtral") and name.endswith("q_proj.weight"):
+            t = _permute(t, config.num_attention_heads)
+        elif config.model_type in ("llama", "mixtral") and name.endswith("k_proj.weight"):
+            t = _permute(t, config.num_key_value_heads)
+        if config.model_type == "gemma3_text" and name.endswith("norm.weight"):
+            t = t + 1
+        out[name] = t
+    for name, parts in experts.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
+def write_gguf(model_dir: Path, config: PretrainedConfig, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+    arch = ARCHS[config.model_type]
+    name_map = TensorNameMap(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    params = config.rope_parameters
+    if config.model_type == "gemma3_text":
+        params = params["full_attention"]
+        writer.add_sliding_window(config.sliding_window)
+        if params.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(params["factor"])
+    writer.add_rope_freq_base(params["rope_theta"])
+    writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
+    if getattr(config, "sliding_window", None) and config.model_type == "phi3":
+        writer.add_sliding_window(config.sliding_window)
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if config.model_type == "qwen3_moe":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    for name, t in _tensors(model_dir, config).items():
+        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {name}")
+        data = t.float().numpy()
+        kind = qtype if data.ndim >= 2 and data.shape[-1] % 32 == 0 and "norm" not in name and "gate_inp" not in gguf_name else GGMLQuantizationType.F32
+        if kind == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, kind), raw_shape=data.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
