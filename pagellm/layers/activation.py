@@ -30,6 +30,19 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate) * up
 
 
+# gpt-oss's clamped SwiGLU constants (its config's swiglu_alpha and swiglu_limit).
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+def swiglu_oai_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gpt-oss: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+
+
 # transformers' hidden_act names -> the gated form.
 _GATED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": silu_and_mul,
@@ -37,6 +50,7 @@ _GATED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": gelu_tanh_and_mul,
     "gelu_tanh": gelu_tanh_and_mul,
     "gelu": gelu_and_mul,
+    "swiglu_oai": swiglu_oai_and_mul,
 }
 
 

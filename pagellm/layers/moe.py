@@ -2,14 +2,18 @@
 MLP) runs once per step on all the tokens routed to it, so its weights stream from memory once
 however many tokens chose it.
 
-Routing follows transformers' Mixtral / Qwen-MoE: softmax over all experts in float32, the top-k
-probabilities, renormalised to sum to one when the config asks (``norm_topk_prob``; Mixtral
-always). Under tensor parallelism every rank holds every expert's share of the intermediate rows
+Routing follows transformers: Mixtral / Qwen-MoE take the softmax over all experts in float32,
+then the top-k probabilities, renormalised to sum to one when the config asks (``norm_topk_prob``;
+Mixtral always); gpt-oss takes the top-k logits (its router has a bias), then their softmax.
+
+Under tensor parallelism every rank holds every expert's share of the intermediate rows
 (Megatron's split inside each expert) and the layer sums the ranks' outputs with one all-reduce
 for all experts together. Each expert's projections are ordinary linear layers, so a GGUF
 checkpoint's expert blocks go to the same int8 kernels as a dense layer's.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -17,6 +21,29 @@ from torch import nn
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.layers.linear import Linear
 from pagellm.layers.mlp import GatedMLP
+
+
+class Experts(nn.ModuleList):
+    """The experts, one :class:`GatedMLP` each. Loads per-expert checkpoint tensors by name, or
+    gpt-oss's stacked ones: ``gate_up_proj`` ``[experts, hidden, 2 * inter]`` with gate and up
+    columns interleaved, ``down_proj`` ``[experts, inter, hidden]`` (both input-major), and their
+    biases ``[experts, rows]``."""
+
+    def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: torch.Tensor) -> None:
+        if kind not in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") or source.shape[0] != len(self):
+            raise ValueError(f"no stacked expert tensor {kind!r} of shape {tuple(source.shape)}")
+        for expert, part in zip(self, source):
+            if kind == "gate_up_proj":
+                weight = part.t()
+                expert.gate_up_proj.load_checkpoint_tensor("weight", "gate", weight[0::2].contiguous())
+                expert.gate_up_proj.load_checkpoint_tensor("weight", "up", weight[1::2].contiguous())
+            elif kind == "gate_up_proj_bias":
+                expert.gate_up_proj.load_checkpoint_tensor("bias", "gate", part[0::2])
+                expert.gate_up_proj.load_checkpoint_tensor("bias", "up", part[1::2])
+            elif kind == "down_proj":
+                expert.down_proj.load_checkpoint_tensor("weight", None, part.t().contiguous())
+            else:
+                expert.down_proj.load_checkpoint_tensor("bias", None, part)
 
 
 class FusedMoE(nn.Module):
@@ -28,6 +55,9 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         activation: str = "silu",
         renormalize: bool = True,
+        softmax_after_topk: bool = False,
+        bias: bool = False,
+        router_name: str = "gate",
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -36,15 +66,21 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, intermediate_size, activation, reduce_results=False) for _ in range(num_experts)
+        self.softmax_after_topk = softmax_after_topk
+        # Registered under the checkpoint's name for it (gpt-oss: router).
+        self.router_name = router_name
+        self.add_module(router_name, Linear(hidden_size, num_experts, bias=bias))
+        self.experts = Experts(
+            GatedMLP(hidden_size, intermediate_size, activation, bias=bias, reduce_results=False) for _ in range(num_experts)
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` in x's dtype, expert ids ``[T, k]``) for each token."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        logits = self._modules[self.router_name](x).float()
+        if self.softmax_after_topk:
+            top, expert_ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(x.dtype), expert_ids
+        weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), expert_ids

@@ -305,8 +305,11 @@ class CausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"checkpoint weight {name!r}: {e}") from None
             del tensor
-            if isinstance(owner, Linear) and kind == "weight" and not owner.missing_shards:
-                owner.process_weights_after_loading(precision, device, dtype)
+            # A layer is packed as soon as its last shard is in (a stacked expert tensor fills many).
+            linears = ([owner] if kind == "weight" else []) if isinstance(owner, Linear) else owner.modules()
+            for layer in linears:
+                if isinstance(layer, Linear) and layer.method is None and not layer.missing_shards:
+                    layer.process_weights_after_loading(precision, device, dtype)
             filled.add(target)
         self._check_complete()
         self.finish_loading(precision, device, dtype)

@@ -48,7 +48,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("llama", "LlamaForCausalLM", "llama"),
     "mistral": GGUFArch("mistral", "MistralForCausalLM", "mistral"),
     "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM", "qwen2"),
-    "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3", extra_keys={"attention.key_length": "head_dim"}),
     "qwen3moe": GGUFArch(
         "qwen3_moe",
         "Qwen3MoeForCausalLM",

@@ -5,6 +5,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagellm.models.gemma3 import Gemma3ForCausalLM
+from pagellm.models.gpt_oss import GptOssForCausalLM
 from pagellm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagellm.models.mixtral import MixtralForCausalLM
 from pagellm.models.phi3 import Phi3ForCausalLM
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

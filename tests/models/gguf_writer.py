@@ -94,7 +94,7 @@ def write_gguf(model_dir: Path, config: PretrainedConfig, path: Path, qtype: GGM
         if kind == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))
         else:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, kind), raw_shape=data.shape, raw_dtype=kind)
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,76 @@
+"""Each architecture served by the engine: greedy decoding against transformers' by vLLM's rule
+(equal ids, or at the first difference each side's token in the other's top-5) under chunked
+prefill and preemption, with prompts longer than the sliding window; and tensor parallelism on
+two ranks against one."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_oracle import HFGreedy, check_close
+from model_utils import make_random_hf_model
+from test_architectures import CONFIGS
+
+from pagellm import LLM, SamplingParams
+from pagellm.models.loader import default_model_path
+
+pytestmark = pytest.mark.slow
+
+_PROMPT_LENS = (30, 23, 41, 12)
+_MAX_TOKENS = 12
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 120 + 3 for j in range(n)] for i, n in enumerate(_PROMPT_LENS)]
+
+
+@torch.inference_mode()
+def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> HFGreedy:
+    """Greedy decoding by full forward passes (no cache: the sliding-window mask is transformers'
+    own for every length)."""
+    ids = list(prompt)
+    token_ids, tops = [], []
+    for _ in range(_MAX_TOKENS):
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+        values, top = logprobs.topk(5)
+        tops.append(dict(zip(top.tolist(), values.tolist())))
+        token_ids.append(int(top[0]))
+        ids.append(int(top[0]))
+    return HFGreedy(token_ids, tops)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory) -> tuple[str, Path, list[HFGreedy]]:
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = make_random_hf_model(CONFIGS[request.param][0](), seed=1)
+    hf_model.save_pretrained(path)
+    return request.param, path, [_hf_greedy(hf_model, p) for p in _prompts()]
+
+
+def _generate(path: Path, **kwargs):
+    llm = LLM(model=str(path), tokenizer=default_model_path(), dtype="float32", max_model_len=64, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, logprobs=5, ignore_eos=True)
+        return llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_engine_greedy_matches_transformers(checkpoint) -> None:
+    name, path, reference = checkpoint
+    # 12 blocks of 4 tokens cannot hold the four requests at once: some are preempted and
+    # recomputed; 16 tokens a step split every prompt into chunks.
+    outputs = _generate(path, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
+    for i, (ours, ref) in enumerate(zip(outputs, reference)):
+        check_close(ours, ref, f"{name} prompt {i}")
+
+
+def test_tensor_parallel_two_ranks_match_one(checkpoint) -> None:
+    name, path, _ = checkpoint
+    one = _generate(path, num_kv_blocks=64)
+    two = _generate(path, num_kv_blocks=64, tensor_parallel_size=2)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(x[k].logprob - y[k].logprob) < 1e-3 for k in x.keys() & y.keys()), name
