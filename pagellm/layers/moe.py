@@ -86,21 +86,21 @@ class FusedMoE(nn.Module):
         return weights.to(x.dtype), expert_ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
         weights, expert_ids = self.route(x)
-        out = torch.zeros_like(x)
         flat_ids = expert_ids.flatten()
-        # Sorted by expert, each expert's tokens are one contiguous run of ``order``.
+        # Picks sorted by expert: each expert's tokens are one contiguous run of rows, gathered
+        # once for all experts, and its outputs land in the same rows.
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        token_of = order // self.top_k
-        flat_weights = weights.flatten()
+        inputs = x.index_select(0, order // self.top_k)
+        outputs = torch.empty_like(inputs)
         start = 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            picks = order[start : start + count]
-            rows = token_of[start : start + count]
-            y = self.experts[expert](x.index_select(0, rows))
-            out.index_add_(0, rows, y * flat_weights.index_select(0, picks).unsqueeze(-1))
-            start += count
+            if count:
+                outputs[start : start + count] = self.experts[expert](inputs[start : start + count])
+                start += count
+        # Back in (token, pick) order, then each token's picks weighted and summed.
+        picked = torch.empty_like(outputs).index_copy_(0, order, outputs).view(num_tokens, self.top_k, -1)
+        out = torch.bmm(weights.unsqueeze(1), picked).squeeze(1)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
