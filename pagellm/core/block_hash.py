@@ -55,3 +55,26 @@ def make_block_hasher(block_size: int) -> Callable[["Request"], list[BlockHash]]
         return hash_full_blocks(request.all_token_ids, block_size, request.cache_salt, start, parent)
 
     return hasher
+
+
+# Separates a content hash from the group id appended to it (SHA-256 digests are 32 bytes).
+_GROUP_TAG = b"\x00group"
+
+
+def group_block_hash(block_hash: BlockHash, group_id: int) -> BlockHash:
+    """The prefix-cache key of a token block's page in one KV cache group.
+
+    Every group's page for the same tokens has the same content hash but holds other layers, so
+    the pool indexes each under its own key; group 0 keeps the bare hash, as a one-group cache did.
+    """
+    if group_id == 0:
+        return block_hash
+    return block_hash + _GROUP_TAG + group_id.to_bytes(4, "big")
+
+
+def group_of_block_hash(key: BlockHash) -> int:
+    """The group a prefix-cache key was made for (``group_block_hash``'s inverse on the group)."""
+    if len(key) >= len(_GROUP_TAG) + 4 and key[-len(_GROUP_TAG) - 4 : -4] == _GROUP_TAG:
+        return int.from_bytes(key[-4:], "big")
+    return 0
+

@@ -9,13 +9,16 @@ The free queue is ordered by eviction priority: allocation takes from the head, 
 to the tail. A request frees its blocks tail-first, so within a chain the last blocks (least
 likely to be shared) are evicted before the first ones, and across requests the least recently
 freed are evicted first (LRU). All operations are O(1) per block; nothing scans the pool.
+
+A pool serving sliding-window groups reserves block 0 as the null block: the table entries a
+window has left behind point to it. It is never free, never owned and never cached.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from pagellm.core.block_hash import BlockHash
+from pagellm.core.block_hash import BlockHash, group_block_hash
 
 
 @dataclass(eq=False)
@@ -77,13 +80,15 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"the KV cache needs at least {1 + reserve_null_block} blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block: Optional[KVCacheBlock] = self.blocks[0] if reserve_null_block else None
+        self.num_reserved_blocks = int(reserve_null_block)
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks[self.num_reserved_blocks :])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # Kept as a count (checked by check_integrity) so metrics read it each step without a scan.
         self.num_cached_free_blocks = 0
@@ -102,14 +107,22 @@ class BlockPool:
         return self.free_queue.num_free_blocks
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can own: all but the null block."""
+        return self.num_blocks - self.num_reserved_blocks
+
+    @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.free_queue.num_free_blocks
+        return self.num_usable_blocks - self.free_queue.num_free_blocks
 
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        return self.num_used_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
-        return self.cached_blocks.get(block_hash) if self.enable_caching else None
+    def is_null(self, block: KVCacheBlock) -> bool:
+        return block is self.null_block
+
+    def get_cached_block(self, block_hash: BlockHash, group_id: int = 0) -> Optional[KVCacheBlock]:
+        return self.cached_blocks.get(group_block_hash(block_hash, group_id)) if self.enable_caching else None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.free_queue.num_free_blocks:
@@ -134,8 +147,11 @@ class BlockPool:
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Takes a reference on blocks found in the prefix cache, reviving free ones."""
+        """Takes a reference on blocks found in the prefix cache, reviving free ones (the null
+        block, a sliding window's placeholder, is skipped)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
                 if self._is_indexed(block):
@@ -143,14 +159,16 @@ class BlockPool:
             block.ref_cnt += 1
             self.dirty_block_ids.add(block.block_id)
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int) -> None:
-        """Indexes blocks[start:end], which are now full, under their content hashes."""
+    def cache_full_blocks(
+        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int, group_id: int = 0
+    ) -> None:
+        """Indexes blocks[start:end], which are now full, under their content hashes in ``group_id``."""
         if not self.enable_caching:
             return
         for i in range(start, end):
-            block, block_hash = blocks[i], block_hashes[i]
-            if block.block_hash is not None:
-                continue  # a prefix hit: already indexed
+            block, block_hash = blocks[i], group_block_hash(block_hashes[i], group_id)
+            if block.block_hash is not None or block is self.null_block:
+                continue  # a prefix hit (already indexed), or an entry a sliding window left behind
             block.block_hash = block_hash
             self.dirty_block_ids.add(block.block_id)
             # If an identical block is already indexed (computed twice by requests that raced),
@@ -158,8 +176,11 @@ class BlockPool:
             self.cached_blocks.setdefault(block_hash, block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drops one reference on each block; blocks should come in eviction order."""
+        """Drops one reference on each block (the null block is skipped); blocks should come in
+        eviction order."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
@@ -190,8 +211,13 @@ class BlockPool:
         num_used = sum(1 for b in self.blocks if b.ref_cnt > 0)
         if any(self.blocks[i].ref_cnt != 0 for i in free_ids):
             raise RuntimeError("a free block has references")
-        if num_used + len(free_ids) != self.num_blocks:
-            raise RuntimeError(f"free ({len(free_ids)}) + used ({num_used}) != total ({self.num_blocks})")
+        null = self.null_block
+        if null is not None and (null.ref_cnt or null.block_hash is not None or null.block_id in free_ids):
+            raise RuntimeError("the null block is owned, cached or free")
+        if num_used + len(free_ids) + self.num_reserved_blocks != self.num_blocks:
+            raise RuntimeError(
+                f"free ({len(free_ids)}) + used ({num_used}) + reserved ({self.num_reserved_blocks}) != total ({self.num_blocks})"
+            )
         for block_hash, block in self.cached_blocks.items():
             if block.block_hash != block_hash:
                 raise RuntimeError(f"block {block.block_id} is indexed under a hash it does not carry")

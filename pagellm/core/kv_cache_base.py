@@ -3,15 +3,17 @@
 The scheduler speaks only this interface; the paged manager (``"paged"``) is pagellm's, and the
 benchmarks register the pre-PagedAttention layout (``"contiguous"``) beside it to measure what
 paging buys. Every implementation keeps its blocks in a ``BlockPool`` and a block table per
-request, so the model runner and the attention kernels serve all of them unchanged.
+request (one per KV cache group, pagellm.core.kv_cache_groups), so the model runner and the
+attention kernels serve all of them unchanged.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import Callable, ClassVar, Optional, TypeVar
 
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
+from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.request import Request
 
 
@@ -31,33 +33,52 @@ class PrefixCacheStats:
 
 @dataclass(frozen=True)
 class KVCacheBlocks:
-    """Blocks handed to a request by one ``allocate_slots`` call."""
+    """Blocks of one request, per KV cache group: handed out by one ``allocate_slots`` call, or
+    found in the prefix cache. ``blocks`` is group 0 (a one-group cache's only one)."""
 
     blocks: tuple[KVCacheBlock, ...] = ()
+    extra_groups: tuple[tuple[KVCacheBlock, ...], ...] = ()  # groups 1.. of a hybrid model
+
+    @property
+    def groups(self) -> tuple[tuple[KVCacheBlock, ...], ...]:
+        return (self.blocks, *self.extra_groups)
 
     @property
     def block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
 
+    @property
+    def block_ids_by_group(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.groups)
+
 
 class KVCacheManagerBase(ABC):
-    """Owns the block pool and every request's block table."""
+    """Owns the block pool and every request's block table (one per KV cache group).
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool) -> None:
+    ``req_to_blocks`` is group 0's tables: for a one-group cache, every block a request holds.
+    """
+
+    # Whether sliding-window layers get groups of their own whose old blocks are freed; a manager
+    # that cannot is given every layer in one full-attention group (the windows still apply).
+    supports_sliding_window: ClassVar[bool] = False
+
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool, reserve_null_block: bool = False
+    ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     @abstractmethod
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The request's leading blocks already in the cache, and how many tokens they hold."""
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The request's blocks already in the cache (per group), and how many tokens they cover."""
 
     @abstractmethod
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Optional[list[KVCacheBlock]] = None
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Optional[KVCacheBlocks] = None
     ) -> Optional[KVCacheBlocks]:
         """Room for ``num_new_tokens`` more tokens; None, changing nothing, when the pool is short."""
 
@@ -72,8 +93,25 @@ class KVCacheManagerBase(ABC):
     def usage(self) -> float:
         return self.block_pool.usage()
 
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return 1
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    @property
+    def group_tables(self) -> list[dict[str, list[KVCacheBlock]]]:
+        """Every KV cache group's tables (request id -> blocks); group 0's is ``req_to_blocks``."""
+        return [self.req_to_blocks]
+
+    def get_block_ids_by_group(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in each group (null entries included)."""
+        return (self.get_block_ids(request_id),)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Pool blocks the request holds, all groups together (a shared block counts for each holder)."""
+        return len(self.req_to_blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -110,11 +148,23 @@ def kv_cache_manager_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_kv_cache_manager(
-    name: str, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool
-) -> KVCacheManagerBase:
+def kv_cache_manager_class(name: str) -> type[KVCacheManagerBase]:
     try:
-        cls = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown KV cache manager {name!r}; registered: {kv_cache_manager_names()}") from None
-    return cls(num_blocks, block_size, max_model_len, enable_caching)
+
+
+def create_kv_cache_manager(
+    name: str,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    enable_caching: bool,
+    kv_cache_layout: Optional[KVCacheLayout] = None,
+) -> KVCacheManagerBase:
+    """``kv_cache_layout``: the model's KV cache groups; None is one full-attention group."""
+    cls = kv_cache_manager_class(name)
+    if kv_cache_layout is None:
+        return cls(num_blocks, block_size, max_model_len, enable_caching)
+    return cls(num_blocks, block_size, max_model_len, enable_caching, kv_cache_layout=kv_cache_layout)

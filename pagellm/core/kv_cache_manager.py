@@ -1,10 +1,19 @@
-"""Maps requests to their KV blocks: prefix-cache lookup, growth on demand, freeing."""
+"""Maps requests to their KV blocks: prefix-cache lookup, growth on demand, freeing.
+
+One block pool serves every KV cache group (pagellm.core.kv_cache_groups); each request has one
+block table per group, kept by that group's ``SingleTypeKVCacheManager``. A step's allocation is
+sized across all groups before anything changes, so it fits whole or fails whole and the
+scheduler preempts as it would for a one-group cache.
+"""
 from __future__ import annotations
 
 from typing import Optional
 
+from pagellm.core.block_hash import group_of_block_hash
 from pagellm.core.block_pool import KVCacheBlock
 from pagellm.core.kv_cache_base import KVCacheBlocks, KVCacheManagerBase, register_kv_cache_manager
+from pagellm.core.kv_cache_groups import KVCacheLayout, single_group_layout
+from pagellm.core.single_type_manager import SingleTypeKVCacheManager
 from pagellm.request import Request
 
 
@@ -12,73 +21,155 @@ from pagellm.request import Request
 class KVCacheManager(KVCacheManagerBase):
     """Blocks on demand, shared through the prefix cache when ``enable_caching``."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool) -> None:
-        super().__init__(num_blocks, block_size, max_model_len, enable_caching)
-        # How many of a request's leading blocks are already indexed in the prefix cache.
-        self.num_cached_blocks: dict[str, int] = {}
+    supports_sliding_window = True
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of the request's leading full blocks found in the prefix cache.
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool,
+        kv_cache_layout: Optional[KVCacheLayout] = None,
+    ) -> None:
+        # The manager reads only the groups' windows; without a layout, one full-attention group.
+        layout = kv_cache_layout if kv_cache_layout is not None else single_group_layout(1)
+        super().__init__(num_blocks, block_size, max_model_len, enable_caching, layout.has_sliding_groups)
+        self.kv_cache_layout = layout
+        self.group_managers = [
+            SingleTypeKVCacheManager(self.block_pool, block_size, group_id, group.sliding_window)
+            for group_id, group in enumerate(layout.groups)
+        ]
+        self.req_to_blocks = self.group_managers[0].req_to_blocks
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return len(self.group_managers)
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest run of the request's leading full blocks every group can serve from the cache.
+
+        A full-attention group needs all the hit's blocks, a sliding group only those its window
+        reaches from the first token after the hit; the hit is the longest length all groups
+        agree on (each group's answer can only shorten it, so this settles in a few rounds).
 
         The last prompt token is never taken from the cache: the model must run on at least one
         token to produce the logits for the next one. Requests asking for prompt logprobs need
         every prompt position's logits, so they skip the cache.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
-        max_num_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_num_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+            return KVCacheBlocks(), 0
+        num_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        hits: list[list[KVCacheBlock]] = []
+        while len(hits) < len(self.group_managers):
+            hit = self.group_managers[len(hits)].find_longest_cache_hit(request.block_hashes, num_blocks)
+            if len(hit) < num_blocks:
+                num_blocks, hits = len(hit), []  # shorter: every group answers again for this length
+                if num_blocks == 0:
+                    break
+                continue
+            hits.append(hit)
+        if num_blocks == 0:
+            hits = [[] for _ in self.group_managers]
+        num_hit_tokens = num_blocks * self.block_size
         self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
-        return hits, num_hit_tokens
+        return KVCacheBlocks(tuple(hits[0]), tuple(tuple(h) for h in hits[1:])), num_hit_tokens
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed_blocks: int = 0) -> int:
-        num_owned = len(self.req_to_blocks.get(request.request_id, ())) + num_new_computed_blocks
-        num_total_tokens = request.num_computed_tokens + num_new_computed_blocks * self.block_size + num_new_tokens
-        return max(0, -(-num_total_tokens // self.block_size) - num_owned)
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, new_computed_blocks: Optional[KVCacheBlocks] = None) -> int:
+        """Free-queue blocks a step would take, all groups together, less what its window releases."""
+        computed = self._computed_by_group(new_computed_blocks)
+        first = request.num_computed_tokens + len(computed[0]) * self.block_size
+        total = 0
+        for manager, blocks in zip(self.group_managers, computed):
+            total += manager.num_new_blocks(request.request_id, first + num_new_tokens, blocks)
+            total -= manager.num_releasable_blocks(request.request_id, first)
+        return total
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+        new_computed_blocks: Optional[KVCacheBlocks] = None,
     ) -> Optional[KVCacheBlocks]:
-        """Makes room for ``num_new_tokens`` more tokens of ``request``.
+        """Makes room for ``num_new_tokens`` more tokens of ``request`` in every group.
 
-        ``new_computed_blocks`` are prefix-cache hits being adopted at admission. Returns the newly
-        allocated blocks, or None (changing nothing) when the pool cannot supply them.
+        ``new_computed_blocks`` are prefix-cache hits being adopted at admission. Sliding groups
+        first release the blocks the step's first query no longer reaches. Returns the newly
+        allocated blocks per group, or None (changing nothing) when the pool cannot supply them.
         """
-        new_computed_blocks = new_computed_blocks or []
-        num_new_blocks = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
-        # Hits that sit in the free queue stop being allocatable once adopted.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
+        computed = self._computed_by_group(new_computed_blocks)
+        req_id = request.request_id
+        # The first position this step computes: what its queries' windows are measured from.
+        first = request.num_computed_tokens + len(computed[0]) * self.block_size
+        num_tokens = first + num_new_tokens
+        if self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) > self.block_pool.num_free_blocks:
             return None
-        self.block_pool.touch(new_computed_blocks)
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
+        # Every group adopts its hits before any takes new blocks: a hit that sits in the free
+        # queue must leave it before another group's allocation could evict and reuse it.
+        for manager, blocks in zip(self.group_managers, computed):
+            manager.remove_skipped_blocks(req_id, first)
+            manager.save_computed_blocks(req_id, blocks)
+        new_blocks = [manager.allocate_new_blocks(req_id, num_tokens) for manager in self.group_managers]
         if self.enable_caching:
             # Blocks that this step fills are indexed right away: a request admitted later in the
             # same step reads them after this step's forward pass has written them in each layer
             # (every backend writes the batch's K/V before attending), so a burst of requests
             # behind one new prefix computes it once.
-            num_computed_after = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
-            num_full = min(num_computed_after // self.block_size, len(request.block_hashes))
-            start = self.num_cached_blocks.get(request.request_id, 0)
-            if num_full > start:
-                self.block_pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
-                self.num_cached_blocks[request.request_id] = num_full
-        return KVCacheBlocks(tuple(new_blocks))
+            num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+            for manager in self.group_managers:
+                manager.cache_blocks(request, num_full)
+        return KVCacheBlocks(tuple(new_blocks[0]), tuple(tuple(b) for b in new_blocks[1:]))
+
+    def _computed_by_group(self, new_computed_blocks: Optional[KVCacheBlocks]) -> tuple[tuple[KVCacheBlock, ...], ...]:
+        if new_computed_blocks is None or not any(new_computed_blocks.groups):
+            return tuple(() for _ in self.group_managers)
+        groups = new_computed_blocks.groups
+        if len(groups) != len(self.group_managers) or len({len(g) for g in groups}) != 1:
+            raise ValueError(
+                f"computed blocks must cover the same tokens in each of the {len(self.group_managers)} groups, "
+                f"got {[len(g) for g in groups]} blocks"
+            )
+        return groups
 
     def free(self, request: Request) -> None:
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        # Tail first: the end of a chain is the least likely part to be shared again.
-        self.block_pool.free_blocks(reversed(blocks))
+        for manager in self.group_managers:
+            manager.free(request.request_id)
+
+    @property
+    def group_tables(self) -> list[dict[str, list[KVCacheBlock]]]:
+        return [m.req_to_blocks for m in self.group_managers]
+
+    def get_block_ids_by_group(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.group_managers)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return sum(m.num_held_blocks(request_id) for m in self.group_managers)
+
+    def check_integrity(self) -> None:
+        """Raises if the pool's reference counts disagree with the tables of all groups, or a
+        group's table or cached block breaks its rules."""
+        pool = self.block_pool
+        pool.check_integrity()
+        owners: dict[int, int] = {}
+        owner_group: dict[int, int] = {}
+        for manager in self.group_managers:
+            manager.check_tables()
+            for blocks in manager.req_to_blocks.values():
+                for b in blocks:
+                    if pool.is_null(b):
+                        continue
+                    owners[b.block_id] = owners.get(b.block_id, 0) + 1
+                    if owner_group.setdefault(b.block_id, manager.group_id) != manager.group_id:
+                        raise RuntimeError(f"block {b.block_id} is held by groups {owner_group[b.block_id]} and {manager.group_id}")
+        for block in pool.blocks:
+            if owners.get(block.block_id, 0) != block.ref_cnt:
+                raise RuntimeError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {owners.get(block.block_id, 0)} owners"
+                )
+        if self.num_kv_cache_groups > 1:
+            # A block is cached under one group's key only, and held only by that group's tables.
+            for manager in self.group_managers:
+                for req_id, blocks in manager.req_to_blocks.items():
+                    for b in blocks:
+                        if b.block_hash is not None and group_of_block_hash(b.block_hash) != manager.group_id:
+                            raise RuntimeError(f"block {b.block_id} of request {req_id} is cached for another group")
+

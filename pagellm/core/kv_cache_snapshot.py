@@ -12,6 +12,10 @@ A block's state byte (``block_code``): 0 free, 1 cached (free but still findable
 hash, so in the LRU), ``n + 1`` when ``n`` requests hold it (2: one owner, 3 and up: shared),
 capped at 255.
 
+With several KV cache groups (a hybrid sliding-window model) the tables shown are group 0's, the
+full-attention one where there is one; a block's owners are looked up in every group. Entries a
+window has left behind point to the pool's null block (id 0), which shows as free.
+
 Privacy: token text appears only when a ``decode`` function is given (``--dashboard-show-text``).
 Without one, the snapshot holds token counts, block ids and hash prefixes, never token ids or text.
 """
@@ -70,9 +74,9 @@ class KVCacheSnapshotter:
         for code in self.codes:
             self.state_counts[state_index(code)] += 1
         self.version = 0
-        # Block tables as last sent: request id -> (the engine's list object, its length then).
-        # Holding the list keeps its id from being reused by a new one.
-        self._tables: dict[str, tuple[list, int]] = {}
+        # Block tables as last sent: request id -> (the engine's list object, its length then, its
+        # leading null entries then). Holding the list keeps its id from being reused by a new one.
+        self._tables: dict[str, tuple[list, int, int]] = {}
         self._requests: list[dict[str, Any]] = []
         self._request_keys: list[tuple] = []
         self._text_cache: dict[str, str] = {}
@@ -124,16 +128,24 @@ class KVCacheSnapshotter:
     def _poll_tables(self) -> tuple[dict[str, list[int]], list[str]]:
         """Per request, ``[start, id, id, ...]``: its table from ``start`` on is those ids."""
         req_to_blocks: dict[str, list] = self.kv_cache_manager.req_to_blocks
+        null = self.kv_cache_manager.block_pool.null_block
         changed: dict[str, list[int]] = {}
         for req_id, blocks in req_to_blocks.items():
             prev = self._tables.get(req_id)
             n = len(blocks)
-            if prev is not None and prev[0] is blocks and prev[1] == n:
+            same = prev is not None and prev[0] is blocks
+            # A sliding window nulls entries from the front, never elsewhere: follow the run's end.
+            num_null = prev[2] if same else 0
+            while null is not None and num_null < n and blocks[num_null] is null:
+                num_null += 1
+            if same and prev[1] == n and prev[2] == num_null:
                 continue
             # Tables only grow while a request runs; a freed and reallocated one is a new list.
-            start = prev[1] if prev is not None and prev[0] is blocks and prev[1] < n else 0
+            start = 0
+            if same and prev[1] <= n:
+                start = prev[2] if num_null != prev[2] else prev[1]
             changed[req_id] = [start, *(b.block_id for b in blocks[start:])]
-            self._tables[req_id] = (blocks, n)
+            self._tables[req_id] = (blocks, n, num_null)
         removed = [req_id for req_id in self._tables if req_id not in req_to_blocks]
         for req_id in removed:
             del self._tables[req_id]
@@ -182,7 +194,7 @@ class KVCacheSnapshotter:
         pool = self.kv_cache_manager.block_pool
         out = dict(zip(STATE_NAMES, self.state_counts))
         out["engine_free"] = pool.num_free_blocks
-        out["engine_used"] = len(self.codes) - pool.num_free_blocks
+        out["engine_used"] = pool.num_used_blocks
         return out
 
     def full(self) -> dict[str, Any]:
@@ -195,7 +207,7 @@ class KVCacheSnapshotter:
             "show_text": self.decode is not None,
             "cache": self.cache_info,
             "codes": base64.b64encode(bytes(self.codes)).decode("ascii"),
-            "tables": {req_id: [b.block_id for b in blocks[:n]] for req_id, (blocks, n) in self._tables.items()},
+            "tables": {req_id: [b.block_id for b in blocks[:n]] for req_id, (blocks, n, _) in self._tables.items()},
             "requests": self._requests,
             "counts": self.counts(),
         }
@@ -217,10 +229,16 @@ class KVCacheSnapshotter:
             "owners": [],
         }
         requests = {r.request_id: r for r in (*self.scheduler.running, *self.scheduler.waiting)}
-        for req_id, blocks in self.kv_cache_manager.req_to_blocks.items():
-            for index, b in enumerate(blocks):
-                if b is block:
-                    out["owners"].append({"id": req_id, "index": index})
+        group_tables = self.kv_cache_manager.group_tables
+        if block is not pool.null_block:
+            for group_id, tables in enumerate(group_tables):
+                for req_id, blocks in tables.items():
+                    for index, b in enumerate(blocks):
+                        if b is block:
+                            owner = {"id": req_id, "index": index}
+                            if len(group_tables) > 1:
+                                owner["group"] = group_id
+                            out["owners"].append(owner)
         if out["owners"]:
             owner = out["owners"][0]
             request = requests.get(owner["id"])

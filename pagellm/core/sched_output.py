@@ -28,9 +28,14 @@ class NewRequestData:
     token_ids: list[int]  # prompt plus any outputs generated before a preemption
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]  # KV cache group 0's table (a one-group cache's only one)
     num_computed_tokens: int  # prefix-cache hit: the runner skips these
     num_output_tokens: int  # outputs so far (seeded sampling continues from here)
+    extra_group_block_ids: tuple[list[int], ...] = ()  # groups 1.. of a hybrid model
+
+    @property
+    def block_ids_by_group(self) -> tuple[list[int], ...]:
+        return (self.block_ids, *self.extra_group_block_ids)
 
 
 @dataclass
@@ -38,11 +43,16 @@ class CachedRequestData:
     """A request that was already in the batch last step."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[int]  # KV cache group 0's new blocks
     num_computed_tokens: int
     # The token sampled last step, which this step feeds to the model. The runner already knows
     # it (it sampled it), so this is only for runners that did not keep it.
     new_token_ids: list[int] = field(default_factory=list)
+    extra_group_new_block_ids: tuple[list[int], ...] = ()  # groups 1.. of a hybrid model
+
+    @property
+    def new_block_ids_by_group(self) -> tuple[list[int], ...]:
+        return (self.new_block_ids, *self.extra_group_new_block_ids)
 
 
 @dataclass

@@ -8,7 +8,9 @@ a preempted request are all the same thing to the scheduler.
 
 When the pool has no block for a running request, the most recently admitted running request is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
-from its prompt and the outputs it already produced. The scheduler never touches tensors.
+from its prompt and the outputs it already produced. The scheduler never touches tensors, nor
+KV cache groups: a hybrid model's manager fits a step in every group or in none, and the step's
+block ids go to the runner per group.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from pagellm.core.kv_cache_base import KVCacheManagerBase
+from pagellm.core.kv_cache_base import KVCacheBlocks, KVCacheManagerBase
 from pagellm.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -42,7 +44,8 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, found
     num_preemptions: int
     num_running_tokens: int  # KV tokens held by running requests
-    num_block_table_entries: int  # block ids in running requests' tables
+    num_block_table_entries: int  # blocks running requests hold, all KV cache groups (null entries not counted)
+    num_kv_cache_groups: int = 1
 
 
 class Scheduler:
@@ -104,7 +107,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, tuple[list[int], ...]] = {}  # per KV cache group
         preempted: list[Request] = []
 
         # Running requests first, oldest first, so preemption hits the newest.
@@ -127,7 +130,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # the request preempted itself: nothing else can run either
             num_scheduled[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = new_blocks.block_ids
+            new_block_ids[request.request_id] = new_blocks.block_ids_by_group
             token_budget -= num_new_tokens
             idx += 1
 
@@ -137,12 +140,13 @@ class Scheduler:
             pending_hashes = self._pending_prefix_hashes() if self.kv_cache_manager.enable_caching else None
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                computed_blocks, num_hit_tokens = [], 0
+                computed_blocks: Optional[KVCacheBlocks] = None
+                num_hit_tokens = 0
                 if request.num_computed_tokens == 0:
                     computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
                     # The next block is being computed by a request already running (a burst behind
                     # one new prefix): wait for it instead of computing it a second time.
-                    next_idx = len(computed_blocks)
+                    next_idx = num_hit_tokens // self.block_size
                     if (
                         pending_hashes
                         and next_idx < len(request.block_hashes)
@@ -166,15 +170,17 @@ class Scheduler:
                     pending_hashes.update(request.block_hashes[(num_hit_tokens + num_new_tokens) // self.block_size :])
                 num_scheduled[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
+                block_ids = self.kv_cache_manager.get_block_ids_by_group(request.request_id)
                 new_reqs.append(
                     NewRequestData(
                         req_id=request.request_id,
                         token_ids=list(request.all_token_ids),
                         num_prompt_tokens=request.num_prompt_tokens,
                         sampling_params=request.sampling_params,
-                        block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                        block_ids=block_ids[0],
                         num_computed_tokens=num_hit_tokens,
                         num_output_tokens=request.num_output_tokens,
+                        extra_group_block_ids=block_ids[1:],
                     )
                 )
             # Skipped requests keep their place at the head of the queue.
@@ -184,12 +190,14 @@ class Scheduler:
         for request in self.running:
             req_id = request.request_id
             if req_id in num_scheduled and req_id not in new_ids:
+                block_ids = new_block_ids[req_id]
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=req_id,
-                        new_block_ids=new_block_ids[req_id],
+                        new_block_ids=block_ids[0],
                         num_computed_tokens=request.num_computed_tokens,
                         new_token_ids=request.all_token_ids[-1:] if request.num_output_tokens else [],
+                        extra_group_new_block_ids=block_ids[1:],
                     )
                 )
 
@@ -318,5 +326,6 @@ class Scheduler:
             prefix_cache_hits=cache_stats.num_hits,
             num_preemptions=self.num_preemptions,
             num_running_tokens=sum(r.num_computed_tokens for r in self.running),
-            num_block_table_entries=sum(len(kv.req_to_blocks.get(r.request_id, ())) for r in self.running),
+            num_block_table_entries=sum(kv.num_held_blocks(r.request_id) for r in self.running),
+            num_kv_cache_groups=kv.num_kv_cache_groups,
         )

@@ -12,19 +12,21 @@ import torch
 from pagellm.attention.kv_quant import kv_cache_dtype_name
 from pagellm.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from pagellm.core.block_hash import make_block_hasher
-from pagellm.core.kv_cache_base import create_kv_cache_manager
+from pagellm.core.kv_cache_base import create_kv_cache_manager, kv_cache_manager_class
+from pagellm.core.kv_cache_groups import KVCacheLayout, group_layers, single_group_layout
 from pagellm.core.kv_cache_manager import KVCacheManager  # noqa: F401  (registers "paged")
 from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.distributed.partition import max_kv_heads_per_rank
 from pagellm.engine.stats import EngineStats, StepStats, StepTotals
 from pagellm.executor.base import Executor, UniProcExecutor
+from pagellm.models.shape import ModelShape
 from pagellm.request import Request, RequestStatus
 from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.kv_cache import (
     KVCachePrefaulter,
     activation_reserve_bytes,
-    allocate_kv_caches,
+    allocate_grouped_kv_caches,
     bytes_per_block,
     determine_num_blocks,
     gpu_kv_cache_budget,
@@ -34,25 +36,19 @@ from pagellm.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ModelShape:
-    """What the engine needs to know about a model to size its cache and batch."""
+@dataclass(frozen=True)
+class RequestKVUsage:
+    """The KV cache one request holds now, all KV cache groups together."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+    num_blocks: int  # pool blocks (a prefix block shared with others counts for each holder)
+    num_bytes: int
 
-    @classmethod
-    def from_hf_config(cls, hf_config) -> "ModelShape":
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        return cls(
-            num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            vocab_size=hf_config.vocab_size,
-        )
+
+def kv_cache_layout_for(shape: ModelShape, kv_cache_manager: str) -> KVCacheLayout:
+    """The model's KV cache groups; a manager that keeps whole contexts gets one full-attention group."""
+    if kv_cache_manager_class(kv_cache_manager).supports_sliding_window:
+        return group_layers(shape.layer_sliding_windows)
+    return single_group_layout(shape.num_layers)
 
 
 class EngineCore:
@@ -65,6 +61,10 @@ class EngineCore:
     parallelism ``model`` is None and ``executor_factory(num_blocks, max_model_len)`` starts the
     ranks, each with its shard of the model and ``num_blocks`` blocks of its own KV heads; the KV
     cache budget is then per rank (sized by the rank holding the most KV heads).
+
+    Layers are grouped by attention kind (``kv_cache_layout``): a block holds ``group_size``
+    layers' keys and values, so a hybrid model's budget buys more blocks, and its sliding groups
+    free the blocks their windows have left.
     """
 
     def __init__(
@@ -80,8 +80,13 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.block_size = config.block_size
+        layout = kv_cache_layout_for(shape, kv_cache_manager)
+        if executor_factory is not None and layout != group_layers(shape.layer_sliding_windows):
+            raise ValueError(f"tensor-parallel ranks lay the KV cache out by attention kind; the {kv_cache_manager!r} manager cannot")
+        self.kv_cache_layout = layout
         kv_heads = max_kv_heads_per_rank(shape.num_kv_heads, config.tensor_parallel_size)
-        block_bytes = bytes_per_block(shape.num_layers, config.block_size, kv_heads, shape.head_dim, config.kv_cache_dtype)
+        block_bytes = bytes_per_block(layout.group_size, config.block_size, kv_heads, shape.head_dim, config.kv_cache_dtype)
+        self.kv_block_bytes = block_bytes
         kv_cache_memory_bytes = config.kv_cache_memory_bytes
         if (
             kv_cache_memory_bytes is None
@@ -99,21 +104,26 @@ class EngineCore:
             max_model_len,
         )
         self.kv_cache_bytes = self.num_blocks * block_bytes
+        # Tokens of full context the cache holds (vLLM's count: the usable blocks shared evenly by the groups).
+        self.kv_cache_tokens = (self.num_blocks - layout.num_reserved_blocks) // layout.num_groups * config.block_size
         # A request longer than the whole cache could never be scheduled and would wait forever.
-        capacity = self.num_blocks * config.block_size
-        if max_model_len > capacity:
+        chunk = config.max_num_batched_tokens
+        needed = layout.max_blocks_per_request(max_model_len, config.block_size, chunk) + layout.num_reserved_blocks
+        if needed > self.num_blocks:
+            capacity = layout.max_tokens_that_fit(self.num_blocks, config.block_size, chunk, max_model_len)
+            groups = "" if layout.plain else f", {layout.describe()}"
             if config.max_model_len is not None:
                 raise ValueError(
                     f"max_model_len={max_model_len} does not fit in the KV cache, which holds {capacity} tokens "
-                    f"({self.num_blocks} blocks of {config.block_size}); raise the KV cache budget or lower max_model_len"
+                    f"({self.num_blocks} blocks of {config.block_size}{groups}); raise the KV cache budget or lower max_model_len"
                 )
             logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d to %d", capacity, max_model_len, capacity)
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.runner: Optional[ModelRunner] = None
         if executor_factory is None:
-            kv_caches = allocate_kv_caches(
-                shape.num_layers,
+            kv_caches = allocate_grouped_kv_caches(
+                layout,
                 self.num_blocks,
                 config.block_size,
                 shape.num_kv_heads,
@@ -131,12 +141,18 @@ class EngineCore:
                 config.enforce_eager,
                 structured_output,
                 config.calculate_kv_scales,
+                kv_cache_layout=layout,
             )
             self.executor: Executor = UniProcExecutor(self.runner, KVCachePrefaulter(kv_caches))
         else:
             self.executor = executor_factory(self.num_blocks, max_model_len)
         self.kv_cache_manager = create_kv_cache_manager(
-            kv_cache_manager, self.num_blocks, config.block_size, max_model_len, config.enable_prefix_caching
+            kv_cache_manager,
+            self.num_blocks,
+            config.block_size,
+            max_model_len,
+            config.enable_prefix_caching,
+            kv_cache_layout=None if layout.plain else layout,
         )
         self.scheduler = scheduler_cls(
             self.kv_cache_manager,
@@ -148,12 +164,13 @@ class EngineCore:
         self._last_step: Optional[StepStats] = None
         self._step_totals = StepTotals()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %s)",
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %s, %s)",
             self.num_blocks,
             config.block_size,
             self.kv_cache_bytes / 2**20,
-            self.num_blocks * config.block_size,
+            self.kv_cache_tokens,
             kv_cache_dtype_name(config.kv_cache_dtype),
+            layout.describe(),
         )
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params, max_tokens: int, **kwargs) -> Request:
@@ -222,3 +239,8 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def request_kv_usage(self, request_id: str) -> RequestKVUsage:
+        """What one request holds in the KV cache now (nothing once it finished or was preempted)."""
+        num_blocks = self.kv_cache_manager.num_held_blocks(request_id)
+        return RequestKVUsage(num_blocks, num_blocks * self.kv_block_bytes)

@@ -18,11 +18,13 @@ import torch
 from pagellm.attention.kv_quant import kv_cache_dtype_name
 from pagellm.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, LinearPrecision, model_dtype
 from pagellm.core.kv_cache_base import KVCacheManagerBase
+from pagellm.core.kv_cache_groups import group_layers
 from pagellm.core.scheduler import Scheduler
-from pagellm.engine.engine_core import EngineCore, ModelShape
+from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagellm.engine.stats import EngineStats
+from pagellm.models.shape import ModelShape
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output import StructuredOutputManager
@@ -43,7 +45,8 @@ def plan_memory(
 
     files = checkpoint_files(model_path)
     file_bytes, weight_bytes = estimate_weight_bytes(files, precision, is_gguf(resolve_model_path(model_path)))
-    block_bytes = bytes_per_block(shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, config.kv_cache_dtype)
+    layout = group_layers(shape.layer_sliding_windows)  # a block is one group's page: group_size layers
+    block_bytes = bytes_per_block(layout.group_size, config.block_size, shape.num_kv_heads, shape.head_dim, config.kv_cache_dtype)
     if config.num_kv_blocks is not None:
         kv_bytes = config.num_kv_blocks * block_bytes
     else:
@@ -58,7 +61,10 @@ def plan_memory(
         4,
     )
     available = available_memory_bytes() if config.device.type == "cpu" else None
-    return MemoryPlan(file_bytes, weight_bytes, kv_bytes, activations, available, kv_bytes // block_bytes * config.block_size)
+    num_blocks = kv_bytes // block_bytes
+    kv_tokens = (num_blocks - layout.num_reserved_blocks) // layout.num_groups * config.block_size
+    described = "" if layout.plain else layout.describe()
+    return MemoryPlan(file_bytes, weight_bytes, kv_bytes, activations, available, kv_tokens, kv_cache_layout=described)
 
 
 def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -163,7 +169,7 @@ class LLMEngine:
             plan,
             weight_bytes=self.model.weight_bytes() if self.model is not None else plan.weight_bytes,
             kv_cache_bytes=self.core.kv_cache_bytes,
-            kv_cache_tokens=self.core.num_blocks * config.block_size,
+            kv_cache_tokens=self.core.kv_cache_tokens,
             kv_cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype),
         )
         logger.info("memory: %s", self.memory_plan.describe())

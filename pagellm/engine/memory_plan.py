@@ -38,8 +38,9 @@ class MemoryPlan:
     kv_cache_bytes: int
     activation_bytes: int
     available_bytes: Optional[int]  # what the machine (or its cgroup) can still give; None if unknown
-    kv_cache_tokens: int = 0
+    kv_cache_tokens: int = 0  # of full context: the usable blocks shared evenly by the KV cache groups
     kv_cache_dtype: str = ""  # --kv-cache-dtype's name for what the cache holds
+    kv_cache_layout: str = ""  # how layers share blocks (KVCacheLayout.describe); "" for one full-attention group
 
     @property
     def total_bytes(self) -> int:
@@ -48,6 +49,7 @@ class MemoryPlan:
     def describe(self) -> str:
         tokens = f", {self.kv_cache_tokens:,} tokens" if self.kv_cache_tokens else ""
         tokens += f" of {self.kv_cache_dtype}" if self.kv_cache_dtype else ""
+        tokens += f" in {self.kv_cache_layout}" if self.kv_cache_layout else ""
         available = f" of {self.available_bytes / GiB:.2f} GiB available" if self.available_bytes else ""
         return (
             f"weights {self.weight_bytes / GiB:.2f} GiB (checkpoint {self.checkpoint_bytes / GiB:.2f} GiB), "

@@ -2,7 +2,8 @@
 
 Shared by the multiprocessing and the Ray executors. Every rank allocates the same number of KV
 blocks (the block ids the driver's KV cache manager hands out are valid on all of them), each
-holding only its own KV heads.
+holding only its own KV heads, and groups the layers by attention kind as the driver's paged
+manager does (pagellm.core.kv_cache_groups), so each group's block ids mean the same pages.
 """
 from __future__ import annotations
 
@@ -52,8 +53,10 @@ class TPWorker:
 
     def __init__(self, rank: int, spec: WorkerSpec) -> None:
         from pagellm.attention.selector import get_attn_backend
+        from pagellm.core.kv_cache_groups import group_layers
         from pagellm.models.loader import load_hf_config, load_model_for_engine
-        from pagellm.worker.kv_cache import allocate_kv_caches
+        from pagellm.models.shape import ModelShape
+        from pagellm.worker.kv_cache import allocate_grouped_kv_caches
         from pagellm.worker.model_runner import ModelRunner
 
         self.rank = rank
@@ -74,8 +77,9 @@ class TPWorker:
         model, _ = load_model_for_engine(config, spec.model_path, hf_config, attn_backend)
         shard = model.shard
         head_dim = model.model.layers[0].self_attn.head_dim
-        kv_caches = allocate_kv_caches(
-            model.num_layers,
+        layout = group_layers(ModelShape.from_hf_config(hf_config).layer_sliding_windows)
+        kv_caches = allocate_grouped_kv_caches(
+            layout,
             spec.num_blocks,
             config.block_size,
             shard.num_kv_heads,
@@ -101,6 +105,7 @@ class TPWorker:
             True,
             structured_output,
             config.calculate_kv_scales,
+            kv_cache_layout=layout,
         )
         logger.info(
             "rank %d/%d ready: q heads %d-%d, kv heads %d-%d, %d threads",

@@ -84,15 +84,10 @@ def load_hf_config(model_path: str) -> PretrainedConfig:
 def get_max_model_len(hf_config: PretrainedConfig) -> int:
     """The longest context the model supports.
 
-    Context extension by RoPE scaling is counted in. A sliding-window model is capped at its
-    window, since the attention backends attend to the whole context.
+    Context extension by RoPE scaling is counted in. A sliding window does not cap it: the
+    attention backends apply each layer's window, and the KV cache keeps only what it reaches.
     """
-    max_len = max_rope_positions(hf_config)
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", True)  # Qwen2 has the field but turns it off
-    if window and uses_window:
-        max_len = min(max_len, int(window))
-    return max_len
+    return max_rope_positions(hf_config)
 
 
 def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -8,13 +8,16 @@ eagerly. Padding rows get ``seq_len`` 0 and slot -1, which the Triton kernels sk
 
 The graph mechanics sit behind ``GraphDevice`` so that the bookkeeping (ladder, padding, static
 buffers, which sizes are captured, the fallback) is tested on CPU with ``EagerGraphDevice``.
+
+With several KV cache groups each group has its own static block table and slot mapping, and the
+forward function gets one metadata per group (a list) instead of one for the whole model.
 """
 from __future__ import annotations
 
 import bisect
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 import torch
 
@@ -26,8 +29,10 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512
 PAD_SLOT_ID = -1
 
+# One metadata, or with several KV cache groups a list of one per group.
+GroupMetadata = Union[AttentionMetadata, list[AttentionMetadata]]
 # forward(input_ids, positions, metadata) -> hidden [T, hidden_size]
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, GroupMetadata], torch.Tensor]
 
 
 def capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -116,33 +121,42 @@ class DecodeGraphRunner:
         device: torch.device,
         graph_device: GraphDevice,
         sizes: Optional[list[int]] = None,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.forward = forward
         self.sizes = sizes if sizes is not None else capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         self.graph_device = graph_device
+        self.num_kv_cache_groups = num_kv_cache_groups
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(n, max_num_blocks_per_seq, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((n,), PAD_SLOT_ID, dtype=torch.int64, device=device)
+        self.block_tables = [
+            torch.zeros(n, max_num_blocks_per_seq, dtype=torch.int32, device=device) for _ in range(num_kv_cache_groups)
+        ]
+        self.slot_mappings = [torch.full((n,), PAD_SLOT_ID, dtype=torch.int64, device=device) for _ in range(num_kv_cache_groups)]
+        self.block_table, self.slot_mapping = self.block_tables[0], self.slot_mappings[0]
         self.graphs: dict[int, _Captured] = {}
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def _metadata(self, size: int) -> GroupMetadata:
         # Launch shapes must not change between capture and replay: the longest possible context
         # fixes the decode kernel's split count, and the host lists are only what validation reads.
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[:size],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[self.max_model_len] * size,
-        )
+        by_group = [
+            AttentionMetadata(
+                query_start_loc=self.query_start_loc[: size + 1],
+                seq_lens=self.seq_lens[:size],
+                block_table=block_table[:size],
+                slot_mapping=slot_mapping[:size],
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+                query_start_loc_cpu=list(range(size + 1)),
+                seq_lens_cpu=[self.max_model_len] * size,
+            )
+            for block_table, slot_mapping in zip(self.block_tables, self.slot_mappings)
+        ]
+        return by_group if self.num_kv_cache_groups > 1 else by_group[0]
 
     def capture_all(self) -> None:
         """Captures every ladder size, largest first (smaller graphs then reuse its pool memory).
@@ -150,11 +164,12 @@ class DecodeGraphRunner:
         The buffers hold padding during capture (seq_len 0, slot -1): the warm-up touches no cache.
         """
         self.seq_lens.zero_()
-        self.slot_mapping.fill_(PAD_SLOT_ID)
+        for slot_mapping in self.slot_mappings:
+            slot_mapping.fill_(PAD_SLOT_ID)
         for size in reversed(self.sizes):
             metadata = self._metadata(size)
 
-            def run(size: int = size, metadata: AttentionMetadata = metadata) -> torch.Tensor:
+            def run(size: int = size, metadata: GroupMetadata = metadata) -> torch.Tensor:
                 return self.forward(self.input_ids[:size], self.positions[:size], metadata)
 
             graph, output = self.graph_device.capture(run)
@@ -169,18 +184,24 @@ class DecodeGraphRunner:
         size = padded_size(metadata.num_seqs, self.sizes)
         return size if size in self.graphs else None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, size: int) -> torch.Tensor:
-        """Copies the step into the static buffers, pads to ``size``, replays; hidden [num_seqs, hidden]."""
-        n = metadata.num_seqs
-        cols = metadata.block_table.shape[1]
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: GroupMetadata, size: int) -> torch.Tensor:
+        """Copies the step into the static buffers, pads to ``size``, replays; hidden [num_seqs, hidden].
+
+        ``metadata``: one per KV cache group (a list) when the runner was built for several."""
+        by_group = metadata if isinstance(metadata, list) else [metadata]
+        if len(by_group) != self.num_kv_cache_groups:
+            raise ValueError(f"metadata for {len(by_group)} KV cache groups, the graphs were captured for {self.num_kv_cache_groups}")
+        first = by_group[0]
+        n = first.num_seqs
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.seq_lens[:n].copy_(metadata.seq_lens)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping)
-        # Columns past a row's own blocks may keep stale ids: the kernels read only pos < seq_len.
-        self.block_table[:n, :cols].copy_(metadata.block_table)
+        self.seq_lens[:n].copy_(first.seq_lens)
         self.seq_lens[n:size].zero_()
-        self.slot_mapping[n:size].fill_(PAD_SLOT_ID)
+        for group, block_table, slot_mapping in zip(by_group, self.block_tables, self.slot_mappings):
+            slot_mapping[:n].copy_(group.slot_mapping)
+            # Columns past a row's own blocks may keep stale ids: the kernels read only pos < seq_len.
+            block_table[:n, : group.block_table.shape[1]].copy_(group.block_table)
+            slot_mapping[n:size].fill_(PAD_SLOT_ID)
         captured = self.graphs[size]
         captured.graph.replay()
         return captured.output[:n]

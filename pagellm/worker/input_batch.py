@@ -14,15 +14,21 @@ from pagellm.sampling_params import SamplingParams
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+    """``block_tables[g]`` is KV cache group g's table (``block_table``: group 0's, a one-group
+    cache's only one). A table only grows: entries a sliding window has left behind keep their old
+    ids, which no backend reads."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_tables = [np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32) for _ in range(num_kv_cache_groups)]
+        self.group_num_blocks = [np.zeros(max_num_reqs, dtype=np.int64) for _ in range(num_kv_cache_groups)]
+        self.block_table = self.block_tables[0]
+        self.num_blocks = self.group_num_blocks[0]
         self.temperature = np.ones(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -48,6 +54,7 @@ class InputBatch:
         params: SamplingParams,
         block_ids: list[int],
         num_computed_tokens: int,
+        extra_group_block_ids: tuple[list[int], ...] = (),
     ) -> int:
         if req_id in self.req_id_to_row:
             raise ValueError(f"request {req_id!r} is already in the batch")
@@ -59,8 +66,11 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = num_prompt_tokens
         self.num_computed_tokens[row] = num_computed_tokens
-        self.num_blocks[row] = 0
-        self.append_block_ids(row, block_ids)
+        if len(extra_group_block_ids) != len(self.block_tables) - 1:
+            raise ValueError(f"block ids for {1 + len(extra_group_block_ids)} KV cache groups, the batch has {len(self.block_tables)}")
+        for group_id, ids in enumerate((block_ids, *extra_group_block_ids)):
+            self.group_num_blocks[group_id][row] = 0
+            self.append_block_ids(row, ids, group_id)
         self.temperature[row] = params.temperature
         self.greedy[row] = params.is_greedy
         self.top_p[row] = params.top_p
@@ -82,11 +92,12 @@ class InputBatch:
         self.req_ids[row] = None
         self._free_rows.append(row)
 
-    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+    def append_block_ids(self, row: int, block_ids: list[int], group_id: int = 0) -> None:
         if block_ids:
-            start = int(self.num_blocks[row])
-            self.block_table[row, start : start + len(block_ids)] = block_ids
-            self.num_blocks[row] = start + len(block_ids)
+            num_blocks = self.group_num_blocks[group_id]
+            start = int(num_blocks[row])
+            self.block_tables[group_id][row, start : start + len(block_ids)] = block_ids
+            num_blocks[row] = start + len(block_ids)
 
     def append_token(self, row: int, token_id: int) -> None:
         n = int(self.num_tokens[row])

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from pagellm.attention.kv_quant import bytes_per_token_head, row_width
+from pagellm.core.kv_cache_groups import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +20,11 @@ HUGE_PAGE_BYTES = 2 * 2**20
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of one block, across all layers (an int8 cache's row scales included)."""
+    """K and V of one block across ``num_layers`` layers (an int8 cache's row scales included).
+
+    A pool block is one page of a KV cache group, so a cache is sized with ``num_layers`` the
+    layout's ``group_size``: all the layers for a full-attention model, fewer for a hybrid one.
+    """
     return 2 * num_layers * block_size * num_kv_heads * bytes_per_token_head(head_dim, dtype)
 
 
@@ -119,6 +124,22 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
+def allocate_grouped_kv_caches(
+    layout: KVCacheLayout,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One KV cache per layer, as the model takes them: ``layout.group_size`` tensors, layer k of
+    every group sharing tensor k (a block id is a page of one group, so the groups never collide).
+    With one group this is ``allocate_kv_caches``: a tensor of its own per layer."""
+    tensors = allocate_kv_caches(layout.group_size, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    return [tensors[i] for i in layout.layer_tensor_ids]
+
+
 # Linux 5.14+: fault a range in writable, as a write to each page would, without touching the data.
 MADV_POPULATE_WRITE = 23
 PREFAULT_CHUNK_BYTES = 4 * 2**20
@@ -138,11 +159,13 @@ class KVCachePrefaulter:
     def __init__(self, kv_caches: list[torch.Tensor], chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
         page = mmap.PAGESIZE
+        # Layers of different KV cache groups share tensors: each is faulted in once.
+        unique = list({id(c): c for c in kv_caches}.values())
         # (start, end) byte ranges, widened to whole pages: populating is content-preserving, so the
         # part of a neighbouring allocation on a shared first or last page is unharmed.
         self._ranges = [
             (c.data_ptr() // page * page, -(-(c.data_ptr() + c.nbytes) // page) * page)
-            for c in kv_caches
+            for c in unique
             if c.device.type == "cpu" and c.nbytes > 0
         ]
         self._kv_caches = kv_caches  # the mappings must outlive the ranges above

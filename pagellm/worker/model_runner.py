@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.sample.logprobs import compute_prompt_logprobs
@@ -33,6 +34,10 @@ def _logprob_rows(tensors: LogprobsTensors, nums: list[int]) -> list[LogprobRow]
 
 
 class ModelRunner:
+    """``kv_caches`` has one tensor per layer (layers in the same position of different KV cache
+    groups share one). With one group the model gets one ``AttentionMetadata`` for all layers;
+    with several (``kv_cache_layout``), a list with each layer's group's metadata."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -44,6 +49,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         structured_output: Optional[StructuredOutputManager] = None,
         calculate_kv_scales: bool = False,
+        kv_cache_layout: Optional[KVCacheLayout] = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -51,8 +57,15 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.device = kv_caches[0].device
+        self.num_kv_cache_groups = kv_cache_layout.num_groups if kv_cache_layout is not None else 1
+        # Per layer, the group whose metadata it reads (None: one group, one metadata for all).
+        self.layer_group_ids: Optional[tuple[int, ...]] = None
+        if kv_cache_layout is not None and kv_cache_layout.num_groups > 1:
+            if kv_cache_layout.num_layers != len(kv_caches):
+                raise ValueError(f"a KV cache layout of {kv_cache_layout.num_layers} layers for {len(kv_caches)} KV caches")
+            self.layer_group_ids = kv_cache_layout.layer_group_ids
         max_num_blocks_per_req = -(-max_model_len // block_size)
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_blocks_per_req)
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_blocks_per_req, self.num_kv_cache_groups)
         self.sampler = Sampler()
         # Grammar state of constrained requests (None: this runner does not sample, or masks nothing).
         self.structured_output = structured_output
@@ -77,12 +90,13 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         graphs = DecodeGraphRunner(
-            lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md),
+            lambda ids, pos, md: self.model(ids, pos, self.kv_caches, self._layer_metadata(md)),
             max_num_reqs,
             max_num_blocks_per_req,
             self.max_model_len,
             self.device,
             CudaGraphDevice(),
+            num_kv_cache_groups=self.num_kv_cache_groups,
         )
         try:
             with torch.inference_mode():
@@ -92,6 +106,16 @@ class ModelRunner:
             return None
         logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", graphs.sizes, time.perf_counter() - t0)
         return graphs
+
+    def _layer_metadata(
+        self, metadata: Union[AttentionMetadata, list[AttentionMetadata]]
+    ) -> Union[AttentionMetadata, list[AttentionMetadata]]:
+        """What the model takes: the one metadata of a one-group cache, else one per layer (its group's)."""
+        if self.layer_group_ids is None:
+            return metadata[0] if isinstance(metadata, list) else metadata
+        if not isinstance(metadata, list):
+            raise ValueError(f"{self.num_kv_cache_groups} KV cache groups need one metadata each")
+        return [metadata[g] for g in self.layer_group_ids]
 
     # ---- state updates -----------------------------------------------------------------
 
@@ -104,14 +128,21 @@ class ModelRunner:
                 so.remove_request(req_id)
         for new in out.new_reqs:
             batch.add_request(
-                new.req_id, new.token_ids, new.num_prompt_tokens, new.sampling_params, new.block_ids, new.num_computed_tokens
+                new.req_id,
+                new.token_ids,
+                new.num_prompt_tokens,
+                new.sampling_params,
+                new.block_ids,
+                new.num_computed_tokens,
+                new.extra_group_block_ids,
             )
             if so is not None and new.sampling_params.structured_outputs is not None:
                 # A resumed request replays the outputs it had, to put its grammar where it was.
                 so.add_request(new.req_id, new.sampling_params.structured_outputs, new.token_ids[new.num_prompt_tokens :])
         for cached in out.cached_reqs:
             row = batch.req_id_to_row[cached.req_id]
-            batch.append_block_ids(row, cached.new_block_ids)
+            for group_id, block_ids in enumerate(cached.new_block_ids_by_group):
+                batch.append_block_ids(row, block_ids, group_id)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
 
     # ---- one step ----------------------------------------------------------------------
@@ -136,31 +167,36 @@ class ModelRunner:
         positions = start[token_seq] + (np.arange(num_tokens) - np.repeat(cu_end - num_sched, num_sched))
         token_rows = rows[token_seq]
         input_ids = batch.token_ids[token_rows, positions]
-        slots = batch.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
-        slots += positions % self.block_size
+        block_index, offsets = positions // self.block_size, positions % self.block_size
         max_blocks = int(-(-seq_lens.max() // self.block_size))
 
         dev = self.device
-        metadata = AttentionMetadata(
-            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_end)).astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[rows, :max_blocks])).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=[0] + cu_end.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
+        query_start_loc = torch.from_numpy(np.concatenate(([0], cu_end)).astype(np.int32)).to(dev)
+        seq_lens_dev = torch.from_numpy(seq_lens.astype(np.int32)).to(dev)
+        query_start_loc_cpu, seq_lens_cpu = [0] + cu_end.tolist(), seq_lens.tolist()
+        # One metadata per KV cache group: the same sequences, each group's own blocks.
+        metadata: list[AttentionMetadata] = []
+        for table in batch.block_tables:
+            slots = table[token_rows, block_index].astype(np.int64) * self.block_size + offsets
+            metadata.append(
+                AttentionMetadata(
+                    query_start_loc=query_start_loc,
+                    seq_lens=seq_lens_dev,
+                    block_table=torch.from_numpy(np.ascontiguousarray(table[rows, :max_blocks])).to(dev),
+                    slot_mapping=torch.from_numpy(slots).to(dev),
+                    max_query_len=int(num_sched.max()),
+                    max_seq_len=int(seq_lens.max()),
+                    query_start_loc_cpu=query_start_loc_cpu,
+                    seq_lens_cpu=seq_lens_cpu,
+                )
+            )
         t1 = time.perf_counter()
-        graph_size = self.cuda_graphs.graph_size_for(metadata) if self.cuda_graphs is not None else None
+        graph_size = self.cuda_graphs.graph_size_for(metadata[0]) if self.cuda_graphs is not None else None
+        ids_dev, positions_dev = torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
         if graph_size is None:
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), self.kv_caches, metadata
-            )
+            hidden = self.model(ids_dev, positions_dev, self.kv_caches, self._layer_metadata(metadata))
         else:
-            hidden = self.cuda_graphs.run(
-                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata, graph_size
-            )
+            hidden = self.cuda_graphs.run(ids_dev, positions_dev, metadata if len(metadata) > 1 else metadata[0], graph_size)
         t2 = time.perf_counter()
         self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1}
 

@@ -2,6 +2,7 @@ import pytest
 from sched_utils import FakeRunner, expected_output, run_to_completion
 
 from pagellm.bench.baseline import ContiguousKVCacheManager, StaticBatchScheduler
+from pagellm.core.kv_cache_base import KVCacheBlocks
 from pagellm.core.scheduler import Scheduler
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
@@ -103,7 +104,7 @@ def test_request_larger_than_the_whole_cache_is_a_clear_error():
 def test_no_prefix_cache():
     kv = ContiguousKVCacheManager(num_blocks=4, block_size=4, max_model_len=64)
     assert kv.enable_caching is False
-    assert kv.get_computed_blocks(req("a", 9, 1)) == ([], 0)
+    assert kv.get_computed_blocks(req("a", 9, 1)) == (KVCacheBlocks(), 0)
     assert kv.reset_prefix_cache() is True
 
 

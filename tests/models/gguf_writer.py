@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, MODEL_ARCH, TensorNameMap
+from gguf import MODEL_ARCH, GGMLQuantizationType, TensorNameMap
 from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
@@ -90,7 +90,9 @@ def write_gguf(model_dir: Path, config: PretrainedConfig, path: Path, qtype: GGM
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {name}")
         data = t.float().numpy()
-        kind = qtype if data.ndim >= 2 and data.shape[-1] % 32 == 0 and "norm" not in name and "gate_inp" not in gguf_name else GGMLQuantizationType.F32
+        # llama-quantize leaves norms and the MoE router in float.
+        quantize = data.ndim >= 2 and data.shape[-1] % 32 == 0 and "norm" not in name and "gate_inp" not in gguf_name
+        kind = qtype if quantize else GGMLQuantizationType.F32
         if kind == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))
         else:

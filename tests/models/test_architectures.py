@@ -31,7 +31,10 @@ _TINY = dict(
     head_dim=16,
 )
 _WINDOW = 7  # shorter than the prompts and not a multiple of the block size
-_GEMMA_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+_GEMMA_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+}
 
 
 def _config(model_type: str, **fields) -> Callable[[], PretrainedConfig]:

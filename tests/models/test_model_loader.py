@@ -75,7 +75,8 @@ def test_max_model_len() -> None:
     assert get_max_model_len(LlamaConfig(**_TINY, max_position_embeddings=2048)) == 2048
     linear = LlamaConfig(**_TINY, max_position_embeddings=2048, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4})
     assert get_max_model_len(linear) == 8192
-    assert get_max_model_len(MistralConfig(**_TINY, max_position_embeddings=32768, sliding_window=4096)) == 4096
+    # A sliding window no longer caps the context: the backends apply it, the KV cache frees behind it.
+    assert get_max_model_len(MistralConfig(**_TINY, max_position_embeddings=32768, sliding_window=4096)) == 32768
     assert get_max_model_len(MistralConfig(**_TINY, max_position_embeddings=32768, sliding_window=None)) == 32768
     assert get_max_model_len(Qwen2Config(**_TINY, max_position_embeddings=32768)) == 32768  # window off by default
 
@@ -92,6 +93,7 @@ def test_rope_table_covers_max_model_len_and_rejects_dynamic() -> None:
 def test_registry() -> None:
     assert supported_architectures() == [
         "Gemma3ForCausalLM",
+        "GptOssForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "MixtralForCausalLM",

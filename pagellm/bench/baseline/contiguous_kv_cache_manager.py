@@ -11,14 +11,18 @@ do. A run is found first-fit over block ids; when none is long enough the reques
 Running requests never grow, so this manager never causes a preemption. Free runs are coalesced
 on release, yet holes between live runs (external fragmentation) can still refuse a request
 that would fit in the total free space; that is part of what is being measured.
+
+Like the systems it stands for, it keeps every layer's whole context: a sliding-window model is
+served with all its layers in one full-attention group (``supports_sliding_window`` is False, so
+the engine lays the cache out that way; the attention backends still apply the windows).
 """
 from __future__ import annotations
 
 import bisect
 from typing import Optional
 
-from pagellm.core.block_pool import KVCacheBlock
 from pagellm.core.kv_cache_base import KVCacheBlocks, KVCacheManagerBase, register_kv_cache_manager
+from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.request import Request
 
 RESERVE_MAX_TOKENS = "max_tokens"
@@ -37,7 +41,13 @@ class ContiguousKVCacheManager(KVCacheManagerBase):
         max_model_len: int,
         enable_caching: bool = False,
         reserve: str = RESERVE_MAX_TOKENS,
+        kv_cache_layout: Optional[KVCacheLayout] = None,
     ) -> None:
+        if kv_cache_layout is not None and (kv_cache_layout.num_groups > 1 or kv_cache_layout.has_sliding_groups):
+            raise ValueError(
+                "the contiguous KV cache keeps every layer's whole context in one group; "
+                f"got {kv_cache_layout.describe()} (lay sliding-window models out as one full-attention group)"
+            )
         # The traditional design has no prefix cache, whatever the engine's setting.
         super().__init__(num_blocks, block_size, max_model_len, enable_caching=False)
         self.reserve = reserve  # validated where it is used, so benchmarks can switch it after construction
@@ -64,17 +74,17 @@ class ContiguousKVCacheManager(KVCacheManagerBase):
 
     # ---- the scheduler's interface ----------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        return [], 0  # no prefix sharing in the traditional design
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        return KVCacheBlocks(), 0  # no prefix sharing in the traditional design
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+        new_computed_blocks: Optional[KVCacheBlocks] = None,
     ) -> Optional[KVCacheBlocks]:
         """Reserves the request's whole run on first call; later calls only check it still fits."""
-        if new_computed_blocks:
+        if new_computed_blocks is not None and any(new_computed_blocks.groups):
             raise ValueError("the contiguous layout has no prefix cache, so no computed blocks can be adopted")
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is not None:

@@ -1,0 +1,176 @@
+"""KV cache groups: which layers share a page of the block pool, as vLLM's hybrid allocator forms them.
+
+Layers are grouped by attention kind (full attention, or a sliding window of W tokens). Every
+group has the same number of layers, ``group_size``, so one block id is one page that holds
+``group_size`` layers' keys and values for ``block_size`` tokens, owned by one group of one
+request. Position k of every group uses the same KV tensor ``[2, num_blocks, block_size, heads,
+row]``. A full-attention group keeps a request's whole context; a sliding group only the blocks
+its window still reaches, so a Gemma 3-shape request holds about a sixth of a full model's KV.
+
+A model whose layers are all full attention is one group of all its layers: one tensor per
+layer and one block table per request, exactly the layout before groups existed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+# vLLM's threshold: when the largest kind has fewer than 1.25 times the layers of the smallest,
+# pad every kind up to the largest instead of splitting it (12 sliding + 13 full: 2 groups of 13).
+_PAD_TO_LARGEST_RATIO = 1.25
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One group: its layers (position k uses KV tensor k) and the window they attend over."""
+
+    layer_ids: tuple[int, ...]
+    sliding_window: Optional[int] = None  # None: full attention
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.sliding_window is not None
+
+    def describe(self) -> str:
+        kind = f"sliding window {self.sliding_window}" if self.is_sliding else "full attention"
+        return f"{kind}: layers {list(self.layer_ids)}"
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """How a model's layers map onto the block pool: the groups and the tensors they share."""
+
+    groups: tuple[KVCacheGroupSpec, ...]
+    group_size: int  # KV tensors in the pool: layers per group, padding included
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a KV cache layout needs at least one group")
+        seen = sorted(layer for g in self.groups for layer in g.layer_ids)
+        if seen != list(range(self.num_layers)):
+            raise ValueError(f"the groups must cover layers 0..{self.num_layers - 1} once each, got {seen}")
+        if any(len(g.layer_ids) > self.group_size for g in self.groups):
+            raise ValueError(f"a group holds more than group_size={self.group_size} layers")
+        if any(g.sliding_window is not None and g.sliding_window < 1 for g in self.groups):
+            raise ValueError("a sliding window must be at least one token")
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def plain(self) -> bool:
+        """One full-attention group of every layer: the layout of a cache without groups."""
+        return self.num_groups == 1 and not self.has_sliding_groups
+
+    @property
+    def has_sliding_groups(self) -> bool:
+        return any(g.is_sliding for g in self.groups)
+
+    @property
+    def group_windows(self) -> tuple[Optional[int], ...]:
+        return tuple(g.sliding_window for g in self.groups)
+
+    @property
+    def layer_group_ids(self) -> tuple[int, ...]:
+        """Per layer, the group whose block table and slot mapping it reads."""
+        out = [0] * self.num_layers
+        for group_id, group in enumerate(self.groups):
+            for layer in group.layer_ids:
+                out[layer] = group_id
+        return tuple(out)
+
+    @property
+    def layer_tensor_ids(self) -> tuple[int, ...]:
+        """Per layer, which of the ``group_size`` KV tensors holds its keys and values."""
+        out = [0] * self.num_layers
+        for group in self.groups:
+            for position, layer in enumerate(group.layer_ids):
+                out[layer] = position
+        return tuple(out)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks of the pool no request can own: the null block that skipped entries point to."""
+        return 1 if self.has_sliding_groups else 0
+
+    def max_blocks_per_request(self, num_tokens: int, block_size: int, max_chunk_tokens: int) -> int:
+        """The most blocks one request of ``num_tokens`` holds at once, all groups together, when a
+        step computes at most ``max_chunk_tokens`` of it: a sliding group keeps what the step's
+        first query still reaches (W - 1 tokens back) plus the chunk."""
+        full = cdiv(num_tokens, block_size)
+        total = 0
+        for group in self.groups:
+            if group.sliding_window is None:
+                total += full
+            else:
+                total += min(full, cdiv(group.sliding_window - 1 + max_chunk_tokens, block_size) + 1)
+        return total
+
+    def max_tokens_that_fit(self, num_blocks: int, block_size: int, max_chunk_tokens: int, limit: int) -> int:
+        """The longest request (up to ``limit`` tokens) one pool of ``num_blocks`` can hold alone."""
+        usable = num_blocks - self.num_reserved_blocks
+        lo, hi = 0, limit
+        while lo < hi:  # the need grows with the length: bisect for the last length that fits
+            mid = (lo + hi + 1) // 2
+            if self.max_blocks_per_request(mid, block_size, max_chunk_tokens) <= usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def describe(self) -> str:
+        if self.plain:
+            return f"1 group of {self.num_layers} full-attention layers"
+        kinds: dict[Optional[int], int] = {}
+        for g in self.groups:
+            kinds[g.sliding_window] = kinds.get(g.sliding_window, 0) + 1
+        parts = [f"{n} {'full' if w is None else f'sliding W={w}'}" for w, n in kinds.items()]
+        groups = f"{self.num_groups} group{'s' if self.num_groups > 1 else ''}"
+        return f"{groups} of {self.group_size} layer{'s' if self.group_size > 1 else ''} ({', '.join(parts)})"
+
+
+def single_group_layout(num_layers: int) -> KVCacheLayout:
+    """Every layer in one full-attention group (also how a manager that keeps whole contexts sees
+    a sliding-window model: the backends still apply the window, only nothing is freed)."""
+    if num_layers < 1:
+        raise ValueError(f"a model needs at least one layer, got {num_layers}")
+    return KVCacheLayout((KVCacheGroupSpec(tuple(range(num_layers))),), num_layers, num_layers)
+
+
+def group_layers(layer_sliding_windows: Sequence[Optional[int]]) -> KVCacheLayout:
+    """Groups layers by attention kind, vLLM's way.
+
+    Full attention comes first (group 0, the one whose table covers the whole context), then each
+    window in the order its first layer appears. The group size is the smallest count of any kind
+    (or the largest, when no kind has 1.25 times the layers of another); a kind with more layers
+    is split into ``cdiv(count, group_size)`` groups, group i taking its layers i, i + n, i + 2n,
+    ... so that any padding is spread over the last groups rather than a nearly empty one.
+    """
+    windows = list(layer_sliding_windows)
+    if not windows:
+        raise ValueError("a model needs at least one layer")
+    for w in windows:
+        if w is not None and (not isinstance(w, int) or w < 1):
+            raise ValueError(f"a sliding window must be a positive number of tokens, got {w!r}")
+    kinds: dict[Optional[int], list[int]] = {}
+    if None in windows:
+        kinds[None] = []
+    for layer, window in enumerate(windows):
+        kinds.setdefault(window, []).append(layer)
+    if len(kinds) == 1 and None in kinds:
+        return single_group_layout(len(windows))
+    counts = [len(layers) for layers in kinds.values()]
+    group_size = min(counts)
+    if max(counts) < min(counts) * _PAD_TO_LARGEST_RATIO:
+        group_size = max(counts)
+    groups: list[KVCacheGroupSpec] = []
+    for window, layers in kinds.items():
+        num_groups = cdiv(len(layers), group_size)
+        groups.extend(KVCacheGroupSpec(tuple(layers[i::num_groups]), window) for i in range(num_groups))
+    return KVCacheLayout(tuple(groups), group_size, len(windows))
