@@ -1,8 +1,9 @@
 """The C++ CPU backend: attention straight out of the paged cache, OpenMP over the batch.
 
 Handles what ``pagellm.kernels.ops.paged_attention_supports`` accepts (float32 queries on CPU,
-the head sizes the kernel is built for, a float32, float16, bfloat16, fp8 or int8 cache); anything
-else goes through the vectorised torch path so callers never need to care.
+the head sizes the kernel is built for, a float32, float16, bfloat16, fp8 or int8 cache), with
+every AttentionOptions field (sliding window, soft cap, sinks); anything else goes through the
+vectorised torch path so callers never need to care.
 """
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from typing import Optional
 
 import torch
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
 from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, write_kv_cache
 from pagellm.attention.torch_sdpa import torch_attention
-from pagellm.attention.validation import check_attention_inputs
+from pagellm.attention.validation import check_attention_inputs, check_attention_options
 from pagellm.kernels import ops
 from pagellm.kernels.tuning import CpuTuning
 
@@ -46,12 +47,14 @@ class CpuPagedBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: Optional[KVScales] = None,
+        options: Optional[AttentionOptions] = None,
     ) -> torch.Tensor:
         check_attention_inputs(query, key, value, kv_cache, metadata)
+        options = check_attention_options(options, query)
         kv_scales = kv_scales or UNIT_SCALES
         if not self.supports(query, kv_cache):
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
-            return torch_attention(query.contiguous(), kv_cache, metadata, scale, kv_scales)
+            return torch_attention(query.contiguous(), kv_cache, metadata, scale, kv_scales, options)
         if ops.write_kv_cache_supports(key, value, kv_cache, metadata.slot_mapping):
             ops.write_kv_cache(kv_cache, key, value, metadata.slot_mapping, kv_scales.k_scale, kv_scales.v_scale)
         else:
@@ -62,6 +65,9 @@ class CpuPagedBackend(AttentionBackend):
         block_table = metadata.block_table
         if block_table.stride(-1) != 1:
             block_table = block_table.contiguous()
+        window = cap = sinks = None
+        if options is not None:
+            window, cap, sinks = options.sliding_window, options.logits_soft_cap, options.sinks
         ops.paged_attention(
             output,
             query,
@@ -73,5 +79,8 @@ class CpuPagedBackend(AttentionBackend):
             self.decode_prefetch_to_l2,
             kv_scales.k_scale,
             kv_scales.v_scale,
+            window,
+            cap,
+            sinks,
         )
         return output

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from pagellm.attention.backend import AttentionOptions
 from pagellm.attention.selector import get_attn_backend
 from pagellm.attention.synthetic import make_batch
 from pagellm.kernels import build
@@ -22,18 +23,22 @@ MAX_ERROR = 1e-4
 
 
 def run_selfcheck(backend_name: str = "cpu_paged") -> float:
-    """Max absolute difference between ``backend_name`` and torch_ref on a small mixed batch."""
+    """Max absolute difference between ``backend_name`` and torch_ref on a small mixed batch, plain
+    and with every AttentionOptions field on (a window, a soft cap and sinks)."""
     reference = get_attn_backend("torch_ref", "cpu")
     backend = get_attn_backend(backend_name, "cpu")
     worst = 0.0
     for num_heads, num_kv_heads, head_dim in ((9, 3, 64), (4, 4, 32)):
-        batch = make_batch(SELFCHECK_SEQS, num_heads, num_kv_heads, head_dim, block_size=16, seed=1)
-        cache = batch.kv_cache.clone()
-        expected = reference.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, batch.scale)
-        got = backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale)
-        worst = max(worst, (got - expected).abs().max().item())
-        if not torch.isfinite(got).all():
-            return float("inf")
+        sinks = torch.linspace(-2.0, 2.0, num_heads)
+        for options in (None, AttentionOptions(sliding_window=21, logits_soft_cap=5.0, sinks=sinks)):
+            batch = make_batch(SELFCHECK_SEQS, num_heads, num_kv_heads, head_dim, block_size=16, seed=1)
+            cache = batch.kv_cache.clone()
+            args = (batch.metadata, batch.scale, None, options)
+            expected = reference.forward(batch.query, batch.key, batch.value, batch.kv_cache, *args)
+            got = backend.forward(batch.query, batch.key, batch.value, cache, *args)
+            worst = max(worst, (got - expected).abs().max().item())
+            if not torch.isfinite(got).all():
+                return float("inf")
     return worst
 
 

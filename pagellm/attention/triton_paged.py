@@ -10,6 +10,10 @@ capturable in a CUDA graph when those are fixed (see pagellm.worker.cuda_graphs)
 the attention kernels; fp8's per-layer scales are read from ``KVScales.device_tensor`` inside
 the kernels, so a captured graph replays with the scales current at replay time.
 
+A layer's :class:`AttentionOptions` (sliding window, logit soft cap, sinks) are compile-time
+switches of the kernels plus launch arguments: a plain layer runs the kernels as they were, and a
+window shrinks a decode's split plan to the window, never loading the blocks before it.
+
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors in Triton's interpreter, which is
 how the test suite checks them without a GPU.
 """
@@ -21,9 +25,9 @@ from typing import Optional
 import torch
 
 from pagellm import envs
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
 from pagellm.attention.kv_quant import FP8_DTYPES, QUANTIZED_DTYPES, UNIT_SCALES, KVScales
-from pagellm.attention.validation import check_attention_inputs
+from pagellm.attention.validation import check_attention_inputs, check_attention_options
 
 # Decode: KV tokens per split before a context is split across programs (flash-decoding), and
 # the most splits one sequence gets (longer contexts get longer partitions instead).
@@ -91,8 +95,10 @@ class TritonPagedBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: Optional[KVScales] = None,
+        options: Optional[AttentionOptions] = None,
     ) -> torch.Tensor:
         check_attention_inputs(query, key, value, kv_cache, metadata)
+        options = check_attention_options(options, query)
         if not runs_on(query.device):
             raise ValueError(f"attention backend 'triton_paged' runs on CUDA (or with TRITON_INTERPRET=1), not on {query.device}")
         if kv_cache.dtype not in _SUPPORTED_CACHE_DTYPES:
@@ -114,8 +120,16 @@ class TritonPagedBackend(AttentionBackend):
             return output
         # The interpreter computes bf16 dot products wrongly (numpy has no bf16); it upcasts them.
         dot_f32 = envs.triton_interpret() and torch.bfloat16 in (query.dtype, kv_cache.dtype)
+        window = cap = sinks = None
+        if options is not None:
+            window, cap = options.sliding_window, options.logits_soft_cap
+            sinks = options.sinks.float() if options.sinks is not None else None
+            if window is not None:
+                window = min(window, 2**31 - 1)  # an int32 launch argument; any window past every context is the same
         if metadata.max_query_len <= 1 and metadata.num_tokens == metadata.num_seqs:
-            num_splits, per_split = split_plan(metadata.max_seq_len, self.partition, self.block_n)
+            # A decode reads at most its window: the splits cover that much.
+            span = metadata.max_seq_len if window is None else min(metadata.max_seq_len, window)
+            num_splits, per_split = split_plan(span, self.partition, self.block_n)
             self._decode.decode_attention(
                 output,
                 query,
@@ -128,6 +142,9 @@ class TritonPagedBackend(AttentionBackend):
                 scale,
                 self.block_n,
                 dot_f32,
+                window,
+                cap,
+                sinks,
             )
         else:
             self._prefill.prefill_attention(
@@ -143,5 +160,8 @@ class TritonPagedBackend(AttentionBackend):
                 self.block_m,
                 self.block_n,
                 dot_f32,
+                window,
+                cap,
+                sinks,
             )
         return output

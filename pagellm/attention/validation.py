@@ -1,9 +1,13 @@
 """Input checks shared by every attention backend; bad input raises ValueError."""
 from __future__ import annotations
 
+import math
+from numbers import Integral, Real
+from typing import Optional
+
 import torch
 
-from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.backend import AttentionMetadata, AttentionOptions
 from pagellm.attention.kv_quant import row_width
 
 # The per-sequence checks walk Python lists; one metadata object serves every layer of a step,
@@ -75,3 +79,26 @@ def _check_metadata(metadata: AttentionMetadata, num_tokens: int, block_size: in
             f"max_query_len/max_seq_len ({metadata.max_query_len}, {metadata.max_seq_len}) are below the batch's "
             f"({max_query_len}, {max_seq_len})"
         )
+
+
+def check_attention_options(options: Optional[AttentionOptions], query: torch.Tensor) -> Optional[AttentionOptions]:
+    """``options`` if they ask for anything beyond plain attention, else None (so that backends take
+    their plain path untouched); ValueError for a window below 1, a cap that is not a positive finite
+    number, or sinks that are not a float tensor of one value per query head on the query's device."""
+    if options is None or options.plain:
+        return None
+    window = options.sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, Integral) or window < 1):
+        raise ValueError(f"sliding_window must be an int >= 1 (or None), got {window!r}")
+    cap = options.logits_soft_cap
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, Real) or not math.isfinite(cap) or cap <= 0):
+        raise ValueError(f"logits_soft_cap must be a positive finite number (or None), got {cap!r}")
+    sinks = options.sinks
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+            raise ValueError(f"sinks must be a float tensor, got {type(sinks).__name__} {getattr(sinks, 'dtype', '')}")
+        if sinks.shape != (query.shape[1],):
+            raise ValueError(f"sinks must hold one value per query head, shape ({query.shape[1]},); got {tuple(sinks.shape)}")
+        if sinks.device != query.device:
+            raise ValueError(f"sinks must be on the query's device {query.device}, not {sinks.device}")
+    return options

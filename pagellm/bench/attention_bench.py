@@ -1,6 +1,6 @@
 """Micro-benchmark of the attention backends on SmolLM2-135M shapes.
 
-    python -m pagellm.bench.attention_bench [--cases decode,prefill,mixed] [--layers 1] [--save-result out.json]
+    python -m pagellm.bench.attention_bench [--cases decode,prefill,mixed] [--layers 1] [--sliding-window 512] [--save-result out.json]
 
 For each case every backend runs the same batch; the table shows the median and the fastest
 time per call, the median speed-up over the torch reference, the achieved rate at the median
@@ -9,7 +9,8 @@ otherwise) and the largest difference from the reference output. With ``--layers
 layers, each with its own copy of the KV cache, as in a model's step: the cache then comes from
 memory rather than from the caches a single repeated call keeps it in. ``--kv-cache-dtype`` takes
 a comma-separated list (``bfloat16,fp8,int8``): each case then runs once per cache type, in one
-process, so the types compare under the same machine load.
+process, so the types compare under the same machine load. ``--sliding-window W`` runs every case
+as a sliding-window layer (AttentionOptions); rates then count only the keys inside the windows.
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 
+from pagellm.attention.backend import AttentionOptions
 from pagellm.attention.kv_quant import bytes_per_token_head, kv_cache_dtype_name
 from pagellm.attention.selector import BACKEND_NAMES, get_attn_backend
 from pagellm.attention.synthetic import SyntheticBatch, make_batch
@@ -34,6 +37,9 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 CASES: dict[str, list[tuple[int, int]]] = {
     "decode": [(1, 1024)] * 32,
     "decode_short": [(1, 256)] * 32,
+    # Long contexts, for sliding windows: with --sliding-window 512, decode_4k should cost what decode_512 does.
+    "decode_4k": [(1, 4096)] * 8,
+    "decode_512": [(1, 512)] * 8,
     "prefill": [(512, 512)] * 4,
     # A typical continuous-batching step: decodes plus one prefill chunk after a cached prefix.
     "mixed": [(1, 256 + 24 * i) for i in range(31)] + [(512, 1024)],
@@ -55,20 +61,23 @@ class BenchRow:
     rate_unit: str
     max_abs_diff: float
     kv_cache_dtype: str = "float32"
+    sliding_window: Optional[int] = None
 
 
-def attention_flops(seqs: list[tuple[int, int]]) -> float:
-    """Multiply-adds x2 of QK^T and PV over the causally visible keys."""
+def attention_flops(seqs: list[tuple[int, int]], window: Optional[int] = None) -> float:
+    """Multiply-adds x2 of QK^T and PV over the causally visible keys (inside the window, if any)."""
     flops = 0.0
     for q_len, seq_len in seqs:
-        visible = sum(seq_len - q_len + i + 1 for i in range(q_len))
+        visible = sum(min(seq_len - q_len + i + 1, window or seq_len) for i in range(q_len))
         flops += 4.0 * visible * NUM_HEADS * HEAD_DIM
     return flops
 
 
-def kv_bytes(seqs: list[tuple[int, int]], cache_dtype: torch.dtype = torch.float32) -> float:
-    """Bytes of K and V the contexts hold in a cache of ``cache_dtype`` (an int8 row's scale included)."""
-    return float(sum(seq_len for _, seq_len in seqs)) * 2 * NUM_KV_HEADS * bytes_per_token_head(HEAD_DIM, cache_dtype)
+def kv_bytes(seqs: list[tuple[int, int]], cache_dtype: torch.dtype = torch.float32, window: Optional[int] = None) -> float:
+    """Bytes of K and V the contexts hold in a cache of ``cache_dtype`` (an int8 row's scale included),
+    or with a window the bytes of the keys a decode sees."""
+    tokens = sum(min(seq_len, window or seq_len) for _, seq_len in seqs)
+    return float(tokens) * 2 * NUM_KV_HEADS * bytes_per_token_head(HEAD_DIM, cache_dtype)
 
 
 def share_prefixes(batch: SyntheticBatch, num_prefixes: int, prefix_tokens: int, seed: int = 0) -> None:
@@ -86,7 +95,12 @@ def share_prefixes(batch: SyntheticBatch, num_prefixes: int, prefix_tokens: int,
 
 
 def time_backend(
-    backend_name: str, batch: SyntheticBatch, min_seconds: float, max_repeats: int, num_layers: int = 1
+    backend_name: str,
+    batch: SyntheticBatch,
+    min_seconds: float,
+    max_repeats: int,
+    num_layers: int = 1,
+    options: Optional[AttentionOptions] = None,
 ) -> tuple[float, float, torch.Tensor]:
     """(median seconds, fastest seconds, output) of one backend's forward on ``batch``, ``num_layers``
     times over as many copies of the KV cache."""
@@ -95,7 +109,9 @@ def time_backend(
 
     def call() -> torch.Tensor:
         for cache in caches:
-            out = backend.forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale, batch.kv_scales)
+            out = backend.forward(
+                batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale, batch.kv_scales, options
+            )
         return out
 
     output = call()  # warm-up (and the output checked against the reference)
@@ -115,25 +131,30 @@ def run_case(
     max_repeats: int,
     num_layers: int = 1,
     cache_dtype: torch.dtype = torch.float32,
+    sliding_window: Optional[int] = None,
 ) -> list[BenchRow]:
     seqs = CASES[case]
     batch = make_batch(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, seed=0, cache_dtype=cache_dtype)
     if case in SHARED_PREFIXES:
         share_prefixes(batch, *SHARED_PREFIXES[case])
-    ref_timing = time_backend("torch_ref", batch, min_seconds, max_repeats, num_layers)
+    options = AttentionOptions(sliding_window=sliding_window)
+    ref_timing = time_backend("torch_ref", batch, min_seconds, max_repeats, num_layers, options)
     ref_seconds, ref_out = ref_timing[0], ref_timing[2]
     rows = []
     for name in backend_names:
         seconds, best, out = (
-            ref_timing if name == "torch_ref" else time_backend(name, batch, min_seconds, max_repeats, num_layers)
+            ref_timing if name == "torch_ref" else time_backend(name, batch, min_seconds, max_repeats, num_layers, options)
         )
         if case.startswith("decode"):
-            rate, unit = num_layers * kv_bytes(seqs, cache_dtype) / seconds / 1e9, "GB/s"
+            rate, unit = num_layers * kv_bytes(seqs, cache_dtype, sliding_window) / seconds / 1e9, "GB/s"
         else:
-            rate, unit = num_layers * attention_flops(seqs) / seconds / 1e9, "GFLOP/s"
+            rate, unit = num_layers * attention_flops(seqs, sliding_window) / seconds / 1e9, "GFLOP/s"
         diff = (out - ref_out).abs().max().item()
         rows.append(
-            BenchRow(case, name, seconds * 1e3, best * 1e3, ref_seconds / seconds, rate, unit, diff, kv_cache_dtype_name(cache_dtype))
+            BenchRow(
+                case, name, seconds * 1e3, best * 1e3, ref_seconds / seconds, rate, unit, diff, kv_cache_dtype_name(cache_dtype),
+                sliding_window,
+            )
         )
     return rows
 
@@ -151,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         default="float32",
         help="the cache's element type(s), comma-separated: float32, float16, bfloat16, fp8 (fp8_e4m3), fp8_e5m2, int8",
     )
+    parser.add_argument("--sliding-window", type=int, default=None, metavar="W", help="attend with a sliding window of W tokens")
     parser.add_argument("--save-result", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    if args.sliding_window is not None and args.sliding_window < 1:
+        raise ValueError(f"--sliding-window must be at least 1, got {args.sliding_window}")
     cache_dtypes = [KV_CACHE_DTYPE_NAMES.get(n) or parse_dtype(n) for n in args.kv_cache_dtype.lower().split(",") if n]
     if args.layers < 1:
         raise ValueError(f"--layers must be at least 1, got {args.layers}")
@@ -166,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[BenchRow] = []
     header = f"{'case':<13}{'cache':<10}{'backend':<12}{'ms/call':>10}{'best ms':>10}{'vs ref':>9}{'rate':>10} {'unit':<8}{'max|diff|':>11}"
     print(f"attention micro-benchmark: heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}, "
-          f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call")
+          f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call"
+          + (f", sliding window {args.sliding_window}" if args.sliding_window else ""))
     print(header)
     print("-" * len(header))
     for case, cache_dtype in ((c, d) for c in cases for d in cache_dtypes):
-        for row in run_case(case, backends, args.min_seconds, args.max_repeats, args.layers, cache_dtype):
+        for row in run_case(case, backends, args.min_seconds, args.max_repeats, args.layers, cache_dtype, args.sliding_window):
             rows.append(row)
             print(f"{row.case:<13}{row.kv_cache_dtype:<10}{row.backend:<12}{row.ms_per_call:>10.3f}{row.best_ms:>10.3f}"
                   f"{row.speedup_vs_ref:>8.1f}x{row.rate:>10.1f} {row.rate_unit:<8}{row.max_abs_diff:>11.2e}")
@@ -185,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
             "cases": {c: CASES[c] for c in cases},
             "layers": args.layers,
+            "sliding_window": args.sliding_window,
             "kv_cache_dtypes": [kv_cache_dtype_name(d) for d in cache_dtypes],
             "rows": [asdict(r) for r in rows],
             "all_agree": agree,

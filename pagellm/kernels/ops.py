@@ -74,15 +74,38 @@ def paged_attention(
     prefetch_to_l2: bool,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> None:
     """Attention of ``query`` ``[T, heads, dim]`` over each sequence's paged context, into ``out``.
 
     ``prefetch_to_l2``: decode prefetches the next keys and values into L2 only rather than L1;
     which is faster depends on the core (:class:`pagellm.kernels.tuning.CpuTuning`).
     ``k_scale`` / ``v_scale``: an fp8 cache's per-layer scales (pagellm.attention.kv_quant).
+    ``sliding_window``, ``logits_soft_cap``, ``sinks``: a layer's AttentionOptions
+    (pagellm.attention.backend), already validated; None for off.
     """
+    if sliding_window is None and logits_soft_cap is None and sinks is None:
+        # Plain attention: the schema's defaults for the options, nothing more to convert.
+        torch.ops.pagellm_attn.paged_attention(
+            out, query, kv_cache, block_table, seq_lens, query_start_loc, float(scale), float(k_scale), float(v_scale), prefetch_to_l2
+        )
+        return
     torch.ops.pagellm_attn.paged_attention(
-        out, query, kv_cache, block_table, seq_lens, query_start_loc, float(scale), float(k_scale), float(v_scale), prefetch_to_l2
+        out,
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        float(scale),
+        float(k_scale),
+        float(v_scale),
+        prefetch_to_l2,
+        min(int(sliding_window or 0), 2**31 - 1),  # an int32 in the kernel; any window past every context is the same
+        float(logits_soft_cap or 0.0),
+        None if sinks is None else sinks.to(torch.float32).contiguous(),
     )
 
 

@@ -59,9 +59,11 @@ def _generate(path: Path, **kwargs):
 
 def test_engine_greedy_matches_transformers(checkpoint) -> None:
     name, path, reference = checkpoint
-    # 12 blocks of 4 tokens cannot hold the four requests at once: some are preempted and
-    # recomputed; 16 tokens a step split every prompt into chunks.
-    outputs = _generate(path, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
+    config = CONFIGS[name][0]()
+    # 96 tokens of every layer's KV (float32) cannot hold the four full-attention requests at
+    # once: some are preempted and recomputed; 16 tokens a step split every prompt into chunks.
+    token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    outputs = _generate(path, block_size=4, kv_cache_memory_bytes=96 * token_bytes, max_num_batched_tokens=16, max_num_seqs=4)
     for i, (ours, ref) in enumerate(zip(outputs, reference)):
         check_close(ours, ref, f"{name} prompt {i}")
 

@@ -4,8 +4,14 @@ One program per (sequence, kv head, KV split): the query heads that share the kv
 of one tile, so each key/value is read once for the whole GQA group. A context longer than one
 partition is split across programs, each leaving a normalised partial output and its log-sum-exp;
 a second kernel merges the splits. With one split the first kernel writes the output directly.
+
+AttentionOptions: with a sliding window the splits cover only the window (keys before it are never
+loaded: their blocks may be freed); the soft cap bends the scores before the mask; the sink joins
+the first split's softmax as a score with no value (so once for the merged output).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -13,6 +19,7 @@ import triton.language as tl
 
 from pagellm.attention.kv_quant import FP8_DTYPES
 from pagellm.attention.triton_kernels.kv_codec import FORMAT_INT8, fp8_unit, kernel_view, kv_format, load_int8_row_scale, load_kv
+from pagellm.attention.triton_kernels.scores import LOG2E, soft_cap
 
 _LOG2E = 1.4426950408889634
 
@@ -27,7 +34,10 @@ def _decode_kernel(
     scales_ptr,  # fp8: float32 [k_scale, v_scale], read here so that CUDA graphs see updates
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,  # float32 [num_heads], read with HAS_SINKS
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # sliding window in tokens, read with HAS_WINDOW
+    cap_log2,  # the soft cap times log2(e), read with HAS_CAP
     num_splits,
     partition,  # KV tokens per split, a multiple of BLOCK_N
     stride_qt,
@@ -51,12 +61,18 @@ def _decode_kernel(
     KV_FORMAT: tl.constexpr,
     IS_FP8: tl.constexpr,
     FP8_UNIT: tl.constexpr,  # 256 for e4m3 (decode_fp8 leaves it 2^-8 small), 1 for e5m2
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * partition
+    if HAS_WINDOW:
+        # The new token at seq_len - 1 sees seq_len - window ... seq_len - 1; splits cover that.
+        start += tl.maximum(seq_len - window, 0)
     end = tl.minimum(seq_len, start + partition)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -78,6 +94,11 @@ def _decode_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if HAS_SINKS:
+        # A score with no value, in the first split only: the merge then counts it once.
+        sink = tl.load(sinks_ptr + heads, mask=mask_rows, other=float("-inf")) * LOG2E
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where((split == 0) & mask_rows, 1.0, l_i)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     k_base = cache_ptr + kv_head * stride_cache_head
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
@@ -94,6 +115,8 @@ def _decode_kernel(
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if KV_FORMAT == FORMAT_INT8:
             s = s * load_int8_row_scale(k_row, valid, HEAD_DIM)[None, :]
+        if HAS_CAP:
+            s = soft_cap(s, cap_log2)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -169,7 +192,11 @@ def decode_attention(
     scale: float,
     block_n: int,
     dot_f32: bool,
+    window: Optional[int] = None,  # AttentionOptions, already validated; None: off
+    logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,  # float32 [num_heads] on the device
 ) -> None:
+    """``num_splits`` x ``partition`` must cover min(max_seq_len, window) keys (split_plan)."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -189,7 +216,10 @@ def decode_attention(
         scales,
         part_out,
         part_lse,
+        sinks if sinks is not None else scales,  # a placeholder pointer without sinks
         scale * _LOG2E,
+        window or 0,
+        (logits_soft_cap or 0.0) * _LOG2E,
         num_splits,
         partition,
         query.stride(0),
@@ -214,6 +244,9 @@ def decode_attention(
         KV_FORMAT=kv_format(kv_cache.dtype),
         IS_FP8=kv_cache.dtype in FP8_DTYPES,
         FP8_UNIT=fp8_unit(kv_cache.dtype),
+        HAS_WINDOW=window is not None,
+        HAS_CAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](

@@ -5,8 +5,14 @@ context: with q_len new tokens of a seq_len context, new token i is at position
 seq_len - q_len + i and sees every cached position up to its own, so a chunk after a prefix-cache
 hit or an earlier chunk attends over the whole computed prefix. Online softmax over KV tiles
 gathered through the block table; KV tiles past the tile's last query position are skipped.
+
+AttentionOptions: with a sliding window KV tiles start at the tile's first row's window (keys
+before it are never loaded: their blocks may be freed) and each row masks its own; the soft cap
+bends the scores before the mask; the sink starts each row's softmax as a score with no value.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -14,6 +20,7 @@ import triton.language as tl
 
 from pagellm.attention.kv_quant import FP8_DTYPES
 from pagellm.attention.triton_kernels.kv_codec import FORMAT_INT8, fp8_unit, kernel_view, kv_format, load_int8_row_scale, load_kv
+from pagellm.attention.triton_kernels.scores import LOG2E, soft_cap
 
 _LOG2E = 1.4426950408889634
 
@@ -27,7 +34,10 @@ def _prefill_kernel(
     seq_lens_ptr,
     out_ptr,
     scales_ptr,  # fp8: float32 [k_scale, v_scale], read here so that CUDA graphs see updates
+    sinks_ptr,  # float32 [num_heads], read with HAS_SINKS
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in tokens, read with HAS_WINDOW
+    cap_log2,  # the soft cap times log2(e), read with HAS_CAP
     stride_qt,
     stride_qh,
     stride_ot,
@@ -47,6 +57,9 @@ def _prefill_kernel(
     KV_FORMAT: tl.constexpr,
     IS_FP8: tl.constexpr,
     FP8_UNIT: tl.constexpr,  # 256 for e4m3 (decode_fp8 leaves it 2^-8 small), 1 for e5m2
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -78,12 +91,19 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # a score with no value
+        m_i = tl.full([BLOCK_M], 1.0, tl.float32) * (tl.load(sinks_ptr + head) * LOG2E)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     k_base = cache_ptr + (head // GROUP) * stride_cache_head
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
     # Causal: no query of this tile looks past its last row's position.
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
-    for start_n in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if HAS_WINDOW:
+        # Nor before its first row's window.
+        kv_start = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
+    for start_n in range(kv_start, kv_end, BLOCK_N):
         pos = start_n + tl.arange(0, BLOCK_N)
         in_context = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
@@ -96,7 +116,11 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if KV_FORMAT == FORMAT_INT8:
             s = s * load_int8_row_scale(k_row, in_context, HEAD_DIM)[None, :]
+        if HAS_CAP:
+            s = soft_cap(s, cap_log2)
         visible = in_context[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Padding rows past q_len may see nothing yet; keep their arithmetic NaN-free.
@@ -133,6 +157,9 @@ def prefill_attention(
     block_m: int,
     block_n: int,
     dot_f32: bool,
+    window: Optional[int] = None,  # AttentionOptions, already validated; None: off
+    logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,  # float32 [num_heads] on the device
 ) -> None:
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = query.shape
@@ -147,7 +174,10 @@ def prefill_attention(
         seq_lens,
         out,
         scales,
+        sinks if sinks is not None else scales,  # a placeholder pointer without sinks
         scale * _LOG2E,
+        window or 0,
+        (logits_soft_cap or 0.0) * _LOG2E,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -167,4 +197,7 @@ def prefill_attention(
         KV_FORMAT=kv_format(kv_cache.dtype),
         IS_FP8=kv_cache.dtype in FP8_DTYPES,
         FP8_UNIT=fp8_unit(kv_cache.dtype),
+        HAS_WINDOW=window is not None,
+        HAS_CAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
     )

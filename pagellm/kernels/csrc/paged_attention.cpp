@@ -17,6 +17,15 @@
 // in rather than applied per element: the layer's key scale into the query, its value scale into
 // the output, an int8 row's scale into that key's score and that value's weight.
 // Vector helpers (vec.h) are GCC vector extensions: one source for AVX-512, AVX2 or NEON.
+//
+// A layer's options (pagellm/attention/backend.py's AttentionOptions), each free when off:
+//   * sliding window W: a query at position p sees keys p - W + 1 ... p. Decode items start at
+//     the window; prefill tiles start at their first row's window and mask per row. No block
+//     wholly before a sequence's first window start is read: the cache manager may have freed
+//     (and reused) those blocks.
+//   * logit soft cap c: each score s becomes c * tanh(s / c), before masking (Gemma 2).
+//   * sinks: one extra logit per query head in the softmax's denominator, with no value
+//     (gpt-oss): the running max and sum start from it instead of from -inf and 0.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -132,7 +142,41 @@ struct Problem {
   // well (prefetcht0). Which is faster depends on the core (the L1 fill buffers that prefetches
   // to L1 hold are few on some), so the caller measures both at start-up (kernels/tuning.py).
   bool prefetch_to_l2;
+  int window;               // sliding window in tokens; 0: none
+  float cap_log2;           // the soft cap in the scores' log2 units; 0: none
+  const float* sinks_log2;  // [num_heads] sinks in log2 units, or nullptr
 };
+
+// The first key position sequence `seq`'s new tokens may see: 0, or its first new token's window
+// start. Blocks wholly before it may have been freed.
+inline int first_visible_key(const Problem& p, int seq) {
+  if (p.window <= 0) return 0;
+  const int q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+  return std::max(0, p.seq_lens[seq] - q_len - p.window + 1);
+}
+
+// tanh by Eigen's rational approximation for float (within a few ulp); +-1 past |x| = 7.9.
+inline vfloat vtanh(vfloat x) {
+  const vfloat limit = vsplat(7.90531110763549805f);
+  x = x > limit ? limit : x;
+  x = x < -limit ? -limit : x;
+  const vfloat x2 = x * x;
+  vfloat num = vsplat(-2.76076847742355e-16f);
+  num = num * x2 + 2.00018790482477e-13f;
+  num = num * x2 + -8.60467152213735e-11f;
+  num = num * x2 + 5.12229709037114e-08f;
+  num = num * x2 + 1.48572235717979e-05f;
+  num = num * x2 + 6.37261928875436e-04f;
+  num = num * x2 + 4.89352455891786e-03f;
+  vfloat den = vsplat(1.19825839466702e-06f);
+  den = den * x2 + 1.18534705686654e-04f;
+  den = den * x2 + 2.26843463243900e-03f;
+  den = den * x2 + 4.89352518554385e-03f;
+  return x * num / den;
+}
+
+// cap * tanh(s / cap); scores are in log2 units, so is the cap (the same function of the true score).
+inline vfloat soft_cap(vfloat s, float cap, float inv_cap) { return vsplat(cap) * vtanh(s * inv_cap); }
 
 // One unit of parallel work.
 struct Item {
@@ -211,7 +255,8 @@ inline void prefetch_head_row(const T* row, bool to_l2) {
 // per chunk, the prefetches overflow the core's queue of outstanding misses.
 template <int D, int G, typename T>
 inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const T* const* value_rows, int head_offset,
-                         int n_keys, const T* const* ahead_keys, const T* const* ahead_values, bool to_l2) {
+                         int n_keys, const T* const* ahead_keys, const T* const* ahead_values, bool to_l2,
+                         float cap_log2) {
   constexpr int NV = D / W;
   constexpr int KV = kDecodeChunk / W;  // score vectors per chunk
   vint lane{};
@@ -239,6 +284,7 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
     for (int j = 0; j < G; ++j) {
       vfloat sum = transpose_sum(part[j]);
       if constexpr (kRowScaled<T>) sum *= key_scales;
+      if (cap_log2 > 0.f) sum = soft_cap(sum, cap_log2, 1.f / cap_log2);
       scores[j][kv] = valid ? sum : vsplat(kNegInf);
     }
   }
@@ -292,6 +338,11 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
       }
       st.m[j] = kNegInf;
       st.l[j] = vfloat{};
+      // The sink joins the softmax once: here when the item covers the whole window, else at the merge.
+      if (p.sinks_log2 != nullptr && item.partial < 0) {
+        st.m[j] = p.sinks_log2[item.head_begin + h * G + j];
+        st.l[j][0] = 1.f;
+      }
     }
   }
   // Rows of the chunks in flight (pointers to the item's first kv head): kPrefetchChunks ahead
@@ -325,7 +376,7 @@ void decode_item(const Problem& p, const Item& item, const T* zero_row, float* p
     for (int h = 0; h < num_kv; ++h) {
       decode_chunk<D, G, T>(states[h], rows[cur][0], rows[cur][1], h * p.head_stride, n_keys,
                             fetch_ahead ? rows[ahead_slot][0] : nullptr, fetch_ahead ? rows[ahead_slot][1] : nullptr,
-                            to_l2);
+                            to_l2, p.cap_log2);
     }
   }
   for (int h = 0; h < num_kv; ++h) {
@@ -368,13 +419,13 @@ void decode_dispatch(const Problem& p, const Item& item, const T* zero_row, floa
 // Prefill: rows r = token_in_tile * g + head_in_group, padded to a multiple of W. Row-major
 // buffers use the fixed stride kTileRows so that every offset below is a compile-time constant.
 struct TileScratch {
-  std::vector<float> qt;                              // [D][kTileRows]: transposed, pre-scaled queries
-  std::vector<float> kc;                              // [kKeyChunk][D]: the chunk's keys, contiguous
-  std::vector<float> vc;                              // [kKeyChunk][D]: its values widened to float32
-  std::vector<float> st;                              // [kKeyChunk][kTileRows]: scores, then probabilities
-  std::vector<float> o;                               // [kTileRows][D]: unnormalised output
-  std::vector<float> m, l, corr, row_pos, chunk_max;  // [kTileRows]
-  std::vector<float> zero_row;                        // [kMaxHeadDim * kMaxKvPerItem]: a whole masked row
+  std::vector<float> qt;                                      // [D][kTileRows]: transposed, pre-scaled queries
+  std::vector<float> kc;                                      // [kKeyChunk][D]: the chunk's keys, contiguous
+  std::vector<float> vc;                                      // [kKeyChunk][D]: its values widened to float32
+  std::vector<float> st;                                      // [kKeyChunk][kTileRows]: scores, then probabilities
+  std::vector<float> o;                                       // [kTileRows][D]: unnormalised output
+  std::vector<float> m, l, corr, row_pos, row_lo, chunk_max;  // [kTileRows]
+  std::vector<float> zero_row;                                // [kMaxHeadDim * kMaxKvPerItem]: a whole masked row
   explicit TileScratch(int head_dim)
       : qt(static_cast<size_t>(head_dim) * kTileRows),
         kc(static_cast<size_t>(kKeyChunk) * head_dim),
@@ -385,6 +436,7 @@ struct TileScratch {
         l(kTileRows),
         corr(kTileRows),
         row_pos(kTileRows),
+        row_lo(kTileRows),
         chunk_max(kTileRows),
         zero_row(kMaxHeadDim * kMaxKvPerItem, 0.f) {}
 };
@@ -519,15 +571,25 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
     const int t = r / g;
     s.m[r] = kNegInf;
     s.l[r] = 0.f;
+    if (used && p.sinks_log2 != nullptr) {  // the sink: a first score with no value
+      s.m[r] = p.sinks_log2[item.head_begin + r % g];
+      s.l[r] = 1.f;
+    }
     // Padding rows are never stored; position -1 keeps them out of any masking decision.
     s.row_pos[r] = used ? static_cast<float>(first_pos + item.begin + t) : -1.f;
+    s.row_lo[r] = s.row_pos[r] - static_cast<float>(p.window);  // with a window, the row sees keys above this
   }
   const int first_row_pos = first_pos + item.begin;
+  const int last_row_pos = first_pos + item.end - 1;
   const int key_end = first_pos + item.end;  // the tile's last row sees keys < key_end
+  // Keys before the first row's window are outside every row's: never read.
+  const int key_begin = p.window > 0 ? std::max(0, first_row_pos - p.window + 1) : 0;
+  const bool capped = p.cap_log2 > 0.f;
+  const float inv_cap = capped ? 1.f / p.cap_log2 : 0.f;
   const T* key_rows[kKeyChunk];
   const T* value_rows[kKeyChunk];
   const T* zero_row = reinterpret_cast<const T*>(s.zero_row.data());  // all-zero bytes: 0 in every type
-  for (int k0 = 0; k0 < key_end; k0 += kKeyChunk) {
+  for (int k0 = key_begin; k0 < key_end; k0 += kKeyChunk) {
     const int n_keys = std::min(kKeyChunk, key_end - k0);
     // Round up to the QK block; the extra keys are zero rows and get masked below.
     const int n_keys_qk = (n_keys + kQkKeys - 1) / kQkKeys * kQkKeys;
@@ -544,11 +606,26 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
     }
     for (int rv = 0; rv < rows; rv += W) vstore(s.chunk_max.data() + rv, vsplat(kNegInf));
     qk_chunk<D>(kc, n_keys_qk, qt, rows, st, s.chunk_max.data());
-    // Only chunks that reach past the tile's first position need the causal mask.
+    // Only chunks that reach past the tile's first position need the causal mask, and only those
+    // that start at or before the last row's window start the window's.
     const bool masked = k0 + n_keys_qk - 1 > first_row_pos;
+    const bool window_masked = p.window > 0 && k0 <= last_row_pos - p.window;
     for (int rv = 0; rv < rows; rv += W) {
       vfloat chunk_max = vload(s.chunk_max.data() + rv);
-      if (masked) {
+      if (capped || window_masked) {
+        const vfloat pos = vload(s.row_pos.data() + rv);
+        const vfloat lo = vload(s.row_lo.data() + rv);
+        chunk_max = vsplat(kNegInf);
+        for (int n = 0; n < n_keys; ++n) {
+          vfloat sc = vload(st + n * kTileRows + rv);
+          if (capped) sc = soft_cap(sc, p.cap_log2, inv_cap);
+          const vfloat key = vsplat(static_cast<float>(k0 + n));
+          if (masked) sc = key <= pos ? sc : vsplat(kNegInf);
+          if (window_masked) sc = key > lo ? sc : vsplat(kNegInf);
+          vstore(st + n * kTileRows + rv, sc);
+          chunk_max = vmax(chunk_max, sc);
+        }
+      } else if (masked) {
         const vfloat pos = vload(s.row_pos.data() + rv);
         chunk_max = vsplat(kNegInf);
         for (int n = 0; n < n_keys; ++n) {
@@ -598,7 +675,12 @@ struct Run {
 // scheduling ends with the small ones. Without shared blocks every run is one item.
 inline std::vector<Run> shared_block_runs(const Problem& p, std::vector<Item>& items, int num_threads) {
   auto first_block = [&](const Item& it) {
-    const int first_key = is_decode(p, it.seq) ? it.begin : 0;  // a prefill tile reads the whole prefix
+    // A prefill tile reads the whole prefix, or from its first row's window start.
+    int first_key = it.begin;
+    if (!is_decode(p, it.seq)) {
+      const int first_pos = p.seq_lens[it.seq] - (p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq]);
+      first_key = p.window > 0 ? std::max(0, first_pos + it.begin - p.window + 1) : 0;
+    }
     return p.block_table[static_cast<int64_t>(it.seq) * p.block_table_stride + first_key / p.block_size];
   };
   std::vector<std::pair<int64_t, int>> keyed(items.size());  // (shared-block key, item index)
@@ -654,23 +736,27 @@ void run(const Problem& p, int num_seqs, int num_threads) {
     const int q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
     const int context_len = p.seq_lens[s];
     if (q_len == 0) continue;
+    const int decode_begin = p.window > 0 ? std::max(0, context_len - p.window) : 0;  // a decode's window start
     for (int kh = 0; kh < p.num_kv_heads; ++kh) {
       for (int c = 0; c < num_chunks; ++c) {
         const int h0 = kh * group + c * kMaxGroup;
         const int g = std::min(kMaxGroup, group - c * kMaxGroup);
         if (q_len == 1) {
-          items.push_back({s, kh, h0, g, 0, context_len, -1, static_cast<double>(context_len) * g});
+          items.push_back(
+              {s, kh, h0, g, decode_begin, context_len, -1, static_cast<double>(context_len - decode_begin) * g});
         } else {
           const int tile_tokens = std::max(1, kTileRows / g);
           const int first_pos = context_len - q_len;
           for (int t0 = 0; t0 < q_len; t0 += tile_tokens) {
             const int t1 = std::min(q_len, t0 + tile_tokens);
-            items.push_back({s, kh, h0, g, t0, t1, -1, static_cast<double>(first_pos + t1) * (t1 - t0) * g});
+            const int key_begin = p.window > 0 ? std::max(0, first_pos + t0 - p.window + 1) : 0;
+            items.push_back(
+                {s, kh, h0, g, t0, t1, -1, static_cast<double>(first_pos + t1 - key_begin) * (t1 - t0) * g});
           }
         }
       }
     }
-    if (q_len == 1) max_decode_context = std::max(max_decode_context, context_len);
+    if (q_len == 1) max_decode_context = std::max(max_decode_context, context_len - decode_begin);
   }
   // Too few items to keep every thread busy: split long decode contexts into partitions whose
   // partial softmax states are merged afterwards.
@@ -732,10 +818,12 @@ void run(const Problem& p, int num_seqs, int num_threads) {
       const int token = p.query_start_loc[it.seq];
       float* dst = p.out + static_cast<int64_t>(token) * p.num_heads * D + static_cast<int64_t>(it.head_begin) * D;
       for (int j = 0; j < it.num_group; ++j) {
-        float m_all = kNegInf;
+        // The sink, left out of the split items, joins here once.
+        const float sink = p.sinks_log2 != nullptr ? p.sinks_log2[it.head_begin + j] : kNegInf;
+        float m_all = sink;
         for (int k = 0; k < count; ++k)
           m_all = std::max(m_all, partials[static_cast<int64_t>(first + k) * (2 + D) * kMaxGroup + j]);
-        float l_all = 0.f;
+        float l_all = p.sinks_log2 != nullptr ? std::exp2(sink - m_all) : 0.f;
         float acc[kMaxHeadDim] = {};
         for (int k = 0; k < count; ++k) {
           const float* part = partials.data() + static_cast<int64_t>(first + k) * (2 + D) * kMaxGroup;
@@ -776,7 +864,8 @@ void run_for_head_dim(const Problem& p, int num_seqs, int threads) {
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale, double k_scale, double v_scale, bool prefetch_to_l2) {
+                     double scale, double k_scale, double v_scale, bool prefetch_to_l2, int64_t sliding_window,
+                     double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK_VALUE(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                         supported_cache_type(kv_cache.scalar_type()),
@@ -802,6 +891,19 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK_VALUE(query_start_loc.size(0) == num_seqs + 1 && block_table.size(0) >= num_seqs,
                     "paged_attention: metadata sizes do not match");
   TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "paged_attention: out must be shaped like query");
+  TORCH_CHECK_VALUE(sliding_window >= 0 && sliding_window <= std::numeric_limits<int32_t>::max(),
+                    "paged_attention: sliding_window must be >= 0 (0: none)");
+  TORCH_CHECK_VALUE(logits_soft_cap >= 0 && std::isfinite(logits_soft_cap),
+                    "paged_attention: logits_soft_cap must be finite and >= 0 (0: none)");
+  std::vector<float> sinks_log2;
+  if (sinks.has_value()) {
+    const at::Tensor& t = *sinks;
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 &&
+                          t.size(0) == query.size(1) && t.is_contiguous(),
+                      "paged_attention: sinks must be a contiguous float32 CPU tensor of one value per query head");
+    const float* src = t.data_ptr<float>();
+    for (int64_t h = 0; h < t.size(0); ++h) sinks_log2.push_back(src[h] * kLog2e);
+  }
 
   Problem p;
   p.query = query.data_ptr<float>();
@@ -824,6 +926,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.scale_log2 = static_cast<float>(scale * (fp8 ? k_scale : 1.0)) * unit * kLog2e;
   p.value_scale = static_cast<float>(fp8 ? v_scale : 1.0) * unit;
   p.prefetch_to_l2 = prefetch_to_l2;
+  p.window = static_cast<int>(sliding_window);
+  // Scores are kept in log2 units, the scale folded into the query: so is the cap.
+  p.cap_log2 = static_cast<float>(logits_soft_cap) * kLog2e;
+  p.sinks_log2 = sinks.has_value() ? sinks_log2.data() : nullptr;
 
   // Every block a sequence reaches must exist: a bad table would otherwise read out of bounds.
   const int64_t num_blocks = kv_cache.size(1);
@@ -837,7 +943,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     const int64_t blocks = (context_len + p.block_size - 1) / p.block_size;
     TORCH_CHECK_VALUE(blocks <= block_table.size(1), "paged_attention: block_table too narrow for sequence ", s);
     const int32_t* row = p.block_table + s * p.block_table_stride;
-    for (int64_t b = 0; b < blocks; ++b)
+    // Entries before the first window are never read (their blocks may be freed).
+    for (int64_t b = first_visible_key(p, static_cast<int>(s)) / p.block_size; b < blocks; ++b)
       TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < num_blocks, "paged_attention: sequence ", s, " uses block ", row[b],
                         " of ", num_blocks);
   }
@@ -941,7 +1048,8 @@ void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
 TORCH_LIBRARY(pagellm_attn, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale, float k_scale, float v_scale, bool prefetch_to_l2) -> ()");
+      "Tensor query_start_loc, float scale, float k_scale, float v_scale, bool prefetch_to_l2, "
+      "int sliding_window=0, float logits_soft_cap=0., Tensor? sinks=None) -> ()");
   m.def(
       "write_kv_cache(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping, float k_scale, "
       "float v_scale) -> ()");
