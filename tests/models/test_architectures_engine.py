@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_writer import write_gguf
 from hf_oracle import HFGreedy, check_close
 from model_utils import make_random_hf_model
-from test_architectures import CONFIGS
+from test_architectures import CONFIGS, GGUF_CONFIGS
 
 from pagellm import LLM, SamplingParams
 from pagellm.models.loader import default_model_path
@@ -76,3 +77,16 @@ def test_tensor_parallel_two_ranks_match_one(checkpoint) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert all(abs(x[k].logprob - y[k].logprob) < 1e-3 for k in x.keys() & y.keys()), name
+
+
+@pytest.mark.parametrize("name", GGUF_CONFIGS)
+def test_gguf_file_served_matches_transformers_on_one_and_two_ranks(name: str, tmp_path: Path) -> None:
+    hf_model = make_random_hf_model(CONFIGS[name][0](), seed=1)
+    hf_model.save_pretrained(tmp_path / "hf")
+    gguf_path = write_gguf(tmp_path / "hf", hf_model.config, tmp_path / "model.gguf")
+    reference = [_hf_greedy(hf_model, p) for p in _prompts()]
+    one = _generate(gguf_path, num_kv_blocks=64)
+    two = _generate(gguf_path, num_kv_blocks=64, tensor_parallel_size=2)
+    for i, (a, b, ref) in enumerate(zip(one, two, reference)):
+        check_close(a, ref, f"{name} GGUF prompt {i}")
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
