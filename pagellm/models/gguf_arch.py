@@ -74,7 +74,11 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         "phi3",
         "Phi3ForCausalLM",
         "phi3",
-        extra_keys={"attention.sliding_window": "sliding_window", "rope.dimension_count": "rotary_dim"},
+        extra_keys={
+            "attention.sliding_window": "sliding_window",
+            "rope.dimension_count": "rotary_dim",
+            "rope.scaling.original_context_length": "original_max_position_embeddings",
+        },
         # llama.cpp keeps Phi-3's fused projections fused; ffn_up holds gate and up rows.
         block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     ),
@@ -128,6 +132,16 @@ def finish_config(arch: GGUFArch, values: dict[str, Any]) -> dict[str, Any]:
     elif arch.model_type == "phi3":
         rotary_dim = values.pop("rotary_dim", None) or head_dim
         values["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rotary_dim / head_dim}
+        long, short = values.pop("rope_long_factor", None), values.pop("rope_short_factor", None)
+        if long is not None and short is not None:  # LongRoPE: llama.cpp stores the factors as tensors
+            values["rope_parameters"].update(
+                rope_type="longrope",
+                long_factor=long,
+                short_factor=short,
+                original_max_position_embeddings=values.get("original_max_position_embeddings", values["max_position_embeddings"]),
+            )
+        if not values.get("sliding_window"):  # llama.cpp writes 0 for none
+            values["sliding_window"] = None
     else:
         values["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     if arch.model_type == "qwen3_moe":

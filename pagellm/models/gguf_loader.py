@@ -242,6 +242,9 @@ def load_gguf_config(path: str) -> PretrainedConfig:
         from transformers import CONFIG_MAPPING
 
         values.setdefault("num_key_value_heads", values["num_attention_heads"])
+        for factors, name in (("rope_long_factor", "rope_factors_long.weight"), ("rope_short_factor", "rope_factors_short.weight")):
+            if name in gguf_file.tensors:
+                values[factors] = gguf_file.dequantized(name).tolist()
         values = finish_config(arch_of(gguf_file.architecture, gguf_file.metadata), values)
         return CONFIG_MAPPING[model_type](**values)
     values = {**_TRAINING_DEFAULTS, **_CONFIG_DEFAULTS[model_type], **values}

@@ -5,6 +5,7 @@ converter's conventions are applied: llama's Q/K row permutation, Gemma's norms 
 ``1 + w``, experts stacked into one ``[experts, rows, cols]`` tensor per projection."""
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -75,8 +76,15 @@ def write_gguf(model_dir: Path, config: PretrainedConfig, path: Path, qtype: GGM
             writer.add_rope_scaling_factor(params["factor"])
     writer.add_rope_freq_base(params["rope_theta"])
     writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
-    if getattr(config, "sliding_window", None) and config.model_type == "phi3":
-        writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "phi3":  # as llama.cpp's converter: 0 for no window, LongRoPE as tensors
+        writer.add_sliding_window(config.sliding_window or 0)
+        if params.get("rope_type") == "longrope":
+            original = params["original_max_position_embeddings"]
+            writer.add_rope_scaling_orig_ctx_len(original)
+            scale = config.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            writer.add_tensor("rope_factors_long.weight", np.array(params["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(params["short_factor"], dtype=np.float32))
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if num_experts:
         writer.add_expert_count(num_experts)

@@ -94,7 +94,7 @@ CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], bool]] = {
                 "original_max_position_embeddings": 64,
             },
         ),
-        False,
+        True,
     ),
     # Sinks, a window on every other layer, router and expert biases, YaRN; its GGUF experts are
     # MXFP4, which no kernel here takes yet.
