@@ -40,6 +40,10 @@ LLAMA_STACKED_PARAMS: tuple[tuple[str, str, Optional[str]], ...] = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
+# An image-and-text checkpoint's language model under its text-only names, and its vision parts,
+# which a text engine does not load (the layouts transformers saves and older hub checkpoints use).
+_TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 # Buffers some checkpoints carry that we compute ourselves instead.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # An 8-bit checkpoint's KV cache scales, as its quantizer names them (compressed-tensors, AutoFP8's
@@ -289,6 +293,12 @@ class CausalLM(nn.Module):
         modules = dict(self.named_modules())
         filled: set[str] = set()
         for name, tensor in weights:
+            if name.startswith(_VISION_PREFIXES):
+                continue
+            for prefix, replacement in _TEXT_MODEL_PREFIXES.items():
+                if name.startswith(prefix):
+                    name = replacement + name.removeprefix(prefix)
+                    break
             if name.endswith(_IGNORED_WEIGHT_SUFFIXES) or self._load_kv_scale(name, tensor):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:

@@ -23,7 +23,7 @@ from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
 from pagellm.kernels.tuning import CpuTuning, measure_cpu_tuning
 from pagellm.layers.rotary import max_rope_positions
 from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights, load_gguf_config
-from pagellm.models.registry import get_model_class
+from pagellm.models.registry import TEXT_ARCHITECTURE_OF, get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,24 @@ def load_hf_config(model_path: str) -> PretrainedConfig:
         return load_gguf_config(path)
     from transformers import AutoConfig  # resolving it imports the config classes: HF directories only
 
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    return text_model_config(AutoConfig.from_pretrained(path, local_files_only=True))
+
+
+def text_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """An image-and-text checkpoint's language model, as its text-only architecture: pagellm serves
+    text, so Gemma 3 4B-27B (``Gemma3ForConditionalGeneration``) load as ``Gemma3ForCausalLM``
+    (the decoder's weights; models/decoder.py leaves the vision tower unread)."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    text_architecture = TEXT_ARCHITECTURE_OF.get(architectures[0]) if architectures else None
+    if text_architecture is None:
+        return hf_config
+    text = hf_config.get_text_config()
+    text.architectures = [text_architecture]
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", True)))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(text, key, None) is None and getattr(hf_config, key, None) is not None:
+            setattr(text, key, getattr(hf_config, key))
+    return text
 
 
 def get_max_model_len(hf_config: PretrainedConfig) -> int:

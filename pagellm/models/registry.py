@@ -24,6 +24,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
 }
 
+# Image-and-text checkpoints whose language model is served as this text-only architecture.
+TEXT_ARCHITECTURE_OF: dict[str, str] = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
 
 def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)

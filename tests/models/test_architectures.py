@@ -196,3 +196,18 @@ def test_gguf_experts_stay_in_their_blocks_on_the_int8_path(name: str, tmp_path:
             assert isinstance(expert.gate_up_proj.method, GGUFInt8Method)
             assert isinstance(expert.down_proj.method, GGUFInt8Method)
     _check_paged_logits(model, hf_model, _assert_quantized_close)
+
+
+def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration: the decoder loads as Gemma3ForCausalLM
+    under its text names, and the vision tower is left unread."""
+    from transformers import Gemma3Config
+
+    text = dict(_TINY, num_hidden_layers=3, sliding_window=_WINDOW, query_pre_attn_scalar=16, vocab_size=128)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    hf_model = make_random_hf_model(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4), seed=1)
+    hf_model.save_pretrained(tmp_path)
+    config = load_hf_config(str(tmp_path))
+    assert config.architectures == ["Gemma3ForCausalLM"] and config.tie_word_embeddings
+    model = load_model(str(tmp_path), config, torch.float32, torch.device("cpu"), TorchReferenceBackend())
+    _check_paged_logits(model, hf_model)
