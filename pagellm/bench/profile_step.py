@@ -114,8 +114,13 @@ def main(args: argparse.Namespace) -> int:
     for name, ms in rows:
         print(f"  {name:<40}{ms:8.1f} ms {share(ms):6.1f}%")
     core = engine.core
-    bytes_per_token = core.kv_cache_bytes / (core.num_blocks * core.block_size)  # K and V, all layers
-    kv_read = (context_tokens_before + context_tokens_after) / 2 * bytes_per_token
+    layout = core.kv_cache_layout
+    # K and V of one layer for one token; a sliding layer reads at most its window per sequence.
+    layer_token_bytes = core.kv_block_bytes / (layout.group_size * core.block_size)
+    bytes_per_token = layer_token_bytes * engine.shape.num_layers
+    context = (context_tokens_before + context_tokens_after) / 2 / args.batch_size
+    read_tokens = sum(min(context, w) if w else context for w in engine.shape.layer_sliding_windows)
+    kv_read = read_tokens * args.batch_size * layer_token_bytes
     rate = f", {kv_read / (attn_fwd / 1000) / 1e9:.1f} GB/s in attention" if attn_fwd > 0 else ""
     print(f"  KV cache read by attention per step: {kv_read / 2**20:.1f} MiB "
           f"({engine.memory_plan.kv_cache_dtype}, {bytes_per_token:,.0f} bytes a token){rate}")
