@@ -82,7 +82,24 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         # llama.cpp keeps Phi-3's fused projections fused; ffn_up holds gate and up rows.
         block_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     ),
+    "gpt-oss": GGUFArch(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        "gpt_oss",
+        extra_keys={
+            "attention.key_length": "head_dim",
+            "attention.sliding_window": "sliding_window",
+            "expert_feed_forward_length": "intermediate_size",
+            "rope.scaling.factor": "rope_scaling_factor",
+            "rope.scaling.original_context_length": "rope_original_context",
+        },
+        block_names={"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn", "ffn_gate_inp": "mlp.router"},
+        moe_module="mlp",
+        expert_names=_QWEN_EXPERTS,
+    ),
 }
+# GGUF block tensors whose HF name has no ".weight" (gpt-oss's sinks are a parameter of self_attn).
+SUFFIXLESS = {"attn_sinks": "sinks"}
 # A llama-architecture file with experts is Mixtral (llama.cpp converts Mixtral as "llama").
 MIXTRAL = GGUFArch(
     "mixtral",
@@ -144,6 +161,20 @@ def finish_config(arch: GGUFArch, values: dict[str, Any]) -> dict[str, Any]:
             values["sliding_window"] = None
     else:
         values["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    if arch.model_type == "gpt_oss":
+        # llama.cpp: YaRN from the file, a window on every other layer from the first.
+        factor, original = values.pop("rope_scaling_factor", None), values.pop("rope_original_context", None)
+        if factor:
+            values["rope_parameters"] = {
+                "rope_type": "yarn",
+                "factor": float(factor),
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": int(original or values["max_position_embeddings"]),
+                "rope_theta": theta,
+            }
+        values["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(values["num_hidden_layers"])]
     if arch.model_type == "qwen3_moe":
         # llama.cpp renormalises Qwen3-MoE's top-k weights and puts experts in every layer.
         values.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
 from pagellm.layers.gguf_types import GGUFWeight
-from pagellm.models.gguf_arch import LLAMA_BLOCK_NAMES, GGUFArch, arch_of, finish_config
+from pagellm.models.gguf_arch import LLAMA_BLOCK_NAMES, SUFFIXLESS, GGUFArch, arch_of, finish_config
 
 WeightSource = GGUFWeight | torch.Tensor
 _FLOAT_DTYPES = {
@@ -267,7 +267,8 @@ def _hf_name(gguf_name: str, arch: GGUFArch) -> str | None:
     match = _BLOCK_TENSOR.match(gguf_name)
     names = {**LLAMA_BLOCK_NAMES, **arch.block_names}
     if match and match.group(2) in names:
-        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
+        kind = SUFFIXLESS.get(match.group(2), match.group(3))
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{kind}"
     return None  # e.g. rope_freqs.weight, which transformers ignores too
 
 
@@ -282,6 +283,9 @@ def _expert_tensors(
     num_experts, rows = shape[0], shape[1]
     prefix = f"model.layers.{match.group(1)}.{arch.moe_module}.experts"
     proj, kind = arch.expert_names[match.group(2)], match.group(3)
+    if len(shape) == 2:  # gpt-oss's expert biases, [experts, rows]
+        dense = tensor.dequantize().reshape(shape) if isinstance(tensor, GGUFWeight) else tensor
+        return ((f"{prefix}.{e}.{proj}.{kind}", dense[e]) for e in range(num_experts))
     if isinstance(tensor, GGUFWeight):
         return ((f"{prefix}.{e}.{proj}.{kind}", tensor.narrow_rows(e * rows, rows)) for e in range(num_experts))
     return ((f"{prefix}.{e}.{proj}.{kind}", tensor[e]) for e in range(num_experts))

@@ -23,6 +23,7 @@ ARCHS = {
     "qwen3_moe": MODEL_ARCH.QWEN3MOE,
     "gemma3_text": MODEL_ARCH.GEMMA3,
     "phi3": MODEL_ARCH.PHI3,
+    "gpt_oss": MODEL_ARCH.GPT_OSS,
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -50,6 +51,22 @@ def _tensors(model_dir: Path, config: PretrainedConfig) -> dict[str, torch.Tenso
         out[name] = t
     for name, parts in experts.items():
         out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    if config.model_type == "gpt_oss":  # stacked input-major experts, gate/up interleaved: split as llama.cpp does
+        stacked = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")
+        for name in [n for n in out if n.endswith(stacked)]:
+            t = out.pop(name)
+            base = name.rsplit(".", 1)[0]
+            if name.endswith("gate_up_proj"):
+                t = t.transpose(-1, -2)
+                out[f"{base}.gate_proj.weight"], out[f"{base}.up_proj.weight"] = t[:, ::2, :], t[:, 1::2, :]
+            elif name.endswith("gate_up_proj_bias"):
+                out[f"{base}.gate_proj.bias"], out[f"{base}.up_proj.bias"] = t[..., ::2], t[..., 1::2]
+            elif name.endswith("down_proj"):
+                out[f"{base}.down_proj.weight"] = t.transpose(-1, -2)
+            else:
+                out[f"{base}.down_proj.bias"] = t
+        for name in [n for n in out if n.endswith("self_attn.sinks")]:
+            out[name + ".weight"] = out.pop(name)
     return out
 
 
@@ -68,6 +85,12 @@ def write_gguf(model_dir: Path, config: PretrainedConfig, path: Path, qtype: GGM
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     params = config.rope_parameters
+    if config.model_type == "gpt_oss":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(params["factor"])
+        writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
     if config.model_type == "gemma3_text":
         params = params["full_attention"]
         writer.add_sliding_window(config.sliding_window)
@@ -98,8 +121,9 @@ def write_gguf(model_dir: Path, config: PretrainedConfig, path: Path, qtype: GGM
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {name}")
         data = t.float().numpy()
-        # llama-quantize leaves norms and the MoE router in float.
-        quantize = data.ndim >= 2 and data.shape[-1] % 32 == 0 and "norm" not in name and "gate_inp" not in gguf_name
+        # llama-quantize leaves norms, biases and the MoE router in float.
+        quantize = data.ndim >= 2 and data.shape[-1] % 32 == 0 and name.endswith(".weight") and "norm" not in name
+        quantize = quantize and "gate_inp" not in gguf_name
         kind = qtype if quantize else GGMLQuantizationType.F32
         if kind == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))

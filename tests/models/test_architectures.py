@@ -96,8 +96,7 @@ CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], bool]] = {
         ),
         True,
     ),
-    # Sinks, a window on every other layer, router and expert biases, YaRN; its GGUF experts are
-    # MXFP4, which no kernel here takes yet.
+    # Sinks, a window on every other layer, router and expert biases, YaRN.
     "gpt-oss": (
         _config(
             "gpt_oss",
@@ -115,7 +114,7 @@ CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], bool]] = {
                 "rope_theta": 150000.0,
             },
         ),
-        False,
+        True,
     ),
 }
 GGUF_CONFIGS = [name for name, (_, in_gguf) in CONFIGS.items() if in_gguf]
