@@ -270,6 +270,29 @@ def linear_int8(
     torch.ops.pagellm_gemm_int8.linear_int8(out, x, packed, ggml_type, bias, silu_mul)
 
 
+def moe_int8(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    gate_up: list[torch.Tensor],
+    gate_up_type: int,
+    down: list[torch.Tensor],
+    down_type: int,
+    counts: torch.Tensor,
+) -> None:
+    """A mixture-of-experts layer's experts in one call. ``x`` float32 ``[P, H]`` holds the rows sorted
+    by expert (``counts``, int64 ``[experts]``, says how many each has, in expert order); expert
+    ``e``'s rows go through ``silu(x @ gate.T) * (x @ up.T)`` with ``gate_up[e]`` (packed by
+    :func:`pack_weight_int8` with ``interleave=16``) and then ``down[e]`` into the same rows of
+    ``out`` ``[P, H_out]``. Bit for bit the two :func:`linear_int8` calls per expert; every expert's
+    gate_up has one type and width, and so has every down. ValueError for shapes that do not fit."""
+    torch.ops.pagellm_gemm_int8.moe_int8(out, x, gate_up, gate_up_type, down, down_type, counts)
+
+
+def moe_int8_available() -> bool:
+    """Whether :func:`moe_int8` can run (the loaded library has it, with int8 dot products)."""
+    return int8_matmul_available() and hasattr(torch.ops.pagellm_gemm_int8, "moe_int8")
+
+
 # --- sampling (sampling.cpp) ------------------------------------------------------------------
 
 

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.kernels import ops
 from pagellm.layers.linear import Linear
+from pagellm.layers.linear_method import GGUFInt8Method
 from pagellm.layers.mlp import GatedMLP
 
 
@@ -73,6 +75,8 @@ class FusedMoE(nn.Module):
         self.experts = Experts(
             GatedMLP(hidden_size, intermediate_size, activation, bias=bias, reduce_results=False) for _ in range(num_experts)
         )
+        # What ops.moe_int8 takes of the experts, and the methods it was read from (None: not looked at yet).
+        self._int8_experts: Optional[tuple] = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` in x's dtype, expert ids ``[T, k]``) for each token."""
@@ -85,6 +89,29 @@ class FusedMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), expert_ids
 
+    def _int8_args(self) -> Optional[tuple[list[torch.Tensor], int, list[torch.Tensor], int]]:
+        """(gate_up panels, type, down panels, type) when every expert is two int8-kernel methods
+        that ``ops.moe_int8`` runs in one call (gate_up with the fused SiLU-and-mul, no biases, one
+        type per projection); else None. Read once per loaded weights: a reload makes new methods."""
+        first, last = self.experts[0], self.experts[-1]
+        key = (first.gate_up_proj.method, last.down_proj.method)
+        if self._int8_experts is not None and self._int8_experts[0] == key:
+            return self._int8_experts[1]
+        args = None
+        gate_ups = [e.gate_up_proj.method for e in self.experts]
+        downs = [e.down_proj.method for e in self.experts]
+        if (
+            all(isinstance(m, GGUFInt8Method) and m.fused_silu_mul for m in gate_ups)
+            and all(isinstance(m, GGUFInt8Method) and not m.fused_silu_mul for m in downs)
+            and all(e.gate_up_proj.bias is None and e.down_proj.bias is None for e in self.experts)
+            and len({m.ggml_type for m in gate_ups}) == 1
+            and len({m.ggml_type for m in downs}) == 1
+            and ops.moe_int8_available()
+        ):
+            args = ([m.packed for m in gate_ups], int(gate_ups[0].ggml_type), [m.packed for m in downs], int(downs[0].ggml_type))
+        self._int8_experts = (key, args)
+        return args
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         weights, expert_ids = self.route(x)
@@ -92,14 +119,20 @@ class FusedMoE(nn.Module):
         # Picks sorted by expert: each expert's tokens are one contiguous run of rows, gathered
         # once for all experts, and its outputs land in the same rows.
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)
         inputs = x.index_select(0, order // self.top_k)
         outputs = torch.empty_like(inputs)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                outputs[start : start + count] = self.experts[expert](inputs[start : start + count])
-                start += count
+        int8_args = self._int8_args() if ops.supports(x) else None
+        if int8_args is not None:
+            # Every used expert's two products in one native call, its threads shared across experts.
+            gate_up, gate_up_type, down, down_type = int8_args
+            ops.moe_int8(outputs, inputs, gate_up, gate_up_type, down, down_type, counts)
+        else:
+            start = 0
+            for expert, count in enumerate(counts.tolist()):
+                if count:
+                    outputs[start : start + count] = self.experts[expert](inputs[start : start + count])
+                    start += count
         # Back in (token, pick) order, then each token's picks weighted and summed.
         picked = torch.empty_like(outputs).index_copy_(0, order, outputs).view(num_tokens, self.top_k, -1)
         out = torch.bmm(weights.unsqueeze(1), picked).squeeze(1)

@@ -658,6 +658,59 @@ const TypeInfo* find_type(int64_t ggml_type) {
 // is split over the threads too (waking them costs less than the pass).
 constexpr int64_t kQuantizeParallelRows = 16;
 
+// One product's panels [first, last) over all its row blocks: what linear_int8 runs per chunk and
+// moe_int8 per (expert, panel chunk) task, so both give the same sums in the same order.
+struct PanelProduct {
+  const Activations* act;
+  const RowBlocks* row_blocks;
+  const TileTable* tiles;
+  const uint8_t* w;
+  int64_t panel_bytes, n;  // n: output columns
+  bool silu_mul;
+  const float* bias;  // or null
+  float* c;
+  int64_t ldc;
+};
+
+// With W < 16 a gate/up group of 32 rows is two panels, run by one thread: gate, then up.
+inline bool pairs_of(bool silu_mul) { return silu_mul && kPairEpilogue == kMulSilu; }
+
+void run_panels(const PanelProduct& pr, int64_t first, int64_t last) {
+  const bool silu_mul = pr.silu_mul, pairs = pairs_of(silu_mul);
+  const float* bias_ptr = pr.bias;
+  const int64_t n = pr.n;
+  float* c = pr.c;
+  float edge[NR];
+  for (int64_t p = first; p < last; ++p) {
+    const uint8_t* panel = pr.w + p * pr.panel_bytes;
+    const bool up = pairs && p % 2 == 1;
+    int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
+    float* c_panel = c + p * NR;
+    const float *b0 = nullptr, *b1 = nullptr;
+    if (pairs) {
+      // Panel 2g holds gate outputs [16g, 16g + 16), panel 2g + 1 the same outputs' up rows.
+      ncols = NR;
+      c_panel = c + (p / 2) * NR;
+      if (bias_ptr != nullptr) b0 = bias_ptr + (up ? n : 0) + (p / 2) * NR;
+    } else if (silu_mul) {
+      c_panel = c + p * W;
+      if (bias_ptr != nullptr) b0 = bias_ptr + p * W, b1 = bias_ptr + n + p * W;
+    } else if (bias_ptr != nullptr) {
+      std::memset(edge, 0, sizeof(edge));
+      std::memcpy(edge, bias_ptr + p * NR, ncols * sizeof(float));
+      b0 = edge;
+    }
+    if (b0 != nullptr && b1 == nullptr) b1 = b0 + W;
+    const MicroTile* row_tiles = (*pr.tiles)[silu_mul && (!pairs || up)].data();
+    // The first row block pulls in the next panel (the hardware prefetcher stops at pages).
+    const uint8_t* ahead = p + 1 < last ? panel + pr.panel_bytes : nullptr;
+    for (int64_t rb = 0; rb < pr.row_blocks->count; ++rb) {
+      row_tiles[pr.row_blocks->rows(rb) - 1](*pr.act, rb, pr.row_blocks->start(rb), panel, b0, b1, c_panel, pr.ldc,
+                                             ncols, rb == 0 ? ahead : nullptr);
+    }
+  }
+}
+
 #else
 struct TypeInfo {
   int type, block, type_size, bias;
@@ -781,47 +834,156 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
     quantize(0, m);
   }
   const Activations act{qa_ptr, act_ptr, k, num_blocks};
-  const TileTable& tiles = *t.tiles;
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  float* c = out.data_ptr<float>();
-  const int64_t ldc = out.stride(0);
-  // With W < 16 a gate/up group of 32 rows is two panels, run by one thread: gate, then up.
-  const bool pairs = silu_mul && kPairEpilogue == kMulSilu;
+  const PanelProduct pr{&act, &row_blocks, t.tiles,  packed.data_ptr<uint8_t>(), panel_bytes,
+                        n,    silu_mul,    bias_ptr, out.data_ptr<float>(),      out.stride(0)};
+  const bool pairs = pairs_of(silu_mul);
   parallel_panels(pairs ? panels / 2 : panels, [&](int64_t begin, int64_t end) {
-    const int64_t first = pairs ? 2 * begin : begin, last = pairs ? 2 * end : end;
-    float edge[NR];
-    for (int64_t p = first; p < last; ++p) {
-      const uint8_t* panel = w + p * panel_bytes;
-      const bool up = pairs && p % 2 == 1;
-      int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
-      float* c_panel = c + p * NR;
-      const float *b0 = nullptr, *b1 = nullptr;
-      if (pairs) {
-        // Panel 2g holds gate outputs [16g, 16g + 16), panel 2g + 1 the same outputs' up rows.
-        ncols = NR;
-        c_panel = c + (p / 2) * NR;
-        if (bias_ptr != nullptr) b0 = bias_ptr + (up ? n : 0) + (p / 2) * NR;
-      } else if (silu_mul) {
-        c_panel = c + p * W;
-        if (bias_ptr != nullptr) b0 = bias_ptr + p * W, b1 = bias_ptr + n + p * W;
-      } else if (bias_ptr != nullptr) {
-        std::memset(edge, 0, sizeof(edge));
-        std::memcpy(edge, bias_ptr + p * NR, ncols * sizeof(float));
-        b0 = edge;
-      }
-      if (b0 != nullptr && b1 == nullptr) b1 = b0 + W;
-      const MicroTile* row_tiles = tiles[silu_mul && (!pairs || up)].data();
-      // The first row block pulls in the next panel (the hardware prefetcher stops at pages).
-      const uint8_t* ahead = p + 1 < last ? panel + panel_bytes : nullptr;
-      for (int64_t rb = 0; rb < row_blocks.count; ++rb) {
-        row_tiles[row_blocks.rows(rb) - 1](act, rb, row_blocks.start(rb), panel, b0, b1, c_panel, ldc, ncols,
-                                           rb == 0 ? ahead : nullptr);
-      }
-    }
+    run_panels(pr, pairs ? 2 * begin : begin, pairs ? 2 * end : end);
   });
 #else
   (void)m, (void)n, (void)packed, (void)bias, (void)silu_mul;
   TORCH_CHECK(false, "linear_int8: this build has no int8 dot products (needs AVX512-VNNI or AVX-VNNI)");
+#endif
+}
+
+// A mixture-of-experts layer's experts in one call: x's rows sorted by expert (rows
+// [s_e, s_e + counts[e]) are expert e's), each expert's gate_up (packed with interleave 16, stored as
+// silu(gate) * up) then down into the same rows of out. One parallel region runs the whole layer,
+// its tasks (expert, panel chunk) so that the threads share even experts of one row; per output
+// element the sums are linear_int8's (the same quantization, tiles and order), so the result is
+// bit for bit that of two linear_int8 calls per expert.
+void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& gate_up, int64_t gate_up_type,
+              const std::vector<at::Tensor>& down, int64_t down_type, const at::Tensor& counts) {
+  const TypeInfo& tg = checked_type(gate_up_type, "moe_int8");
+  const TypeInfo& td = checked_type(down_type, "moe_int8");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+                    "moe_int8: x must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
+                        out.size(0) == x.size(0),
+                    "moe_int8: out must be float32 [rows of x, N] with contiguous rows");
+  const int64_t num_experts = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK_VALUE(num_experts > 0 && static_cast<int64_t>(down.size()) == num_experts,
+                    "moe_int8: gate_up and down must hold the same number (> 0) of experts");
+  TORCH_CHECK_VALUE(counts.device().is_cpu() && counts.scalar_type() == at::kLong && counts.dim() == 1 &&
+                        counts.numel() == num_experts,
+                    "moe_int8: counts must be int64 [experts] on the CPU");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  TORCH_CHECK_VALUE(k > 0 && k % tg.block == 0, "moe_int8: the input width ", k,
+                    " is not a positive multiple of the gate_up type's block of ", tg.block);
+  const at::Tensor count_values = counts.contiguous();
+  const int64_t* count = count_values.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    TORCH_CHECK_VALUE(count[e] >= 0, "moe_int8: expert ", e, " has a negative row count");
+    total += count[e];
+  }
+  TORCH_CHECK_VALUE(total == m, "moe_int8: counts sum to ", total, ", x has ", m, " rows");
+#if PAGELLM_INT8
+  const int64_t gu_panel_bytes = k / tg.block * tg.super_bytes;
+  const int64_t gu_panels = gate_up[0].dim() == 2 ? gate_up[0].size(0) : 0, inter = gu_panels * W;
+  TORCH_CHECK_VALUE(gu_panels > 0 && inter % 16 == 0 && inter % td.block == 0, "moe_int8: gate_up holds ", gu_panels,
+                    " panels: an intermediate width of ", inter,
+                    ", which must be a multiple of 16 and of the down type's block of ", td.block);
+  const int64_t d_panel_bytes = inter / td.block * td.super_bytes;
+  const int64_t d_panels = (n + NR - 1) / NR;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const at::Tensor& g = gate_up[e];
+    const at::Tensor& d = down[e];
+    TORCH_CHECK_VALUE(g.device().is_cpu() && g.scalar_type() == at::kByte && g.dim() == 2 && g.is_contiguous() &&
+                          g.size(0) == gu_panels && g.size(1) == gu_panel_bytes,
+                      "moe_int8: gate_up[", e,
+                      "] must come from pack_weight_int8 (interleave 16) for its type and x's width, ", "as [",
+                      gu_panels, ", ", gu_panel_bytes, "] like expert 0's");
+    TORCH_CHECK_VALUE(d.device().is_cpu() && d.scalar_type() == at::kByte && d.dim() == 2 && d.is_contiguous() &&
+                          d.size(0) == d_panels && d.size(1) == d_panel_bytes,
+                      "moe_int8: down[", e, "] must come from pack_weight_int8 for its type, ", inter, " inputs and ",
+                      n, " outputs: [", d_panels, ", ", d_panel_bytes, "]");
+  }
+  if (m == 0) return;
+  const int64_t k_blocks = k / QK, inter_blocks = inter / QK;
+  // The experts that have rows, each with its row blocks and its share of the buffers below.
+  struct Used {
+    int64_t expert, start, rows, row_blocks_at;
+  };
+  std::vector<Used> used;
+  std::vector<RowBlocks> blocks;
+  int64_t row_block_total = 0;
+  for (int64_t e = 0, start = 0; e < num_experts; start += count[e], ++e) {
+    if (count[e] == 0) continue;
+    blocks.emplace_back(count[e], MR);
+    used.push_back({e, start, count[e], row_block_total});
+    row_block_total += blocks.back().count;
+  }
+  const int64_t num_used = static_cast<int64_t>(used.size());
+  std::vector<int32_t> row_owner(m);
+  for (int64_t u = 0; u < num_used; ++u)
+    for (int64_t r = 0; r < used[u].rows; ++r) row_owner[used[u].start + r] = static_cast<int32_t>(u);
+  // The worker threads reach these through pointers: their own thread_locals are other buffers.
+  thread_local std::vector<int8_t> qa, qh;
+  thread_local std::vector<ActBlock> act_x, act_h;
+  thread_local std::vector<float> hidden;
+  qa.resize(row_block_total * MR_MAX * k);
+  act_x.resize(row_block_total * MR_MAX * k_blocks);
+  qh.resize(row_block_total * MR_MAX * inter);
+  act_h.resize(row_block_total * MR_MAX * inter_blocks);
+  hidden.resize(m * inter);
+  std::vector<Activations> acts_x, acts_h;
+  std::vector<PanelProduct> products_gu, products_d;
+  acts_x.reserve(num_used), acts_h.reserve(num_used), products_gu.reserve(num_used), products_d.reserve(num_used);
+  int8_t *const qa_ptr = qa.data(), *const qh_ptr = qh.data();
+  ActBlock *const act_x_ptr = act_x.data(), *const act_h_ptr = act_h.data();
+  float* const h = hidden.data();
+  for (int64_t u = 0; u < num_used; ++u) {
+    const int64_t at_rb = used[u].row_blocks_at, e = used[u].expert;
+    acts_x.push_back({qa_ptr + at_rb * MR_MAX * k, act_x_ptr + at_rb * MR_MAX * k_blocks, k, k_blocks});
+    acts_h.push_back({qh_ptr + at_rb * MR_MAX * inter, act_h_ptr + at_rb * MR_MAX * inter_blocks, inter, inter_blocks});
+    products_gu.push_back({&acts_x[u], &blocks[u], tg.tiles, gate_up[e].data_ptr<uint8_t>(), gu_panel_bytes, inter,
+                           true, nullptr, h + used[u].start * inter, inter});
+    products_d.push_back({&acts_h[u], &blocks[u], td.tiles, down[e].data_ptr<uint8_t>(), d_panel_bytes, n, false,
+                          nullptr, out.data_ptr<float>() + used[u].start * out.stride(0), out.stride(0)});
+  }
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  // Tasks (used expert, first and last unit): units are panels, or gate/up panel pairs where one
+  // thread runs both. Chunks as parallel_panels sizes them, never across two experts.
+  struct Task {
+    int64_t used, first, last;
+  };
+  const bool pairs = pairs_of(true);
+  auto make_tasks = [&](int64_t units) {
+    std::vector<Task> tasks;
+    const int64_t per_chunk = std::max<int64_t>(1, num_used * units / (threads * kChunksPerThread));
+    for (int64_t u = 0; u < num_used; ++u)
+      for (int64_t f = 0; f < units; f += per_chunk) tasks.push_back({u, f, std::min(units, f + per_chunk)});
+    return tasks;
+  };
+  const std::vector<Task> tasks_gu = make_tasks(pairs ? gu_panels / 2 : gu_panels), tasks_d = make_tasks(d_panels);
+  const int64_t num_gu = static_cast<int64_t>(tasks_gu.size()), num_d = static_cast<int64_t>(tasks_d.size());
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const int unit = pairs ? 2 : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      const Used& u = used[row_owner[r]];
+      quantize_rows(xp + u.start * ldx, ldx, r - u.start, r - u.start + 1, k, blocks[row_owner[r]], tg.bias,
+                    qa_ptr + u.row_blocks_at * MR_MAX * k, act_x_ptr + u.row_blocks_at * MR_MAX * k_blocks);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_gu; ++i)
+      run_panels(products_gu[tasks_gu[i].used], unit * tasks_gu[i].first, unit * tasks_gu[i].last);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      const Used& u = used[row_owner[r]];
+      quantize_rows(h + u.start * inter, inter, r - u.start, r - u.start + 1, inter, blocks[row_owner[r]], td.bias,
+                    qh_ptr + u.row_blocks_at * MR_MAX * inter, act_h_ptr + u.row_blocks_at * MR_MAX * inter_blocks);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_d; ++i) run_panels(products_d[tasks_d[i].used], tasks_d[i].first, tasks_d[i].last);
+  }
+#else
+  (void)out, (void)n, (void)tg, (void)td;
+  TORCH_CHECK(false, "moe_int8: this build has no int8 dot products (needs AVX512-VNNI or AVX-VNNI)");
 #endif
 }
 
@@ -867,10 +1029,14 @@ TORCH_LIBRARY(pagellm_gemm_int8, m) {
   m.def("int8_supported() -> bool", &pagellm::int8_supported);
   m.def("int8_types() -> int[]", &pagellm::int8_types);
   m.def("int8_rows(Tensor packed, int ggml_type, int in_features, Tensor ids) -> Tensor");
+  m.def(
+      "moe_int8(Tensor(a!) out, Tensor x, Tensor[] gate_up, int gate_up_type, Tensor[] down, int down_type, Tensor "
+      "counts) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_gemm_int8, CPU, m) {
   m.impl("pack_weight_int8", &pagellm::pack_weight_int8);
   m.impl("linear_int8", &pagellm::linear_int8);
   m.impl("int8_rows", &pagellm::int8_rows);
+  m.impl("moe_int8", &pagellm::moe_int8);
 }
