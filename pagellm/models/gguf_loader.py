@@ -272,23 +272,24 @@ def _hf_name(gguf_name: str, arch: GGUFArch) -> str | None:
     return None  # e.g. rope_freqs.weight, which transformers ignores too
 
 
-def _expert_tensors(
-    gguf_name: str, shape: tuple[int, ...], tensor: WeightSource, arch: GGUFArch
-) -> Iterator[tuple[str, WeightSource]] | None:
-    """Each expert's rows of a stacked ``blk.N.ffn_*_exps`` tensor (``[experts, rows, cols]``),
-    under its HF name, as views; None for any other tensor."""
+def _expert_name(gguf_name: str, arch: GGUFArch) -> str | None:
+    """The HF name pattern (``...experts.{}.proj.kind``) of a stacked ``blk.N.ffn_*_exps`` tensor,
+    or None for any other tensor."""
     match = _BLOCK_TENSOR.match(gguf_name)
     if not match or match.group(2) not in arch.expert_names:
         return None
+    return f"model.layers.{match.group(1)}.{arch.moe_module}.experts.{{}}.{arch.expert_names[match.group(2)]}.{match.group(3)}"
+
+
+def _split_experts(name: str, shape: tuple[int, ...], tensor: WeightSource) -> Iterator[tuple[str, WeightSource]]:
+    """Each expert's rows of a stacked tensor (``[experts, rows, cols]``) under its HF name, as views."""
     num_experts, rows = shape[0], shape[1]
-    prefix = f"model.layers.{match.group(1)}.{arch.moe_module}.experts"
-    proj, kind = arch.expert_names[match.group(2)], match.group(3)
     if len(shape) == 2:  # gpt-oss's expert biases, [experts, rows]
         dense = tensor.dequantize().reshape(shape) if isinstance(tensor, GGUFWeight) else tensor
-        return ((f"{prefix}.{e}.{proj}.{kind}", dense[e]) for e in range(num_experts))
+        return ((name.format(e), dense[e]) for e in range(num_experts))
     if isinstance(tensor, GGUFWeight):
-        return ((f"{prefix}.{e}.{proj}.{kind}", tensor.narrow_rows(e * rows, rows)) for e in range(num_experts))
-    return ((f"{prefix}.{e}.{proj}.{kind}", tensor[e]) for e in range(num_experts))
+        return ((name.format(e), tensor.narrow_rows(e * rows, rows)) for e in range(num_experts))
+    return ((name.format(e), tensor[e]) for e in range(num_experts))
 
 
 def _unpermute_qk(weight: WeightSource, num_heads: int) -> WeightSource:
@@ -312,17 +313,14 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     for gguf_name, info in gguf_file.tensors.items():
-        tensor = None
-        if arch.expert_names:
-            tensor = gguf_file.read(gguf_name)
-            experts = _expert_tensors(gguf_name, info.shape, tensor, arch)
-            if experts is not None:
-                yield from experts
-                continue
+        expert_name = _expert_name(gguf_name, arch)
+        if expert_name is not None:
+            yield from _split_experts(expert_name, info.shape, gguf_file.read(gguf_name))
+            continue
         hf_name = _hf_name(gguf_name, arch)
         if hf_name is None:
             continue
-        tensor = gguf_file.read(gguf_name) if tensor is None else tensor
+        tensor = gguf_file.read(gguf_name)
         if arch.norm_shift and hf_name.endswith("norm.weight"):
             tensor = tensor.float() - arch.norm_shift
         if permute and ".attn_q." in gguf_name:
