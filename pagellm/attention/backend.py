@@ -68,9 +68,6 @@ class AttentionOptions:
         return self.sliding_window is None and self.logits_soft_cap is None and self.sinks is None
 
 
-PLAIN_ATTENTION = AttentionOptions()
-
-
 class AttentionBackend(ABC):
     """Writes the new keys/values into the paged cache, then attends over each sequence's context."""
 

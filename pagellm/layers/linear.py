@@ -215,10 +215,3 @@ class GatedLinear(Linear):
         if self.activation == "silu":
             return self.method.apply_silu_mul(x, self.bias)
         return self._act(self.method.apply(x, self.bias))
-
-
-class SiluAndMulLinear(GatedLinear):
-    """:class:`GatedLinear` with SiLU (Llama's MLP)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, activation="silu", **kwargs)

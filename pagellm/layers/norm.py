@@ -46,6 +46,13 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
+    def add_and_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalised stream, stream) for a stream of ``x + residual`` with the add still pending,
+        or of ``x`` alone for a model's first layer (``residual`` None)."""
+        if residual is None:
+            return self(x), x
+        return self(x, residual)
+
     def norm_heads(self, x: torch.Tensor) -> torch.Tensor:
         """Each head of ``x`` ``[T, heads, head_dim]`` normalised on its own (q/k norm): a new
         ``[T, heads * head_dim]`` tensor with contiguous rows."""

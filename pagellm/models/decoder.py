@@ -98,11 +98,7 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self._modules[self.mlp_name](hidden), residual
@@ -145,7 +141,7 @@ class DecoderModel(nn.Module):
             rope = ropes[layer.layer_type if layer.layer_type in ropes else next(iter(ropes))]
             metadata = attn_metadata[i] if per_layer else attn_metadata
             hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)
-        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class CausalLM(nn.Module):

@@ -59,11 +59,7 @@ class Gemma3DecoderLayer(torch.nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(hidden, rope, kv_cache, attn_metadata))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

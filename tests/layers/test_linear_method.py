@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.kernels import ops
 from pagellm.layers.gguf_types import GGUFWeight
-from pagellm.layers.linear import Linear, SiluAndMulLinear, narrow
+from pagellm.layers.linear import GatedLinear, Linear, narrow
 from pagellm.layers.linear_method import BF16Method, DenseMethod, GGUFInt8Method, SegmentedMethod, create_linear_method
 
 INT8 = LinearPrecision(kind="int8", fallback="bfloat16")
@@ -62,7 +62,7 @@ def test_a_fused_projection_of_mixed_types_runs_each_part_into_its_columns() -> 
 
 @needs_int8
 def test_gate_up_blocks_fuse_the_activation() -> None:
-    layer = SiluAndMulLinear(256, 128, shard_sizes={"gate": 64, "up": 64})
+    layer = GatedLinear(256, 128, shard_sizes={"gate": 64, "up": 64}, activation="silu")
     gate, up = random_gguf_weight(T.Q4_K, 64, 256, 4), random_gguf_weight(T.Q4_K, 64, 256, 5)
     layer.load_shard("gate", gate)
     layer.load_shard("up", up)
