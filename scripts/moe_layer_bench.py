@@ -24,27 +24,16 @@ import torch
 from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gguf_blocks import random_gguf_weight
+from gguf_blocks import random_moe_layer
 
-from pagellm.config import LinearPrecision
 from pagellm.kernels import ops
 from pagellm.layers.moe import FusedMoE
 
 
 def build_layer(hidden: int, experts: int, top_k: int, inter: int, gate_up_type: str, down_type: str) -> FusedMoE:
     torch.manual_seed(0)
-    moe = FusedMoE(hidden, experts, top_k, inter)
-    precision = LinearPrecision("int8", "bfloat16")
-    moe.gate.load_shard(None, torch.randn(experts, hidden) * 0.02)
-    moe.gate.process_weights_after_loading(precision)
-    gu, down = GGMLQuantizationType[gate_up_type], GGMLQuantizationType[down_type]
-    for e, expert in enumerate(moe.experts):
-        expert.gate_up_proj.load_shard("gate", random_gguf_weight(gu, inter, hidden, seed=3 * e))
-        expert.gate_up_proj.load_shard("up", random_gguf_weight(gu, inter, hidden, seed=3 * e + 1))
-        expert.gate_up_proj.process_weights_after_loading(precision)
-        expert.down_proj.load_shard(None, random_gguf_weight(down, hidden, inter, seed=3 * e + 2))
-        expert.down_proj.process_weights_after_loading(precision)
-    return moe
+    router = torch.randn(experts, hidden) * 0.02
+    return random_moe_layer(GGMLQuantizationType[gate_up_type], GGMLQuantizationType[down_type], hidden, inter, experts, top_k, router)
 
 
 def best_mean(fns: dict[str, Callable[[], object]], iters: int, repeats: int) -> dict[str, float]:

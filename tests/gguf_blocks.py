@@ -5,11 +5,16 @@ model's size. ``gguf.quants.dequantize`` of the result is the reference weight.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagellm.layers.gguf_types import GGUFWeight
+
+if TYPE_CHECKING:
+    from pagellm.layers.moe import FusedMoE
 
 T = GGMLQuantizationType
 
@@ -45,3 +50,24 @@ def random_blocks(qtype: T, rows: int, cols: int, seed: int) -> np.ndarray:
 def random_gguf_weight(qtype: T, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
     """:func:`random_blocks` as a weight held in its blocks."""
     return GGUFWeight(qtype, torch.from_numpy(random_blocks(qtype, rows, cols, seed)), cols)
+
+
+def random_moe_layer(
+    gate_up_type: T, down_type: T, hidden: int, inter: int, num_experts: int, top_k: int, router: torch.Tensor
+) -> "FusedMoE":
+    """A mixture-of-experts layer of random blocks (expert e's gate, up and down drawn with seeds
+    3e, 3e + 1, 3e + 2) on the int8 path, routed by ``router`` ``[experts, hidden]``."""
+    from pagellm.config import LinearPrecision
+    from pagellm.layers.moe import FusedMoE
+
+    moe = FusedMoE(hidden, num_experts, top_k, inter)
+    precision = LinearPrecision("int8", "bfloat16")
+    moe.gate.load_shard(None, router)
+    moe.gate.process_weights_after_loading(precision)
+    for e, expert in enumerate(moe.experts):
+        expert.gate_up_proj.load_shard("gate", random_gguf_weight(gate_up_type, inter, hidden, seed=3 * e))
+        expert.gate_up_proj.load_shard("up", random_gguf_weight(gate_up_type, inter, hidden, seed=3 * e + 1))
+        expert.gate_up_proj.process_weights_after_loading(precision)
+        expert.down_proj.load_shard(None, random_gguf_weight(down_type, hidden, inter, seed=3 * e + 2))
+        expert.down_proj.process_weights_after_loading(precision)
+    return moe

@@ -7,9 +7,8 @@ import functools
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf_blocks import random_gguf_weight
+from gguf_blocks import random_gguf_weight, random_moe_layer
 
-from pagellm.config import LinearPrecision
 from pagellm.kernels import ops
 from pagellm.layers.linear_method import GGUFInt8Method
 from pagellm.layers.moe import FusedMoE
@@ -119,17 +118,8 @@ def test_moe_int8_rejects_bad_input() -> None:
 
 
 def moe_layer(gate_up_type: T, down_type: T, hidden: int = 256, inter: int = 512, num_experts: int = 8) -> FusedMoE:
-    moe = FusedMoE(hidden, num_experts, 2, inter)
-    precision = LinearPrecision("int8", "bfloat16")
-    moe.gate.load_shard(None, torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(0)) * 0.1)
-    moe.gate.process_weights_after_loading(precision)
-    for e, expert in enumerate(moe.experts):
-        expert.gate_up_proj.load_shard("gate", random_gguf_weight(gate_up_type, inter, hidden, seed=3 * e))
-        expert.gate_up_proj.load_shard("up", random_gguf_weight(gate_up_type, inter, hidden, seed=3 * e + 1))
-        expert.gate_up_proj.process_weights_after_loading(precision)
-        expert.down_proj.load_shard(None, random_gguf_weight(down_type, hidden, inter, seed=3 * e + 2))
-        expert.down_proj.process_weights_after_loading(precision)
-    return moe
+    router = torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(0)) * 0.1
+    return random_moe_layer(gate_up_type, down_type, hidden, inter, num_experts, 2, router)
 
 
 @pytest.mark.parametrize(("gate_up_type", "down_type"), [(T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0)], ids=lambda t: t.name)
