@@ -83,6 +83,12 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         default=None,
         help="how tensor-parallel ranks run: mp (local processes, default) or ray (Ray actors)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\'',
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,6 +115,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        speculative_config=args.speculative_config,
     )
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs

@@ -144,6 +144,8 @@ class EngineConfig:
     # How ranks run (vLLM's names): "mp" local processes, "ray" Ray actors; None -> "uni" for one
     # rank, "mp" for more.
     distributed_executor_backend: Optional[str] = None
+    # Speculative decoding (vLLM's ``--speculative-config``): a dict, its JSON, or None for none.
+    speculative_config: Optional[Any] = None
     # Whether dtype / kv_cache_dtype were "auto", so that a GPU engine may refine them.
     auto_dtype: bool = field(default=False, init=False, repr=False)
     auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
@@ -198,6 +200,9 @@ class EngineConfig:
             )
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("the uni executor runs one rank; use mp or ray for tensor_parallel_size > 1")
+        from pagellm.speculative_config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -42,7 +42,7 @@ class FakeRunner:
             if st["computed"] == len(st["tokens"]):
                 token = fake_token(st["tokens"])
                 st["tokens"].append(token)
-                sampled[req_id] = token
+                sampled[req_id] = [token]
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 

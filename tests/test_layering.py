@@ -15,16 +15,17 @@ ROOT = Path(__file__).resolve().parent.parent / "pagellm"
 
 # What each unit may import from pagellm. The small top-level modules (config, request, ...) are
 # the shared vocabulary of the layers above them; the tokenizer loads through the model loader.
-SHARED = {"envs", "config", "sampling_params", "request", "outputs"}
+SHARED = {"envs", "config", "sampling_params", "request", "outputs", "speculative_config"}
 ALLOWED: dict[str, set[str]] = {
     "envs": set(),
-    "config": set(),
+    "speculative_config": set(),
+    "config": {"speculative_config"},
     "sampling_params": set(),
     "outputs": set(),
     "request": {"sampling_params"},
     "tokenizer": {"models"},
     "kernels": {"envs"},
-    "core": {"sampling_params", "request"},
+    "core": {"sampling_params", "request", "speculative_config"},
     "attention": SHARED | {"kernels"},
     "sample": SHARED | {"kernels"},
     "layers": SHARED | {"kernels", "attention", "distributed"},
@@ -32,15 +33,18 @@ ALLOWED: dict[str, set[str]] = {
     "structured_output": {"sampling_params"},
     "distributed": set(),
     "worker": SHARED | {"kernels", "attention", "sample", "core", "structured_output", "distributed"},
+    # Speculative decoding's proposers: above the runner, whose batch they read.
+    "spec_decode": SHARED | {"kernels", "attention", "sample", "models", "layers", "worker", "distributed"},
     "executor": SHARED
-    | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output", "distributed"},
+    | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output", "distributed"}
+    | {"spec_decode"},
     "engine": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output"}
-    | {"distributed", "executor"},
+    | {"distributed", "executor", "spec_decode"},
     "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer"},
     "bench": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"}
-    | {"structured_output", "distributed", "executor"},
+    | {"structured_output", "distributed", "executor", "spec_decode"},
 }
 # Subpackages that must not pull in torch: the scheduler and block pool are pure bookkeeping.
 NO_TORCH = {"core"}

@@ -65,6 +65,11 @@ class SchedulerOutput:
     # Requests that left the batch since the last step (finished, aborted or preempted).
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Speculative decoding: each verifying request's drafts, which its scheduled tokens include
+    # after the one known token; and how many drafts the runner should propose after this step
+    # for each request (absent: none).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_draft_tokens_to_propose: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -73,14 +78,17 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request: the sampled token, or nothing for a partial prefill chunk."""
+    """Per scheduled request: the sampled tokens (one, or under speculative decoding the accepted
+    drafts and one more), or nothing for a partial prefill chunk."""
 
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, LogprobRow] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)  # one row per sampled token
     # req_id -> one row per prompt position this step covered.
     prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)
     # Requests that failed inside the runner (e.g. sampling blew up), with the error message.
     failed: dict[str, str] = field(default_factory=dict)
+    # Drafts proposed after this step, for the next one's verification.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -27,7 +27,13 @@ from pagellm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagellm.core.spec_decode_stats import SpecDecodingStats
 from pagellm.request import Request, RequestStatus
+from pagellm.speculative_config import SpeculativeConfig
+
+# Adaptive speculation: after n verifications in a row that accepted nothing, a request skips
+# drafting for 2**n - 1 steps (at most this many).
+_MAX_SPEC_SKIP_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class SchedulerStats:
     num_running_tokens: int  # KV tokens held by running requests
     num_block_table_entries: int  # blocks running requests hold, all KV cache groups (null entries not counted)
     num_kv_cache_groups: int = 1
+    spec_decoding: Optional[SpecDecodingStats] = None
 
 
 class Scheduler:
@@ -55,6 +62,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        speculative_config: Optional[SpeculativeConfig] = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -67,6 +75,13 @@ class Scheduler:
         # Left the batch since the last step; the runner drops their state.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.speculative_config = speculative_config
+        self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config is not None else 0
+        # A draft model writes KV ahead of the verified tokens while it drafts: room for k more.
+        self.num_lookahead_tokens = (
+            self.num_spec_tokens if speculative_config is not None and speculative_config.method == "draft_model" else 0
+        )
+        self.spec_stats = SpecDecodingStats(self.num_spec_tokens) if speculative_config is not None else None
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -109,6 +124,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         new_block_ids: dict[str, tuple[list[int], ...]] = {}  # per KV cache group
         preempted: list[Request] = []
+        spec_decode_tokens: dict[str, list[int]] = {}
 
         # Running requests first, oldest first, so preemption hits the newest.
         idx = 0
@@ -118,8 +134,10 @@ class Scheduler:
             if num_new_tokens <= 0:
                 idx += 1  # fully computed and waiting for its sample: nothing to run
                 continue
+            spec_token_ids = self._spec_tokens_to_verify(request, num_new_tokens, token_budget)
+            num_new_tokens += len(spec_token_ids)
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(request, self._with_lookahead(request, num_new_tokens))
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()
@@ -131,6 +149,8 @@ class Scheduler:
                 break  # the request preempted itself: nothing else can run either
             num_scheduled[request.request_id] = num_new_tokens
             new_block_ids[request.request_id] = new_blocks.block_ids_by_group
+            if spec_token_ids:
+                spec_decode_tokens[request.request_id] = spec_token_ids
             token_budget -= num_new_tokens
             idx += 1
 
@@ -155,7 +175,9 @@ class Scheduler:
                         skipped.append(self.waiting.popleft())
                         continue
                 num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, self._with_lookahead(request, num_new_tokens, num_hit_tokens), computed_blocks
+                )
                 if new_blocks is None:
                     break
                 self.waiting.popleft()
@@ -210,12 +232,72 @@ class Scheduler:
             total_num_scheduled_tokens=sum(ordered.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=spec_decode_tokens,
+            num_draft_tokens_to_propose=self._drafts_to_propose(ordered),
         )
         self._finished_req_ids = set()
         # Tokens handed out now count as computed: their KV is written by this step's forward pass.
         for req_id, n in ordered.items():
             self.requests[req_id].num_computed_tokens += n
         return output
+
+    # ---- speculative decoding ----------------------------------------------------------
+
+    def _spec_tokens_to_verify(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step: as many as the budget, the model's
+        length and max_tokens leave room for (the step yields up to one token more than its drafts)."""
+        spec = request.spec_token_ids
+        if not spec:
+            return []
+        request.spec_token_ids = []
+        if num_new_tokens != request.num_tokens - request.num_computed_tokens or num_new_tokens != 1:
+            return []  # not a plain decode (a resumed request recomputes first)
+        room = min(
+            token_budget - num_new_tokens,
+            self.max_model_len - request.num_tokens - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+        )
+        return spec[: max(room, 0)]
+
+    def _with_lookahead(self, request: Request, num_new_tokens: int, num_computed_tokens: Optional[int] = None) -> int:
+        """Slots to allocate: the step's tokens, plus a draft model's lookahead within the model's length."""
+        if not self.num_lookahead_tokens:
+            return num_new_tokens
+        computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        return num_new_tokens + max(0, min(self.num_lookahead_tokens, self.max_model_len - computed - num_new_tokens))
+
+    def _drafts_to_propose(self, num_scheduled: dict[str, int]) -> dict[str, int]:
+        """Per request that samples this step, how many drafts the runner proposes for the next one."""
+        if not self.num_spec_tokens:
+            return {}
+        config = self.speculative_config
+        if config.disable_by_batch_size is not None and len(self.running) > config.disable_by_batch_size:
+            return {}  # a wide batch: verification rows are no longer nearly free
+        proposals: dict[str, int] = {}
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            if request.num_computed_tokens + n < request.num_tokens:
+                continue  # a prefill chunk that does not reach the end: nothing is sampled
+            if request.spec_skip_steps > 0:
+                request.spec_skip_steps -= 1
+                continue
+            # After this step the request has at least one more token; drafts past what the
+            # model's length or max_tokens can still take would never be verified.
+            num_tokens = request.num_tokens + 1
+            k = min(self.num_spec_tokens, self.max_model_len - num_tokens - 1, request.max_tokens - request.num_output_tokens - 2)
+            if k > 0:
+                proposals[req_id] = k
+        return proposals
+
+    def _observe_verification(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.spec_stats.observe(num_draft_tokens, num_accepted_tokens)
+        if not self.speculative_config.adaptive:
+            return
+        if num_accepted_tokens:
+            request.spec_num_failed_runs = 0
+        else:
+            request.spec_num_failed_runs += 1
+            request.spec_skip_steps = min(2**request.spec_num_failed_runs - 1, _MAX_SPEC_SKIP_STEPS)
 
     def admits_waiting_requests(self) -> bool:
         """Whether waiting requests may join the batch this step; continuous batching always lets them."""
@@ -246,14 +328,14 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             error = runner_output.failed.get(req_id)
-            token_id = runner_output.sampled_token_ids.get(req_id)
+            token_ids = runner_output.sampled_token_ids.get(req_id)
             prompt_logprobs = self._new_prompt_logprobs(request, scheduler_output, runner_output)
             if error is not None:
                 self.running.remove(request)
                 self._free_request(request, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
                 continue
-            if token_id is None:
+            if not token_ids:
                 if request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
                     # Scoring only: the prompt is done and nothing is to be generated.
                     self.running.remove(request)
@@ -271,12 +353,27 @@ class Scheduler:
                 elif prompt_logprobs:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs))
                 continue  # a prefill chunk that did not reach the end of the known tokens
-            request.append_output_token_ids([token_id])
-            status = self._check_stop(request, token_id)
+            spec_token_ids = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if spec_token_ids:
+                # Rejected drafts' KV slots are not computed after all: the next step rewrites them.
+                num_accepted = len(token_ids) - 1
+                request.num_computed_tokens -= len(spec_token_ids) - num_accepted
+                self._observe_verification(request, len(spec_token_ids), num_accepted)
+            status = None
+            num_new = 0
+            for token_id in token_ids:
+                request.append_output_token_ids([token_id])
+                num_new += 1
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    break
+            new_token_ids = token_ids[:num_new]
+            if req_id in runner_output.draft_token_ids and status is None:
+                request.spec_token_ids = runner_output.draft_token_ids[req_id]
             out = EngineCoreOutput(
                 req_id=req_id,
-                new_token_ids=[token_id],
-                new_logprobs=[runner_output.logprobs[req_id]] if req_id in runner_output.logprobs else [],
+                new_token_ids=new_token_ids,
+                new_logprobs=runner_output.logprobs.get(req_id, [])[:num_new],
                 new_prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 scheduled_time=request.scheduled_time,
@@ -328,4 +425,5 @@ class Scheduler:
             num_running_tokens=sum(r.num_computed_tokens for r in self.running),
             num_block_table_entries=sum(kv.num_held_blocks(r.request_id) for r in self.running),
             num_kv_cache_groups=kv.num_kv_cache_groups,
+            spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
         )

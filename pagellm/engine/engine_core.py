@@ -22,11 +22,14 @@ from pagellm.engine.stats import EngineStats, StepStats, StepTotals
 from pagellm.executor.base import Executor, UniProcExecutor
 from pagellm.models.shape import ModelShape
 from pagellm.request import Request, RequestStatus
+from pagellm.spec_decode.draft_model import DraftModelProposer
+from pagellm.spec_decode.ngram_proposer import NgramProposer
 from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.kv_cache import (
     KVCachePrefaulter,
     activation_reserve_bytes,
     allocate_grouped_kv_caches,
+    allocate_kv_caches,
     bytes_per_block,
     determine_num_blocks,
     gpu_kv_cache_budget,
@@ -77,6 +80,7 @@ class EngineCore:
         scheduler_cls: type[Scheduler] = Scheduler,
         executor_factory: Optional[Callable[[int, int], Executor]] = None,
         structured_output: Optional[StructuredOutputManager] = None,
+        draft: Optional[tuple[torch.nn.Module, ModelShape]] = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -86,6 +90,14 @@ class EngineCore:
         self.kv_cache_layout = layout
         kv_heads = max_kv_heads_per_rank(shape.num_kv_heads, config.tensor_parallel_size)
         block_bytes = bytes_per_block(layout.group_size, config.block_size, kv_heads, shape.head_dim, config.kv_cache_dtype)
+        if draft is not None:
+            if not layout.plain:
+                raise ValueError("a speculative draft model needs a target whose layers all attend in full; use 'ngram'")
+            # The draft's cache has the same blocks, so a block of the budget holds both models' KV.
+            draft_shape = draft[1]
+            block_bytes += bytes_per_block(
+                draft_shape.num_layers, config.block_size, draft_shape.num_kv_heads, draft_shape.head_dim, config.kv_cache_dtype
+            )
         self.kv_block_bytes = block_bytes
         kv_cache_memory_bytes = config.kv_cache_memory_bytes
         if (
@@ -131,6 +143,20 @@ class EngineCore:
                 config.kv_cache_dtype,
                 config.device,
             )
+            drafter = NgramProposer.from_config(config.speculative_config)
+            draft_caches: list[torch.Tensor] = []
+            if draft is not None:
+                draft_shape = draft[1]
+                draft_caches = allocate_kv_caches(
+                    draft_shape.num_layers,
+                    self.num_blocks,
+                    config.block_size,
+                    draft_shape.num_kv_heads,
+                    draft_shape.head_dim,
+                    config.kv_cache_dtype,
+                    config.device,
+                )
+                drafter = DraftModelProposer(draft[0], draft_caches, config.block_size)
             self.runner = ModelRunner(
                 model,
                 kv_caches,
@@ -142,8 +168,9 @@ class EngineCore:
                 structured_output,
                 config.calculate_kv_scales,
                 kv_cache_layout=layout,
+                drafter=drafter,
             )
-            self.executor: Executor = UniProcExecutor(self.runner, KVCachePrefaulter(kv_caches))
+            self.executor: Executor = UniProcExecutor(self.runner, KVCachePrefaulter(kv_caches + draft_caches))
         else:
             self.executor = executor_factory(self.num_blocks, max_model_len)
         self.kv_cache_manager = create_kv_cache_manager(
@@ -159,6 +186,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
+            speculative_config=config.speculative_config,
         )
         self.block_hasher = make_block_hasher(config.block_size) if config.enable_prefix_caching else None
         self._last_step: Optional[StepStats] = None

@@ -134,6 +134,14 @@ class LLMEngine:
             attn_name = attn_backend.name
             self.model = model
             self._executor_factory = None
+        draft = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            if config.distributed_executor_backend != "uni":
+                raise ValueError("a speculative draft model runs with tensor_parallel_size 1; use 'ngram' under tensor parallelism")
+            from pagellm.spec_decode.draft_model import load_draft_model
+
+            draft = load_draft_model(config, spec.model, attn_backend, self.shape.vocab_size)
         self.tokenizer = tokenizer_future.result()
         self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
         if config.distributed_executor_backend != "uni":
@@ -163,6 +171,7 @@ class LLMEngine:
             self.max_model_len,
             executor_factory=self._executor_factory,
             structured_output=self.structured_output,
+            draft=draft,
         )
         self.max_model_len = self.core.max_model_len  # may be lowered to what the KV cache holds
         self.memory_plan = replace(

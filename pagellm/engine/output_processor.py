@@ -156,16 +156,27 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if child.finish_reason is not None:
             return
-        child.token_ids.extend(out.new_token_ids)
-        if child.logprobs is not None and out.new_logprobs:
-            dicts = self._to_logprob_dicts(out.new_logprobs)
-            child.logprobs.extend(dicts)
-            child.cumulative_logprob += sum(row.logprobs[0] for row in out.new_logprobs)
+        new_token_ids = out.new_token_ids
         stop_str = None
-        if out.new_token_ids:
+        if new_token_ids:
             # A stop token id's own text is left out of the output, as vLLM does.
             # (The core only ever stops on token ids; stop strings are found here.)
-            stop_str = child.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+            stop_terminated = out.finish_reason == "stop"
+            if len(new_token_ids) > 1 and child.detokenizer.stop:
+                # A speculative step brings several tokens: those after a stop string are dropped.
+                for i, token_id in enumerate(new_token_ids):
+                    last = i == len(new_token_ids) - 1
+                    stop_str = child.detokenizer.update([token_id], stop_terminated=last and stop_terminated)
+                    if stop_str is not None:
+                        new_token_ids = new_token_ids[: i + 1]
+                        break
+            else:
+                stop_str = child.detokenizer.update(new_token_ids, stop_terminated=stop_terminated)
+        child.token_ids.extend(new_token_ids)
+        if child.logprobs is not None and out.new_logprobs:
+            rows = out.new_logprobs[: len(new_token_ids)]
+            child.logprobs.extend(self._to_logprob_dicts(rows))
+            child.cumulative_logprob += sum(row.logprobs[0] for row in rows)
         if stop_str is not None:
             child.finish_reason, child.stop_reason = "stop", stop_str
             if out.finish_reason is None:

@@ -56,6 +56,7 @@ class TPWorker:
         from pagellm.core.kv_cache_groups import group_layers
         from pagellm.models.loader import load_hf_config, load_model_for_engine
         from pagellm.models.shape import ModelShape
+        from pagellm.spec_decode.ngram_proposer import NgramProposer
         from pagellm.worker.kv_cache import allocate_grouped_kv_caches
         from pagellm.worker.model_runner import ModelRunner
 
@@ -106,6 +107,7 @@ class TPWorker:
             structured_output,
             config.calculate_kv_scales,
             kv_cache_layout=layout,
+            drafter=NgramProposer.from_config(config.speculative_config),
         )
         logger.info(
             "rank %d/%d ready: q heads %d-%d, kv heads %d-%d, %d threads",

@@ -42,6 +42,14 @@ def resolve_linear_precision(config: EngineConfig, checkpoint_dtype: torch.dtype
     return precision
 
 
+def draft_linear_precision(config: EngineConfig, checkpoint_dtype: torch.dtype, is_gguf: bool) -> LinearPrecision:
+    """A speculative draft model's linear layers: its own checkpoint's "auto" choice on a CPU
+    (what makes it cheap), whatever the target asked for; ``config`` is left as it is."""
+    if config.device.type != "cpu":
+        return LinearPrecision()
+    return _cpu_precision(None, checkpoint_dtype, None, is_gguf)
+
+
 def _cpu_precision(
     requested: Optional[torch.dtype], checkpoint_dtype: torch.dtype, quantization: Optional[str], is_gguf: bool
 ) -> LinearPrecision:

@@ -53,26 +53,7 @@ class Sampler:
         # The torch path below edits logits in place; the caller's tensor must survive (it retries
         # row by row if this raises), so it gets a copy unless nothing edits it: no bias, bans or
         # penalties, and random rows going through the C++ kernel (which only reads).
-        penalties = (metadata.presence_penalties, metadata.frequency_penalties, metadata.repetition_penalties)
-        edits_in_place = bool(metadata.logit_bias or metadata.bad_token_ids) or any(p is not None for p in penalties)
-        fused = _use_sampling_kernel(logits)
-        logits = logits.to(torch.float32, copy=edits_in_place or not fused)
-        raw_logprobs: Optional[torch.Tensor] = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-
-        apply_logit_bias(logits, metadata.logit_bias)
-        apply_bad_token_ids(logits, metadata.bad_token_ids)
-        if any(p is not None for p in penalties):
-            logits = apply_penalties(
-                logits,
-                metadata.prompt_token_ids,
-                metadata.output_token_ids,
-                metadata.presence_penalties,
-                metadata.frequency_penalties,
-                metadata.repetition_penalties,
-            )
-
+        logits, raw_logprobs = self.prepare_logits(logits, metadata, copy=not _use_sampling_kernel(logits))
         if metadata.all_greedy:
             sampled = ops.argmax_rows(logits)
         else:
@@ -85,6 +66,55 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def prepare_logits(
+        logits: torch.Tensor, metadata: SamplingMetadata, copy: bool = True
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """float32 logits with bias, banned tokens and penalties applied (greedy rows' argmax is
+        taken from these), and the raw logprobs when any row wants logprobs. The input is copied
+        if anything edits it or ``copy``."""
+        penalties = (metadata.presence_penalties, metadata.frequency_penalties, metadata.repetition_penalties)
+        edits_in_place = bool(metadata.logit_bias or metadata.bad_token_ids) or any(p is not None for p in penalties)
+        logits = logits.to(torch.float32, copy=edits_in_place or copy)
+        raw_logprobs: Optional[torch.Tensor] = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        apply_logit_bias(logits, metadata.logit_bias)
+        apply_bad_token_ids(logits, metadata.bad_token_ids)
+        if any(p is not None for p in penalties):
+            logits = apply_penalties(
+                logits,
+                metadata.prompt_token_ids,
+                metadata.output_token_ids,
+                metadata.presence_penalties,
+                metadata.frequency_penalties,
+                metadata.repetition_penalties,
+            )
+        return logits, raw_logprobs
+
+    @staticmethod
+    def probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """What a random row samples from: softmax after temperature, top-k, top-p and min-p
+        (edits ``logits``). Greedy rows get temperature 1; their result is not meant to be used."""
+        temperature = metadata.temperature.to(device=logits.device, dtype=logits.dtype)
+        temperature = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature)
+        logits.div_(temperature.unsqueeze(1))
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        return logits.softmax(dim=-1)
+
+    def uniforms(self, num_rows: int, seeds: dict[int, tuple[int, int]], device: torch.device, num_draws: int = 1) -> torch.Tensor:
+        """``[num_rows, num_draws]`` uniform draws; seeded rows' depend on (seed, step) alone."""
+        u = torch.rand(num_rows, num_draws, device=device, dtype=torch.float32)
+        for i, (row, (seed, step)) in enumerate(seeds.items()):
+            if not 0 <= row < num_rows:
+                raise ValueError(f"seeded row {row} is outside the batch of {num_rows} rows.")
+            generator = self._generator(device, i)
+            generator.manual_seed(derive_step_seed(seed, step))
+            u[row] = torch.rand(num_draws, device=device, dtype=torch.float32, generator=generator)
+        return u
 
     def _random_sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Samples every row as random (greedy rows' results are discarded by the caller).

@@ -66,6 +66,33 @@ class StructuredOutputManager:
             self.backend.apply_bitmask(logits, bitmask, masked)
         return logits
 
+    def apply_bitmask_for_drafts(self, logits: Any, req_ids: list[str], draft_token_ids: list[list[int]]) -> Any:
+        """Speculative decoding's verification rows masked: request i owns ``len(drafts) + 1`` rows,
+        the j-th masked as its grammar stands after its first j drafts."""
+        if not self.states or not any(req_id in self.states for req_id in req_ids):
+            return logits
+        num_rows = sum(len(d) + 1 for d in draft_token_ids)
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = self.backend.allocate_bitmask(max(num_rows, 64))
+        bitmask = self._bitmask[:num_rows]
+        masked: list[int] = []
+        first_row = 0
+        for req_id, drafts in zip(req_ids, draft_token_ids):
+            state = self.states.get(req_id)
+            if state is not None:
+                masked.extend(state.fill_along(bitmask, first_row, drafts))
+            first_row += len(drafts) + 1
+        if masked:
+            if logits.dtype != _float32():
+                logits = logits.float()
+            self.backend.apply_bitmask(logits, bitmask, masked)
+        return logits
+
+    def valid_drafts(self, req_id: str, draft_token_ids: list[int]) -> list[int]:
+        """Drafts cut at the first one the request's grammar refuses (verifying it would be wasted)."""
+        state = self.states.get(req_id)
+        return draft_token_ids if state is None else state.valid_prefix(draft_token_ids)
+
 
 def _float32() -> Any:
     import torch

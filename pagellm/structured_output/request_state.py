@@ -35,6 +35,37 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
         return True
 
+    def fill_along(self, bitmask: Any, first_row: int, draft_token_ids: list[int]) -> list[int]:
+        """Fills rows ``first_row + j`` with the tokens allowed after the first j drafts, up to the
+        first draft the grammar refuses (no later row can be reached); the matcher ends where it
+        began. Returns the rows filled."""
+        rows: list[int] = []
+        num_accepted = 0
+        for j in range(len(draft_token_ids) + 1):
+            if self.broken or self.matcher.is_terminated():
+                break
+            self.matcher.fill_next_token_bitmask(bitmask, first_row + j)
+            rows.append(first_row + j)
+            if j == len(draft_token_ids) or not self.matcher.accept_token(draft_token_ids[j]):
+                break
+            num_accepted += 1
+        if num_accepted:
+            self.matcher.rollback(num_accepted)
+        return rows
+
+    def valid_prefix(self, draft_token_ids: list[int]) -> list[int]:
+        """The drafts up to the first one the grammar refuses; the matcher ends where it began."""
+        if self.broken:
+            return draft_token_ids
+        num_accepted = 0
+        for token_id in draft_token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            num_accepted += 1
+        if num_accepted:
+            self.matcher.rollback(num_accepted)
+        return draft_token_ids[:num_accepted]
+
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()

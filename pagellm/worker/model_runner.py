@@ -17,11 +17,13 @@ from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.sample.logprobs import compute_prompt_logprobs
-from pagellm.sample.metadata import LogprobsTensors, SamplingMetadata
+from pagellm.sample.metadata import LogprobsTensors
+from pagellm.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from pagellm.sample.sampler import Sampler
 from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.cuda_graphs import DecodeGraphRunner, model_supports_cuda_graphs
 from pagellm.worker.input_batch import InputBatch
+from pagellm.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class ModelRunner:
         structured_output: Optional[StructuredOutputManager] = None,
         calculate_kv_scales: bool = False,
         kv_cache_layout: Optional[KVCacheLayout] = None,
+        drafter: Optional[object] = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -67,13 +70,20 @@ class ModelRunner:
         max_num_blocks_per_req = -(-max_model_len // block_size)
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_blocks_per_req, self.num_kv_cache_groups)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        # Speculative decoding's proposer (pagellm.spec_decode): ``propose_batch(batch, requests)``
+        # drafts after each step; a draft model also has ``run_batch``, which sees every token the
+        # target does, and ``draft_probs_for``, the distributions its drafts were drawn from.
+        self.drafter = drafter
         # Grammar state of constrained requests (None: this runner does not sample, or masks nothing).
         self.structured_output = structured_output
         # Seconds spent in each phase of the last step; cheap enough to always record.
         self.last_timings: dict[str, float] = {}
         # Decode steps replay CUDA graphs on a GPU; the CPU path never builds any.
         self.cuda_graphs: Optional[DecodeGraphRunner] = None
-        if self.device.type == "cuda" and not enforce_eager and model_supports_cuda_graphs(model):
+        # A draft model runs beside every forward pass, which a replayed graph would skip.
+        runs_draft_model = hasattr(self.drafter, "run_batch")
+        if self.device.type == "cuda" and not enforce_eager and not runs_draft_model and model_supports_cuda_graphs(model):
             # Each layer's fp8 scales on the device before capture: graphs hold their addresses,
             # and a copy to the device cannot happen inside a capture.
             for kv_scales in model.kv_scales():
@@ -157,6 +167,15 @@ class ModelRunner:
         req_ids = list(out.num_scheduled_tokens)
         rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_sched = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        spec = out.scheduled_spec_decode_tokens
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        for i, req_id in enumerate(req_ids):
+            drafts = spec.get(req_id)
+            if drafts:
+                # Drafts sit past the row's known tokens, where the gather below reads them.
+                row, n = int(rows[i]), int(batch.num_tokens[rows[i]])
+                batch.token_ids[row, n : n + len(drafts)] = drafts
+                num_drafts[i] = len(drafts)
         start = batch.num_computed_tokens[rows]
         seq_lens = start + num_sched
         cu_end = np.cumsum(num_sched)
@@ -195,13 +214,15 @@ class ModelRunner:
         ids_dev, positions_dev = torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
         if graph_size is None:
             hidden = self.model(ids_dev, positions_dev, self.kv_caches, self._layer_metadata(metadata))
+            if self.drafter is not None and hasattr(self.drafter, "run_batch"):
+                self.drafter.run_batch(ids_dev, positions_dev, metadata)
         else:
             hidden = self.cuda_graphs.run(ids_dev, positions_dev, metadata if len(metadata) > 1 else metadata[0], graph_size)
         t2 = time.perf_counter()
         self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1}
 
-        # Only sequences whose known tokens are now all computed produce a new token.
-        sample_mask = seq_lens == batch.num_tokens[rows]
+        # Only sequences whose known tokens (and drafts) are now all computed produce tokens.
+        sample_mask = seq_lens == batch.num_tokens[rows] + num_drafts
         # max_tokens=0 (scoring only) rows run their prompt but sample nothing.
         sample_mask &= np.fromiter((batch.params[r].max_tokens != 0 for r in rows.tolist()), dtype=bool, count=len(rows))
         sample_idx = np.nonzero(sample_mask)[0]
@@ -209,30 +230,95 @@ class ModelRunner:
         self._prompt_logprobs(req_ids, rows, start, num_sched, cu_end, hidden, result)
         if len(sample_idx) == 0:
             return result
-        logits = self.model.compute_logits(hidden[torch.from_numpy(cu_end[sample_idx] - 1).to(dev)])
         sample_rows = rows[sample_idx]
         sample_req_ids = [req_ids[i] for i in sample_idx]
+        sample_drafts = [spec.get(r, []) for r in sample_req_ids] if spec else []
         tp = get_tp_group()
-        if tp.is_first:
-            self._sample(logits, sample_rows, sample_req_ids, result)
-        if tp.world_size > 1:
-            # Rank 0 samples; the others take its tokens, so every rank's batch stays the same.
+        if not any(sample_drafts):
+            logits = self.model.compute_logits(hidden[torch.from_numpy(cu_end[sample_idx] - 1).to(dev)])
             if tp.is_first:
-                ids = [result.sampled_token_ids.get(r, -1) for r in sample_req_ids]
-                tokens = torch.tensor(ids, dtype=torch.int64, device=dev)
-            else:
-                tokens = torch.empty(len(sample_req_ids), dtype=torch.int64, device=dev)
-            ids = tp.broadcast(tokens, src=0).tolist()
-            if not tp.is_first:
-                result.sampled_token_ids = {r: t for r, t in zip(sample_req_ids, ids) if t >= 0}
+                self._sample(logits, sample_rows, sample_req_ids, result)
+        else:
+            # A verifying request's k drafts and the token before them: its last k + 1 positions.
+            ends = cu_end[sample_idx]
+            idx = np.concatenate([np.arange(e - len(d) - 1, e) for e, d in zip(ends.tolist(), sample_drafts)])
+            logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(dev)])
+            if tp.is_first:
+                self._verify(logits, sample_rows, sample_req_ids, sample_drafts, result)
+        if tp.world_size > 1:
+            self._broadcast_tokens(tp, sample_req_ids, 1 + max((len(d) for d in sample_drafts), default=0), result)
         for req_id, row in zip(sample_req_ids, sample_rows.tolist()):
-            token = result.sampled_token_ids.get(req_id)
-            if token is not None:
+            for token in result.sampled_token_ids.get(req_id, ()):
                 batch.append_token(row, token)
                 if self.structured_output is not None:
                     self.structured_output.accept(req_id, token)
+        if self.drafter is not None and out.num_draft_tokens_to_propose:
+            self._propose(out.num_draft_tokens_to_propose, sample_req_ids, sample_rows, result)
         self.last_timings["sample"] = time.perf_counter() - t2
         return result
+
+    def _broadcast_tokens(self, tp, req_ids: list[str], width: int, result: ModelRunnerOutput) -> None:
+        """Rank 0 samples; the others take its tokens, so every rank's batch stays the same."""
+        tokens = torch.full((len(req_ids), width), -1, dtype=torch.int64, device=self.device)
+        if tp.is_first:
+            for i, req_id in enumerate(req_ids):
+                sampled = result.sampled_token_ids.get(req_id, [])
+                tokens[i, : len(sampled)] = torch.tensor(sampled, dtype=torch.int64)
+        rows = tp.broadcast(tokens, src=0).tolist()
+        if not tp.is_first:
+            result.sampled_token_ids = {r: [t for t in row if t >= 0] for r, row in zip(req_ids, rows) if row[0] >= 0}
+
+    def _propose(self, wanted: dict[str, int], req_ids: list[str], rows: np.ndarray, result: ModelRunnerOutput) -> None:
+        """Drafts for the next step, for the requests the scheduler asked and that sampled now."""
+        batch = self.input_batch
+        requests = [(r, row, wanted[r]) for r, row in zip(req_ids, rows.tolist()) if r in wanted and r in result.sampled_token_ids]
+        if not requests:
+            return
+        drafts = self.drafter.propose_batch(batch, requests)
+        if self.structured_output is not None:
+            drafts = {r: self.structured_output.valid_drafts(r, d) for r, d in drafts.items()}
+        result.draft_token_ids = {r: d for r, d in drafts.items() if d}
+
+    def _verify(
+        self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], drafts: list[list[int]], result: ModelRunnerOutput
+    ) -> None:
+        try:
+            self._verify_rows(logits, rows, req_ids, drafts, result)
+            return
+        except Exception:  # isolate the failing request below
+            logger.exception("batched verification failed; retrying request by request")
+        start = 0
+        for i, req_id in enumerate(req_ids):
+            n = len(drafts[i]) + 1
+            try:
+                self._verify_rows(logits[start : start + n], rows[i : i + 1], [req_id], drafts[i : i + 1], result)
+            except Exception as e:  # noqa: BLE001 - one bad request must not take the batch down
+                result.failed[req_id] = f"sampling failed: {type(e).__name__}: {e}"
+            start += n
+
+    def _verify_rows(
+        self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], drafts: list[list[int]], result: ModelRunnerOutput
+    ) -> None:
+        """Rejection sampling over each request's k + 1 rows, row j set up as if drafts[:j] were sampled."""
+        sizes = [len(d) + 1 for d in drafts]
+        expanded = np.repeat(rows, sizes)
+        prefixes = [d[:j] for d in drafts for j in range(len(d) + 1)]
+        metadata = build_sampling_metadata(self.input_batch, expanded, logits.device, self.vocab_size, prefixes)
+        if self.structured_output is not None:
+            logits = self.structured_output.apply_bitmask_for_drafts(logits, req_ids, drafts)
+        draft_probs = getattr(self.drafter, "draft_probs_for", None)
+        probs = [draft_probs(r, len(d)) for r, d in zip(req_ids, drafts)] if draft_probs is not None else None
+        output = self.rejection_sampler(logits, metadata, SpecDecodeMetadata(drafts, probs))
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+        for i, (req_id, tokens) in enumerate(zip(req_ids, output.output_token_ids)):
+            result.sampled_token_ids[req_id] = tokens
+            k = self.input_batch.params[int(rows[i])].logprobs
+            if k is not None and output.logprobs is not None:
+                picked = list(range(starts[i], starts[i] + len(tokens)))
+                sub = LogprobsTensors(
+                    output.logprobs.token_ids[picked], output.logprobs.logprobs[picked], output.logprobs.ranks[picked]
+                )
+                result.logprobs[req_id] = _logprob_rows(sub, [k] * len(tokens))
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], result: ModelRunnerOutput) -> None:
         try:
@@ -247,12 +333,12 @@ class ModelRunner:
                 result.failed[req_id] = f"sampling failed: {type(e).__name__}: {e}"
 
     def _sample_rows(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], result: ModelRunnerOutput) -> None:
-        metadata = self._sampling_metadata(rows, logits.device)
+        metadata = build_sampling_metadata(self.input_batch, rows, logits.device, self.vocab_size)
         if self.structured_output is not None:
             logits = self.structured_output.apply_bitmask(logits, req_ids)
         output = self.sampler(logits, metadata)
         sampled = output.sampled_token_ids.tolist()
-        result.sampled_token_ids.update(zip(req_ids, sampled))
+        result.sampled_token_ids.update((r, [t]) for r, t in zip(req_ids, sampled))
         if output.logprobs is not None:
             nums, wanted = [], []
             for i, row in enumerate(rows.tolist()):
@@ -264,60 +350,7 @@ class ModelRunner:
                 output.logprobs.token_ids[wanted], output.logprobs.logprobs[wanted], output.logprobs.ranks[wanted]
             )
             for i, row_lp in zip(wanted, _logprob_rows(sub, nums)):
-                result.logprobs[req_ids[i]] = row_lp
-
-    def _sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
-        batch = self.input_batch
-        params = [batch.params[r] for r in rows.tolist()]
-        greedy = batch.greedy[rows]
-
-        def tensor(arr: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(arr)).to(device)
-
-        top_p, top_k, min_p = batch.top_p[rows], batch.top_k[rows], batch.min_p[rows]
-        presence, frequency = batch.presence_penalty[rows], batch.frequency_penalty[rows]
-        repetition = batch.repetition_penalty[rows]
-        use_penalties = bool(presence.any() or frequency.any() or (repetition != 1.0).any())
-        output_token_ids: list[list[int]] = []
-        prompt_token_ids: Optional[torch.Tensor] = None
-        if use_penalties:
-            output_token_ids = [batch.output_token_ids(r) for r in rows.tolist()]
-            max_prompt = int(batch.num_prompt_tokens[rows].max())
-            prompts = np.full((len(rows), max_prompt), self.vocab_size, dtype=np.int64)
-            for i, r in enumerate(rows.tolist()):
-                n = int(batch.num_prompt_tokens[r])
-                prompts[i, :n] = batch.token_ids[r, :n]
-            prompt_token_ids = tensor(prompts)
-        seeds: dict[int, tuple[int, int]] = {}
-        bad_token_ids: dict[int, list[int]] = {}
-        logit_bias: dict[int, dict[int, float]] = {}
-        wanted_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        for i, (p, r) in enumerate(zip(params, rows.tolist())):
-            num_out = batch.num_output_tokens(r)
-            if p.seed is not None and not greedy[i]:
-                seeds[i] = (p.seed, num_out)
-            if num_out < p.min_tokens and p.all_stop_token_ids:
-                bad_token_ids[i] = sorted(p.all_stop_token_ids)
-            if p.logit_bias:
-                logit_bias[i] = p.logit_bias
-        return SamplingMetadata(
-            temperature=tensor(batch.temperature[rows]),
-            greedy_mask=tensor(greedy),
-            all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
-            top_p=tensor(top_p) if (top_p < 1.0).any() else None,
-            top_k=tensor(top_k) if (top_k > 0).any() else None,
-            min_p=tensor(min_p) if (min_p > 0.0).any() else None,
-            seeds=seeds,
-            presence_penalties=tensor(presence) if use_penalties else None,
-            frequency_penalties=tensor(frequency) if use_penalties else None,
-            repetition_penalties=tensor(repetition) if use_penalties else None,
-            output_token_ids=output_token_ids,
-            prompt_token_ids=prompt_token_ids,
-            bad_token_ids=bad_token_ids,
-            logit_bias=logit_bias,
-            max_num_logprobs=max(wanted_logprobs) if wanted_logprobs else None,
-        )
+                result.logprobs[req_ids[i]] = [row_lp]
 
     def _prompt_logprobs(
         self,

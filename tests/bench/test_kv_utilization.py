@@ -13,7 +13,7 @@ def step(sched: Scheduler) -> None:
     """One engine step without a model: every request whose KV is complete 'samples' token 5."""
     out = sched.schedule()
     sampled = {
-        req_id: 5
+        req_id: [5]
         for req_id in out.num_scheduled_tokens
         if sched.requests[req_id].num_computed_tokens == sched.requests[req_id].num_tokens
     }

@@ -97,7 +97,7 @@ class WindowCheckingRunner:
             if st["computed"] == len(st["tokens"]):
                 token = fake_token(st["tokens"])
                 st["tokens"].append(token)
-                sampled[req_id] = token
+                sampled[req_id] = [token]
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 

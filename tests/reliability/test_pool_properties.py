@@ -70,7 +70,7 @@ class KVReadingRunner:
             assert context == st_["tokens"], f"request {req_id} read a KV cache that is not its own context"
             token = fake_token(context)
             st_["tokens"].append(token)
-            sampled[req_id] = token
+            sampled[req_id] = [token]
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 

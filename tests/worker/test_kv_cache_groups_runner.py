@@ -62,7 +62,7 @@ def test_one_group_model_gets_one_metadata_as_before():
     caches = allocate_kv_caches(2, 8, BLOCK, 1, 8, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, caches, BLOCK, 4, 32, VOCAB, kv_cache_layout=group_layers([None, None]))
     out = runner.execute_model(step_output([new_request("a", [1, 2, 3, 4, 5], ([2, 5],))], scheduled={"a": 5}))
-    assert out.sampled_token_ids == {"a": 3}
+    assert out.sampled_token_ids == {"a": [3]}
     kv_caches, md = model.calls[-1]
     assert kv_caches is caches and isinstance(md, AttentionMetadata)
     assert md.block_table.tolist() == [[2, 5]] and md.slot_mapping.tolist() == [8, 9, 10, 11, 20]
