@@ -74,11 +74,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         self.scheduled_time: Optional[float] = None  # first time admitted to the running set
-        # Speculative decoding: drafts for the next step (never part of all_token_ids until the
-        # target accepts them), and the adaptive back-off after verifications that accepted none.
+        # Speculative decoding: drafts for the next step, never part of all_token_ids until the
+        # target accepts them.
         self.spec_token_ids: list[int] = []
-        self.spec_num_failed_runs = 0
-        self.spec_skip_steps = 0
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
 

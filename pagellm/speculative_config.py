@@ -15,9 +15,10 @@ class SpeculativeConfig:
     ``method`` "ngram" looks the request's last ``prompt_lookup_min..max`` tokens up in its own
     earlier tokens and proposes what followed; "draft_model" runs ``model`` (any checkpoint
     pagellm loads that shares the target's vocabulary) ahead of the target. Speculation stops
-    for the step when more than ``disable_by_batch_size`` requests run: a CPU step's cost grows
-    with its rows once the batch is wide, so verification stops being free (vLLM leaves it
-    unset; here it defaults to 8, docs/speculative_decoding.md has the measurements).
+    for the step when more than ``disable_by_batch_size`` requests run. With ``adaptive`` (the
+    default), each request drafts as many tokens, up to ``num_speculative_tokens``, as maximise
+    the batch's expected tokens per second (pagellm.core.spec_policy): its acceptance so far
+    against what the engine's steps have cost by width.
     """
 
     method: Optional[str] = None  # None: "draft_model" when model is given, else an error
@@ -25,8 +26,7 @@ class SpeculativeConfig:
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
     model: Optional[str] = None
-    disable_by_batch_size: Optional[int] = 8
-    # Back off drafting for a request after verifications that accepted nothing.
+    disable_by_batch_size: Optional[int] = None
     adaptive: bool = True
 
     def __post_init__(self) -> None:

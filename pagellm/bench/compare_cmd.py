@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
         EngineConfig(block_size=bs, device="cpu")
     engine = LLMEngine(EngineConfig(**kwargs))
     budget_tokens = engine.stats().scheduler.num_blocks * engine.config.block_size
-    samples = get_samples(args, tokenizer_token_ids(engine.tokenizer))
+    samples = get_samples(args, tokenizer_token_ids(engine.tokenizer), tokenizer=engine.tokenizer)
     check_fits(samples, engine.max_model_len)
     print(
         f"{len(samples)} requests, {sum(s.prompt_len for s in samples)} prompt + {sum(s.output_len for s in samples)} "

@@ -10,6 +10,8 @@ tokens, whatever the model would rather say; the workload, not the model, sets t
 * ``variable``: chat-like traffic. Prompts of 50..500 tokens, outputs from a clipped lognormal:
   most answers are short, a few run to thousands of tokens. A server that must reserve memory for
   the longest possible answer wastes most of it on this workload.
+* ``grounded``: chat prompts about a passage of text whose answers copy from it (repeat, correct,
+  summarise); what n-gram speculative decoding is for (pagellm.bench.grounded).
 
 Token ids are drawn with a seeded generator from the vocabulary minus the special tokens, so a
 prompt never contains an end-of-sequence or chat-control token.
@@ -23,7 +25,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-DATASET_NAMES = ("random", "prefix", "variable")
+DATASET_NAMES = ("random", "prefix", "variable", "grounded")
 
 
 @dataclass
@@ -185,9 +187,17 @@ def add_dataset_args(parser: argparse.ArgumentParser, default_name: str = "rando
     g.add_argument("--variable-output-sigma", type=float, default=1.2, help="lognormal sigma of output lengths")
 
 
-def get_samples(args: argparse.Namespace, token_ids: np.ndarray, seed: Optional[int] = None) -> list[SampleRequest]:
-    """The dataset the parsed ``add_dataset_args`` flags describe."""
+def get_samples(args: argparse.Namespace, token_ids: np.ndarray, seed: Optional[int] = None, tokenizer=None) -> list[SampleRequest]:
+    """The dataset the parsed ``add_dataset_args`` flags describe (``grounded`` needs the tokenizer)."""
     seed = args.seed if seed is None else seed
+    if args.dataset_name == "grounded":
+        from pagellm.bench.grounded import grounded_dataset
+
+        if tokenizer is None:
+            raise ValueError("the grounded dataset needs a tokenizer")
+        return grounded_dataset(
+            args.num_prompts, args.input_len or args.random_input_len, args.output_len or args.random_output_len, tokenizer, seed
+        )
     if args.dataset_name == "random":
         return random_dataset(
             args.num_prompts,

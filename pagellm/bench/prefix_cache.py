@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     for label, caching in (("with_cache", True), ("without_cache", False)):
         llm = LLM(**{**kwargs, "enable_prefix_caching": caching})
-        samples = get_samples(args, tokenizer_token_ids(llm.llm_engine.tokenizer))
+        samples = get_samples(args, tokenizer_token_ids(llm.llm_engine.tokenizer), tokenizer=llm.llm_engine.tokenizer)
         results[label] = run_once(llm, samples)
         block_size = llm.llm_engine.config.block_size
         del llm

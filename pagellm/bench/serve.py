@@ -255,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
     percentiles = parse_percentiles(args.metric_percentiles)
     metric_names = parse_metric_names(args.percentile_metrics)
     tokenizer = load_tokenizer(args.tokenizer or default_model_path())
-    samples = get_samples(args, tokenizer_token_ids(tokenizer))
+    samples = get_samples(args, tokenizer_token_ids(tokenizer), tokenizer=tokenizer)
     if args.prompt_format == "text":
         prompts: list[Prompt] = [tokenizer.decode(s.prompt_token_ids) for s in samples]
     else:

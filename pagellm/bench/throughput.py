@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
 
     llm = LLM(**engine_kwargs(args))
     engine = llm.llm_engine
-    samples = get_samples(args, tokenizer_token_ids(engine.tokenizer))
+    samples = get_samples(args, tokenizer_token_ids(engine.tokenizer), tokenizer=engine.tokenizer)
     check_fits(samples, engine.max_model_len)
     prompts = [{"prompt_token_ids": s.prompt_token_ids} for s in samples]
     params = [bench_sampling_params(s.output_len) for s in samples]

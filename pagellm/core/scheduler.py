@@ -28,12 +28,9 @@ from pagellm.core.sched_output import (
     SchedulerOutput,
 )
 from pagellm.core.spec_decode_stats import SpecDecodingStats
+from pagellm.core.spec_policy import AcceptanceEstimate, StepCostModel, plan_drafts
 from pagellm.request import Request, RequestStatus
 from pagellm.speculative_config import SpeculativeConfig
-
-# Adaptive speculation: after n verifications in a row that accepted nothing, a request skips
-# drafting for 2**n - 1 steps (at most this many).
-_MAX_SPEC_SKIP_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -82,6 +79,10 @@ class Scheduler:
             self.num_spec_tokens if speculative_config is not None and speculative_config.method == "draft_model" else 0
         )
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens) if speculative_config is not None else None
+        # The adaptive policy's inputs (pagellm.core.spec_policy): per request, how often its
+        # drafts are accepted; per step width, what a step costs.
+        self._acceptance: dict[str, AcceptanceEstimate] = {}
+        self.step_costs = StepCostModel()
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -107,6 +108,7 @@ class Scheduler:
         return finished
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
+        self._acceptance.pop(request.request_id, None)
         request.status = status
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.request_id)
@@ -272,32 +274,38 @@ class Scheduler:
             return {}
         config = self.speculative_config
         if config.disable_by_batch_size is not None and len(self.running) > config.disable_by_batch_size:
-            return {}  # a wide batch: verification rows are no longer nearly free
-        proposals: dict[str, int] = {}
+            return {}
+        candidates: dict[str, tuple[int, float]] = {}
+        num_base_tokens = 0  # what the next step runs without drafts
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
-            if request.num_computed_tokens + n < request.num_tokens:
-                continue  # a prefill chunk that does not reach the end: nothing is sampled
-            if request.spec_skip_steps > 0:
-                request.spec_skip_steps -= 1
+            remaining = request.num_tokens - request.num_computed_tokens - n
+            if remaining > 0:  # a prefill chunk that does not reach the end: nothing is sampled
+                num_base_tokens += remaining
                 continue
+            num_base_tokens += 1
             # After this step the request has at least one more token; drafts past what the
             # model's length or max_tokens can still take would never be verified.
             num_tokens = request.num_tokens + 1
             k = min(self.num_spec_tokens, self.max_model_len - num_tokens - 1, request.max_tokens - request.num_output_tokens - 2)
             if k > 0:
-                proposals[req_id] = k
-        return proposals
+                candidates[req_id] = (k, self._acceptance.setdefault(req_id, AcceptanceEstimate()).rate)
+        if not config.adaptive:
+            return {r: k for r, (k, _) in candidates.items()}
+        num_base_tokens = min(num_base_tokens, self.max_num_batched_tokens)
+        plan = plan_drafts(candidates, num_base_tokens, len(candidates), self.step_costs)
+        for req_id in candidates.keys() - plan.keys():
+            self._acceptance[req_id].idle()
+        return plan
 
     def _observe_verification(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         self.spec_stats.observe(num_draft_tokens, num_accepted_tokens)
-        if not self.speculative_config.adaptive:
-            return
-        if num_accepted_tokens:
-            request.spec_num_failed_runs = 0
-        else:
-            request.spec_num_failed_runs += 1
-            request.spec_skip_steps = min(2**request.spec_num_failed_runs - 1, _MAX_SPEC_SKIP_STEPS)
+        self._acceptance.setdefault(request.request_id, AcceptanceEstimate()).observe(num_draft_tokens, num_accepted_tokens)
+
+    def observe_step_cost(self, num_tokens: int, seconds: float) -> None:
+        """A step's width and duration, for the adaptive speculation policy."""
+        if self.num_spec_tokens:
+            self.step_costs.observe(num_tokens, seconds)
 
     def admits_waiting_requests(self) -> bool:
         """Whether waiting requests may join the batch this step; continuous batching always lets them."""

@@ -45,12 +45,18 @@ class SpecDecodingStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
     def since(self, earlier: "SpecDecodingStats") -> "SpecDecodingStats":
+        return self._combine(earlier, -1)
+
+    def plus(self, other: "SpecDecodingStats") -> "SpecDecodingStats":
+        return self._combine(other, 1)
+
+    def _combine(self, other: "SpecDecodingStats", sign: int) -> "SpecDecodingStats":
         return SpecDecodingStats(
             self.num_spec_tokens,
-            self.num_drafts - earlier.num_drafts,
-            self.num_draft_tokens - earlier.num_draft_tokens,
-            self.num_accepted_tokens - earlier.num_accepted_tokens,
-            [a - b for a, b in zip(self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos)],
+            self.num_drafts + sign * other.num_drafts,
+            self.num_draft_tokens + sign * other.num_draft_tokens,
+            self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            [a + sign * b for a, b in zip(self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos)],
         )
 
     def to_dict(self) -> dict:

@@ -238,11 +238,14 @@ class EngineCore:
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         t3 = time.perf_counter()
+        self.scheduler.observe_step_cost(sched_out.total_num_scheduled_tokens, t3 - t0)
         phases = self.executor.last_timings
         self._last_step = StepStats(
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             num_reqs=len(sched_out.num_scheduled_tokens),
-            num_prefill_tokens=sum(n for n in sched_out.num_scheduled_tokens.values() if n > 1),
+            num_prefill_tokens=sum(
+                n for r, n in sched_out.num_scheduled_tokens.items() if n > 1 and r not in sched_out.scheduled_spec_decode_tokens
+            ),
             duration_s=t3 - t0,
             schedule_s=t1 - t0,
             prepare_s=phases.get("prepare", 0.0),

@@ -14,6 +14,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagellm.core.scheduler import SchedulerStats
+from pagellm.core.spec_decode_stats import SpecDecodingStats
 from pagellm.engine.memory_plan import MemoryPlan
 from pagellm.engine.stats import EngineStats
 from pagellm.outputs import RequestOutput
@@ -96,6 +97,10 @@ class EngineMetrics:
         self._interval_hits = 0
         # The engine's counters are cumulative; the Prometheus counters advance by the difference.
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
+        # Speculative decoding's counters, made on the first step of an engine that speculates.
+        self._spec: Optional[dict] = None
+        self._seen_spec: Optional[SpecDecodingStats] = None
+        self._interval_spec: Optional[SpecDecodingStats] = None
 
     # -- StatLogger, called on the engine thread ------------------------------------------------------
 
@@ -121,12 +126,45 @@ class EngineMetrics:
         self._seen_preemptions = stats.num_preemptions
         self._interval_queries += new_queries
         self._interval_hits += new_hits
+        if stats.spec_decoding is not None:
+            self._record_spec_decoding(stats.spec_decoding)
         if now - self._last_log_time >= self.log_interval_s:
             busy = stats.num_running_reqs or stats.num_waiting_reqs or self._interval_generation_tokens
             if busy:
                 self._log(stats, now)
             else:  # idle: start the next interval fresh rather than log zeros
                 self._reset_interval(now)
+
+    def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        """vLLM's spec_decode_* counters, advanced by what the engine's cumulative ones gained."""
+        if self._spec is None:
+            reg, name = self.registry, self._model_name
+
+            def counter(metric: str, doc: str):
+                return Counter(metric, doc, ["model_name"], registry=reg).labels(name)
+
+            per_pos = Counter(
+                "pagellm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted draft tokens at each draft position.",
+                ["model_name", "position"],
+                registry=reg,
+            )
+            self._spec = {
+                "num_drafts": counter("pagellm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                "num_draft_tokens": counter("pagellm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                "num_accepted_tokens": counter("pagellm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                "per_pos": [per_pos.labels(name, str(i)) for i in range(spec.num_spec_tokens)],
+            }
+            self._seen_spec = SpecDecodingStats(spec.num_spec_tokens)
+            self._interval_spec = SpecDecodingStats(spec.num_spec_tokens)
+        new = spec.since(self._seen_spec)
+        self._spec["num_drafts"].inc(new.num_drafts)
+        self._spec["num_draft_tokens"].inc(new.num_draft_tokens)
+        self._spec["num_accepted_tokens"].inc(new.num_accepted_tokens)
+        for counter, n in zip(self._spec["per_pos"], new.num_accepted_tokens_per_pos):
+            counter.inc(n)
+        self._seen_spec = spec.copy()
+        self._interval_spec = self._interval_spec.plus(new)
 
     def record_output(self, output: RequestOutput, now: float, inter_token_latency: Optional[float]) -> None:
         num_new_tokens = sum(len(c.token_ids) for c in output.outputs)
@@ -169,12 +207,29 @@ class EngineMetrics:
             stats.kv_cache_usage * 100,
             hit_rate * 100,
         )
+        spec = self._interval_spec
+        if spec is not None and spec.num_drafts:
+            per_pos = ", ".join(f"{n / spec.num_drafts:.3f}" for n in spec.num_accepted_tokens_per_pos)
+            logger.info(
+                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+                "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+                "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                spec.mean_acceptance_length,
+                spec.num_accepted_tokens / elapsed,
+                spec.num_draft_tokens / elapsed,
+                spec.num_accepted_tokens,
+                spec.num_draft_tokens,
+                per_pos,
+                spec.acceptance_rate * 100,
+            )
         self._reset_interval(now)
 
     def _reset_interval(self, now: float) -> None:
         self._last_log_time = now
         self._interval_prompt_tokens = self._interval_generation_tokens = 0
         self._interval_queries = self._interval_hits = 0
+        if self._interval_spec is not None:
+            self._interval_spec = SpecDecodingStats(self._interval_spec.num_spec_tokens)
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

@@ -91,7 +91,18 @@ def make_spec_scheduler(
     return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, speculative_config=config)
 
 
-def run(sched: Scheduler, runner: FakeSpecRunner, requests: list[Request], max_steps: int = 2000) -> tuple[dict[str, list[int]], int]:
+def cpu_like_cost(num_tokens: int) -> float:
+    """A step's seconds as on a CPU: a fixed part (weights streamed once), then a cost per row."""
+    return 1.0 + 0.3 * num_tokens
+
+
+def run(
+    sched: Scheduler,
+    runner: FakeSpecRunner,
+    requests: list[Request],
+    max_steps: int = 2000,
+    step_cost: Callable[[int], float] = cpu_like_cost,
+) -> tuple[dict[str, list[int]], int]:
     for r in requests:
         sched.add_request(r)
     outputs: dict[str, list[int]] = {}
@@ -99,6 +110,7 @@ def run(sched: Scheduler, runner: FakeSpecRunner, requests: list[Request], max_s
     while sched.has_unfinished_requests() and steps < max_steps:
         out = sched.schedule()
         res = runner.execute(out)
+        sched.observe_step_cost(out.total_num_scheduled_tokens, step_cost(out.total_num_scheduled_tokens))
         for o in sched.update_from_output(out, res):
             outputs.setdefault(o.req_id, []).extend(o.new_token_ids)
         sched.kv_cache_manager.check_integrity()
@@ -108,7 +120,7 @@ def run(sched: Scheduler, runner: FakeSpecRunner, requests: list[Request], max_s
 
 
 def test_right_drafts_give_k_plus_one_tokens_a_step():
-    sched = make_spec_scheduler(k=4)
+    sched = make_spec_scheduler(k=4, adaptive=False)
     runner = FakeSpecRunner(sched.block_size, right_drafts)
     prompt = list(range(1, 11))
     outputs, steps = run(sched, runner, [make_request(sched, "a", prompt, max_tokens=21)])
@@ -121,7 +133,7 @@ def test_right_drafts_give_k_plus_one_tokens_a_step():
 
 
 def test_drafts_are_capped_by_max_tokens_and_max_model_len():
-    sched = make_spec_scheduler(k=4, max_model_len=20)
+    sched = make_spec_scheduler(k=4, max_model_len=20, adaptive=False)
     runner = FakeSpecRunner(sched.block_size, right_drafts)
     prompt = list(range(1, 11))
     outputs, _ = run(sched, runner, [make_request(sched, "a", prompt, max_tokens=7), make_request(sched, "b", prompt, max_tokens=50)])
@@ -163,7 +175,7 @@ def test_prefix_cache_only_indexes_accepted_tokens():
 
 
 def test_stop_token_inside_accepted_drafts_ends_the_request_there():
-    sched = make_spec_scheduler(k=4)
+    sched = make_spec_scheduler(k=4, adaptive=False)
     runner = FakeSpecRunner(sched.block_size, right_drafts)
     prompt = list(range(1, 11))
     full = expected_output(prompt, 12)
@@ -174,7 +186,7 @@ def test_stop_token_inside_accepted_drafts_ends_the_request_there():
     assert req.stop_reason == stop
 
 
-def test_no_drafts_for_a_wide_batch():
+def test_disable_by_batch_size():
     sched = make_spec_scheduler(k=2, disable_by_batch_size=3, max_num_batched_tokens=64)
     runner = FakeSpecRunner(sched.block_size, right_drafts)
     requests = [make_request(sched, f"r{i}", [i + 1] * 6, max_tokens=6) for i in range(5)]
@@ -184,19 +196,41 @@ def test_no_drafts_for_a_wide_batch():
         assert outputs[f"r{i}"] == expected_output([i + 1] * 6, 6)
 
 
-def test_requests_whose_drafts_fail_back_off():
+def test_requests_whose_drafts_fail_stop_drafting():
     sched = make_spec_scheduler(k=2)
     runner = FakeSpecRunner(sched.block_size, wrong_drafts)
     prompt = list(range(1, 6))
-    outputs, steps = run(sched, runner, [make_request(sched, "a", prompt, max_tokens=40)])
-    assert outputs["a"] == expected_output(prompt, 40)
-    # Back-off after failed runs 1, 2, 3, 4, 5: 1, 3, 7, 15, 31 steps without drafting.
-    assert len(runner.verified) <= 6
-    assert steps == 40
-    without_backoff = make_spec_scheduler(k=2, adaptive=False)
-    runner2 = FakeSpecRunner(without_backoff.block_size, wrong_drafts)
-    run(without_backoff, runner2, [make_request(without_backoff, "a", prompt, max_tokens=40)])
-    assert len(runner2.verified) == 38  # every decode but the last, which has room for no draft
+    outputs, steps = run(sched, runner, [make_request(sched, "a", prompt, max_tokens=80)])
+    assert outputs["a"] == expected_output(prompt, 80)
+    # Every draft fails: after a few tries the acceptance estimate is too low to pay for a row;
+    # drifting back to its prior, it tries again now and then.
+    assert 3 <= len(runner.verified) <= 12, len(runner.verified)
+    assert steps == 80
+    without = make_spec_scheduler(k=2, adaptive=False)
+    runner2 = FakeSpecRunner(without.block_size, wrong_drafts)
+    run(without, runner2, [make_request(without, "a", prompt, max_tokens=80)])
+    assert len(runner2.verified) == 78  # every decode but the last, which has room for no draft
+
+
+def test_accepted_drafts_run_long_while_rows_are_cheap():
+    sched = make_spec_scheduler(k=8, max_num_batched_tokens=64)
+    runner = FakeSpecRunner(sched.block_size, right_drafts)
+    outputs, _ = run(sched, runner, [make_request(sched, "a", list(range(1, 9)), max_tokens=60)])
+    assert outputs["a"] == expected_output(list(range(1, 9)), 60)
+    lengths = [len(s) for _, s, _ in runner.verified]
+    assert len(lengths) >= 5 and sum(lengths[:-2]) / len(lengths[:-2]) >= 7, lengths  # all accepted: long drafts
+
+
+def test_a_wide_batch_on_compute_bound_steps_drafts_nothing():
+    """When every row costs as much as the step's fixed part, no acceptance below 1 pays a row."""
+    sched = make_spec_scheduler(k=4, num_blocks=256, max_num_batched_tokens=256, max_num_seqs=32)
+    runner = FakeSpecRunner(sched.block_size, half_right)
+    requests = [make_request(sched, f"r{i}", [i + 1] * 5, max_tokens=20) for i in range(24)]
+    outputs, _ = run(sched, runner, requests, step_cost=lambda n: 0.01 + 1.0 * n)
+    for i in range(24):
+        assert outputs[f"r{i}"] == expected_output([i + 1] * 5, 20)
+    # Priced from the first plain decode step on, no draft ever pays for its row.
+    assert runner.verified == []
 
 
 def test_preemption_under_speculation_keeps_outputs_exact():

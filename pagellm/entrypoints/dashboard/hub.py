@@ -114,6 +114,11 @@ class StatsSampler:
             "waiting": raw.get("pagellm:num_requests_waiting", 0.0),
             "preemptions": raw.get("pagellm:num_preemptions_total", 0.0),
         }
+        drafted = delta("pagellm:spec_decode_num_draft_tokens_total", rate_base)
+        if drafted:  # speculative decoding: the share of drafts accepted, tokens a verification yields
+            point["spec_acceptance"] = delta("pagellm:spec_decode_num_accepted_tokens_total", rate_base) / drafted
+            num_drafts = delta("pagellm:spec_decode_num_drafts_total", rate_base)
+            point["spec_tokens_per_verification"] = 1 + point["spec_acceptance"] * drafted / num_drafts if num_drafts else None
         base = self._raw[0][1]
         for key, name in (("ttft", "pagellm:time_to_first_token_seconds_bucket"), ("tpot", "pagellm:inter_token_latency_seconds_bucket")):
             buckets = raw.get(name, [])
