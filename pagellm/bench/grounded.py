@@ -46,7 +46,9 @@ def grounded_dataset(num_prompts: int, input_len: int, output_len: int, tokenize
     from pagellm.tokenizer import apply_chat_template
 
     if num_prompts < 1 or input_len < 32 or output_len < 1:
-        raise ValueError(f"grounded prompts need num_prompts >= 1, input_len >= 32, output_len >= 1; got {num_prompts}, {input_len}, {output_len}")
+        raise ValueError(
+            f"grounded prompts need num_prompts >= 1, input_len >= 32, output_len >= 1; got {num_prompts}, {input_len}, {output_len}"
+        )
     rng = random.Random(seed)
     paragraphs = _passages()
     samples = []

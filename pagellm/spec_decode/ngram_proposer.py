@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from pagellm.speculative_config import SpeculativeConfig
 from pagellm.worker.input_batch import InputBatch
@@ -35,13 +34,17 @@ class NgramProposer:
         num_tokens = len(token_ids)
         if num_draft_tokens <= 0 or num_tokens < self.prompt_lookup_min + 1:
             return []
+        # Earlier occurrences of the last token end every candidate match: usually a few, so
+        # each longer n-gram is checked on those alone (one pass over the sequence in all).
+        ends = np.flatnonzero(token_ids[: num_tokens - 1] == token_ids[num_tokens - 1])
         for n in range(min(self.prompt_lookup_max, num_tokens - 1), self.prompt_lookup_min - 1, -1):
-            suffix = token_ids[num_tokens - n :]
-            # Windows starting at 0 .. num_tokens - n - 1: every occurrence before the suffix itself.
-            windows = sliding_window_view(token_ids[: num_tokens - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            hits = ends[ends >= n - 1]
+            for j in range(1, n):
+                if not hits.size:
+                    break
+                hits = hits[token_ids[hits - j] == token_ids[num_tokens - 1 - j]]
             if hits.size:
-                start = int(hits[-1]) + n
+                start = int(hits[-1]) + 1
                 return token_ids[start : start + num_draft_tokens].tolist()
         return []
 

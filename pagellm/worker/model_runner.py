@@ -239,12 +239,24 @@ class ModelRunner:
             if tp.is_first:
                 self._sample(logits, sample_rows, sample_req_ids, result)
         else:
-            # A verifying request's k drafts and the token before them: its last k + 1 positions.
-            ends = cu_end[sample_idx]
-            idx = np.concatenate([np.arange(e - len(d) - 1, e) for e, d in zip(ends.tolist(), sample_drafts)])
+            # Requests without drafts sample as usual (the fused kernel); a verifying request's
+            # k drafts and the token before them are its last k + 1 positions.
+            plain = [i for i, d in enumerate(sample_drafts) if not d]
+            verify = [i for i, d in enumerate(sample_drafts) if d]
+            ends = cu_end[sample_idx].tolist()
+            idx = np.concatenate([np.array([ends[i] - 1 for i in plain], dtype=np.int64)]
+                                 + [np.arange(ends[i] - len(sample_drafts[i]) - 1, ends[i]) for i in verify])
             logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(dev)])
             if tp.is_first:
-                self._verify(logits, sample_rows, sample_req_ids, sample_drafts, result)
+                if plain:
+                    self._sample(logits[: len(plain)], sample_rows[plain], [sample_req_ids[i] for i in plain], result)
+                self._verify(
+                    logits[len(plain) :],
+                    sample_rows[verify],
+                    [sample_req_ids[i] for i in verify],
+                    [sample_drafts[i] for i in verify],
+                    result,
+                )
         if tp.world_size > 1:
             self._broadcast_tokens(tp, sample_req_ids, 1 + max((len(d) for d in sample_drafts), default=0), result)
         for req_id, row in zip(sample_req_ids, sample_rows.tolist()):

@@ -53,3 +53,22 @@ def test_config_defaults_and_refusals():
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "typo": 1})
     with pytest.raises(ValueError, match="not valid JSON"):
         SpeculativeConfig.parse("{method: ngram}")
+
+
+def _naive(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_matches_a_naive_search_on_random_sequences():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        tokens = rng.integers(0, 4, int(rng.integers(1, 40))).tolist()
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        k = int(rng.integers(1, 6))
+        assert propose(tokens, k, lo, hi) == _naive(tokens, k, lo, hi), (tokens, k, lo, hi)
