@@ -4,7 +4,7 @@ tokenizer, for speed and memory measurements (speed does not depend on the value
 llama-quantize's Q4_K_M recipe: Q6_K for attn_v and ffn_down(_exps) on its "more bits" layers and
 for the output matrix, Q4_K elsewhere; norms and the MoE router in F32.
 
-usage: python scripts/make_random_gguf.py SHAPE OUT.gguf    SHAPE: qwen3-30b-a3b | qwen3-a3b-dense
+usage: python scripts/make_random_gguf.py SHAPE OUT.gguf    SHAPE: qwen3-30b-a3b | qwen3-a3b-dense | smollm2-1.7b
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ Q = GGMLQuantizationType
 SHAPES = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, used=8, expert_ff=768),
     "qwen3-a3b-dense": dict(arch="qwen3", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ff=8 * 768),
+    # SmolLM2-1.7B's body: the default model's tokenizer, so the default model can draft for it.
+    "smollm2-1.7b": dict(arch="llama", layers=24, hidden=2048, heads=32, kv_heads=32, head_dim=64, ff=8192, context=8192, rope_base=130000.0),
 }
 
 
@@ -63,10 +65,10 @@ def tensors(shape: dict, vocab: int) -> list[tuple[str, tuple[int, ...], GGMLQua
             (p + "attn_k.weight", (shape["kv_heads"] * d, h), Q.Q4_K),
             (p + "attn_v.weight", (shape["kv_heads"] * d, h), Q.Q6_K if big else Q.Q4_K),
             (p + "attn_output.weight", (h, shape["heads"] * d), Q.Q4_K),
-            (p + "attn_q_norm.weight", (d,), Q.F32),
-            (p + "attn_k_norm.weight", (d,), Q.F32),
             (p + "ffn_norm.weight", (h,), Q.F32),
         ]
+        if shape["arch"] != "llama":  # Qwen3's q/k norms
+            out += [(p + "attn_q_norm.weight", (d,), Q.F32), (p + "attn_k_norm.weight", (d,), Q.F32)]
         if "experts" in shape:
             e, f = shape["experts"], shape["expert_ff"]
             out += [
@@ -100,7 +102,7 @@ def main(shape_name: str, out: str) -> None:
     writer = gguf.GGUFWriter(out, shape["arch"])
     writer.add_name(f"random {shape_name}")
     vocab = copy_tokenizer(writer)
-    writer.add_context_length(40960)
+    writer.add_context_length(shape.get("context", 40960))
     writer.add_embedding_length(shape["hidden"])
     writer.add_block_count(shape["layers"])
     writer.add_feed_forward_length(shape.get("ff", 6144))
@@ -109,7 +111,9 @@ def main(shape_name: str, out: str) -> None:
     writer.add_key_length(shape["head_dim"])
     writer.add_value_length(shape["head_dim"])
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(1e6)
+    writer.add_rope_freq_base(shape.get("rope_base", 1e6))
+    if shape["arch"] == "llama":
+        writer.add_rope_dimension_count(shape["head_dim"])
     if "experts" in shape:
         writer.add_expert_count(shape["experts"])
         writer.add_expert_used_count(shape["used"])

@@ -23,9 +23,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pagellm import LLM, SamplingParams  # noqa: E402
-from pagellm.bench.datasets import random_dataset, tokenizer_token_ids  # noqa: E402
-from pagellm.bench.grounded import grounded_dataset  # noqa: E402
+from pagellm import LLM, SamplingParams
+from pagellm.bench.datasets import random_dataset, tokenizer_token_ids
+from pagellm.bench.grounded import grounded_dataset
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
@@ -59,11 +59,10 @@ def run_role(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, speculative_config=spec, **extra)
     tokenizer = llm.get_tokenizer()
     token_ids = tokenizer_token_ids(tokenizer)
-    grounded = [{"prompt_token_ids": s.prompt_token_ids} for s in grounded_dataset(args.num_prompts, args.input_len, args.output_len, tokenizer)]
-    random_prompts = [
-        {"prompt_token_ids": s.prompt_token_ids} for s in random_dataset(args.num_prompts, args.input_len, args.output_len, token_ids, seed=1)
-    ]
-    batch = [{"prompt_token_ids": s.prompt_token_ids} for s in random_dataset(args.batch_size, args.input_len, args.output_len, token_ids, seed=2)]
+    n, in_len, out_len = args.num_prompts, args.input_len, args.output_len
+    grounded = [{"prompt_token_ids": s.prompt_token_ids} for s in grounded_dataset(n, in_len, out_len, tokenizer)]
+    random_prompts = [{"prompt_token_ids": s.prompt_token_ids} for s in random_dataset(n, in_len, out_len, token_ids, seed=1)]
+    batch = [{"prompt_token_ids": s.prompt_token_ids} for s in random_dataset(args.batch_size, in_len, out_len, token_ids, seed=2)]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     sampled = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(grounded[:1] + random_prompts[:1], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
@@ -116,7 +115,8 @@ def main() -> int:
         result["workloads"][name] = {"output_tokens_per_s": tps, "ratio": tps["spec"] / tps["plain"],
                                      "tokens": {r: t[r]["tokens"] for r in tps}, "acceptance_rate": rate,
                                      "tokens_per_verification": per_verif, "num_verifications": verifs}
-        print(f"{name:10s} {tps['plain']:12.1f} {tps['spec']:11.1f} {tps['spec'] / tps['plain']:6.2f}x {rate:8.1%} {per_verif:14.2f} {verifs:7d}")
+        ratio = tps["spec"] / tps["plain"]
+        print(f"{name:10s} {tps['plain']:12.1f} {tps['spec']:11.1f} {ratio:6.2f}x {rate:8.1%} {per_verif:14.2f} {verifs:7d}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -32,6 +32,9 @@ from pagellm.core.spec_policy import AcceptanceEstimate, StepCostModel, plan_dra
 from pagellm.request import Request, RequestStatus
 from pagellm.speculative_config import SpeculativeConfig
 
+# A draft model starts drafting for a request only while this many of its tokens are still to come.
+_DRAFT_MODEL_MIN_REMAINING = 32
+
 
 @dataclass(frozen=True)
 class SchedulerStats:
@@ -83,6 +86,8 @@ class Scheduler:
         # drafts are accepted; per step width, what a step costs.
         self._acceptance: dict[str, AcceptanceEstimate] = {}
         self.step_costs = StepCostModel()
+        # A draft model's proposing: seconds per draft position, by how many requests draft.
+        self.proposal_costs = StepCostModel()
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -288,12 +293,16 @@ class Scheduler:
             # model's length or max_tokens can still take would never be verified.
             num_tokens = request.num_tokens + 1
             k = min(self.num_spec_tokens, self.max_model_len - num_tokens - 1, request.max_tokens - request.num_output_tokens - 2)
-            if k > 0:
-                candidates[req_id] = (k, self._acceptance.setdefault(req_id, AcceptanceEstimate()).rate)
+            if k <= 0:
+                continue
+            remaining = request.max_tokens - request.num_output_tokens
+            if self.num_lookahead_tokens and req_id not in self._acceptance and remaining < _DRAFT_MODEL_MIN_REMAINING:
+                continue  # a draft model's first proposal runs it over the whole request: not for a few tokens
+            candidates[req_id] = (k, self._acceptance.setdefault(req_id, AcceptanceEstimate()).rate)
         if not config.adaptive:
             return {r: k for r, (k, _) in candidates.items()}
         num_base_tokens = min(num_base_tokens, self.max_num_batched_tokens)
-        plan = plan_drafts(candidates, num_base_tokens, len(candidates), self.step_costs)
+        plan = plan_drafts(candidates, num_base_tokens, len(candidates), self.step_costs, self.proposal_costs)
         for req_id in candidates.keys() - plan.keys():
             self._acceptance[req_id].idle()
         return plan
@@ -303,9 +312,14 @@ class Scheduler:
         self._acceptance.setdefault(request.request_id, AcceptanceEstimate()).observe(num_draft_tokens, num_accepted_tokens)
 
     def observe_step_cost(self, num_tokens: int, seconds: float) -> None:
-        """A step's width and duration, for the adaptive speculation policy."""
+        """A step's width and duration (less any proposing), for the adaptive speculation policy."""
         if self.num_spec_tokens:
             self.step_costs.observe(num_tokens, seconds)
+
+    def observe_proposal_cost(self, num_requests: int, seconds_per_position: float) -> None:
+        """What one draft-model pass over ``num_requests`` drafting requests took."""
+        if num_requests and self.num_lookahead_tokens:
+            self.proposal_costs.observe(num_requests, seconds_per_position)
 
     def admits_waiting_requests(self) -> bool:
         """Whether waiting requests may join the batch this step; continuous batching always lets them."""

@@ -63,6 +63,14 @@ class StepCostModel:
             self._num_tokens.insert(i, num_tokens)
             self._seconds.insert(i, seconds)
 
+    @property
+    def num_observed(self) -> int:
+        return len(self._num_tokens)
+
+    @property
+    def widest(self) -> int:
+        return self._num_tokens[-1]
+
     def cost(self, num_tokens: int) -> Optional[float]:
         """Linear between the widths seen, and below the narrowest along the first segment's
         slope (never under half its cost); None past the widest, or below the only one: nothing
@@ -83,12 +91,18 @@ class StepCostModel:
 
 
 def plan_drafts(
-    candidates: dict[str, tuple[int, float]], num_base_tokens: int, num_outputs: int, cost_model: StepCostModel
+    candidates: dict[str, tuple[int, float]],
+    num_base_tokens: int,
+    num_outputs: int,
+    cost_model: StepCostModel,
+    proposal_costs: Optional[StepCostModel] = None,
 ) -> dict[str, int]:
     """Drafts per request (``req_id -> (most drafts it may take, acceptance rate)``) for a step
     of ``num_base_tokens`` known tokens that yields ``num_outputs`` tokens without drafts, best
     expected tokens per second first. Widths the cost model cannot price yet are taken whole
-    (that is how it learns them)."""
+    (that is how it learns them). ``proposal_costs``: a draft model's seconds per draft position
+    by the number of requests drafting (its passes run once per position, over those requests);
+    n-gram lookup costs nothing."""
     increments: list[tuple[float, str]] = []
     for req_id, (max_drafts, rate) in candidates.items():
         gain = 1.0
@@ -101,12 +115,20 @@ def plan_drafts(
     if base_cost is None:
         return {}  # a step without drafts first, to learn what drafts are to be weighed against
     best, best_n = expected / base_cost, 0
-    for n, (gain, _) in enumerate(increments, start=1):
+    drafts: dict[str, int] = {}
+    for n, (gain, req_id) in enumerate(increments, start=1):
         expected += gain
+        drafts[req_id] = drafts.get(req_id, 0) + 1
         cost = cost_model.cost(num_base_tokens + n)
         if cost is None:
             best_n = len(increments)  # unpriced: try it all once
             break
+        if proposal_costs is not None and proposal_costs.num_observed:
+            per_position = proposal_costs.cost(len(drafts))
+            if per_position is None:  # more drafting requests than seen: scale the widest seen
+                widest = proposal_costs.widest
+                per_position = proposal_costs.cost(widest) * len(drafts) / widest
+            cost += per_position * max(drafts.values())
         if expected / cost > best:
             best, best_n = expected / cost, n
     plan: dict[str, int] = {}

@@ -238,8 +238,12 @@ class EngineCore:
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         t3 = time.perf_counter()
-        self.scheduler.observe_step_cost(sched_out.total_num_scheduled_tokens, t3 - t0)
         phases = self.executor.last_timings
+        # The step's own width and cost, and apart from it what proposing the next drafts cost.
+        propose_s = phases.get("propose", 0.0)
+        self.scheduler.observe_step_cost(sched_out.total_num_scheduled_tokens, t3 - t0 - propose_s)
+        if "propose_pass" in phases:
+            self.scheduler.observe_proposal_cost(len(sched_out.num_draft_tokens_to_propose), phases["propose_pass"])
         self._last_step = StepStats(
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             num_reqs=len(sched_out.num_scheduled_tokens),

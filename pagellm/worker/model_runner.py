@@ -72,8 +72,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         # Speculative decoding's proposer (pagellm.spec_decode): ``propose_batch(batch, requests)``
-        # drafts after each step; a draft model also has ``run_batch``, which sees every token the
-        # target does, and ``draft_probs_for``, the distributions its drafts were drawn from.
+        # drafts after each step; a draft model also has ``draft_probs_for``, the distributions
+        # its drafts were drawn from, and ``remove_request``.
         self.drafter = drafter
         # Grammar state of constrained requests (None: this runner does not sample, or masks nothing).
         self.structured_output = structured_output
@@ -81,9 +81,7 @@ class ModelRunner:
         self.last_timings: dict[str, float] = {}
         # Decode steps replay CUDA graphs on a GPU; the CPU path never builds any.
         self.cuda_graphs: Optional[DecodeGraphRunner] = None
-        # A draft model runs beside every forward pass, which a replayed graph would skip.
-        runs_draft_model = hasattr(self.drafter, "run_batch")
-        if self.device.type == "cuda" and not enforce_eager and not runs_draft_model and model_supports_cuda_graphs(model):
+        if self.device.type == "cuda" and not enforce_eager and model_supports_cuda_graphs(model):
             # Each layer's fp8 scales on the device before capture: graphs hold their addresses,
             # and a copy to the device cannot happen inside a capture.
             for kv_scales in model.kv_scales():
@@ -136,6 +134,8 @@ class ModelRunner:
             batch.remove_request(req_id)
             if so is not None:
                 so.remove_request(req_id)
+            if hasattr(self.drafter, "remove_request"):
+                self.drafter.remove_request(req_id)
         for new in out.new_reqs:
             batch.add_request(
                 new.req_id,
@@ -214,8 +214,6 @@ class ModelRunner:
         ids_dev, positions_dev = torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
         if graph_size is None:
             hidden = self.model(ids_dev, positions_dev, self.kv_caches, self._layer_metadata(metadata))
-            if self.drafter is not None and hasattr(self.drafter, "run_batch"):
-                self.drafter.run_batch(ids_dev, positions_dev, metadata)
         else:
             hidden = self.cuda_graphs.run(ids_dev, positions_dev, metadata if len(metadata) > 1 else metadata[0], graph_size)
         t2 = time.perf_counter()
@@ -264,9 +262,14 @@ class ModelRunner:
                 batch.append_token(row, token)
                 if self.structured_output is not None:
                     self.structured_output.accept(req_id, token)
+        t3 = time.perf_counter()
+        self.last_timings["sample"] = t3 - t2
         if self.drafter is not None and out.num_draft_tokens_to_propose:
             self._propose(out.num_draft_tokens_to_propose, sample_req_ids, sample_rows, result)
-        self.last_timings["sample"] = time.perf_counter() - t2
+            self.last_timings["propose"] = time.perf_counter() - t3
+            pass_s = getattr(self.drafter, "last_pass_seconds", None)
+            if pass_s is not None:
+                self.last_timings["propose_pass"] = pass_s
         return result
 
     def _broadcast_tokens(self, tp, req_ids: list[str], width: int, result: ModelRunnerOutput) -> None:

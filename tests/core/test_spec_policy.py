@@ -48,3 +48,14 @@ def test_plan_drafts_while_cheap_rows_pay_and_none_when_they_cost_a_step_each():
     assert plan_drafts({"a": (4, 0.9)}, 3, 1, costs({40: 5.0})) == {}
     # Known base, unknown wider steps: try once, which prices them.
     assert plan_drafts({"a": (4, 0.9)}, 1, 1, costs({1: 5.0})) == {"a": 4}
+
+
+def test_a_draft_models_passes_count_against_its_drafts():
+    target = costs({1: 36.0, 5: 45.0, 32: 143.0, 160: 400.0})
+    passes = costs({1: 8.0, 32: 75.0})  # seconds per draft position, by requests drafting
+    # One stream: four passes of 8 beside a 45-wide step still beat plain decoding.
+    assert plan_drafts({"a": (4, 0.9)}, 1, 1, target, passes) == {"a": 4}
+    # 32 streams: each position's pass over all of them costs half a step; nothing pays.
+    wide = {f"r{i}": (4, 0.9) for i in range(32)}
+    assert plan_drafts(wide, 32, 32, target, passes) == {}
+    assert len(plan_drafts(wide, 32, 32, target)) == 32  # without the passes it would draft
