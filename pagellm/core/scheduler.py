@@ -28,12 +28,9 @@ from pagellm.core.sched_output import (
     SchedulerOutput,
 )
 from pagellm.core.spec_decode_stats import SpecDecodingStats
-from pagellm.core.spec_policy import AcceptanceEstimate, StepCostModel, plan_drafts
+from pagellm.core.spec_planner import SpecDecodePlanner
 from pagellm.request import Request, RequestStatus
 from pagellm.speculative_config import SpeculativeConfig
-
-# A draft model starts drafting for a request only while this many of its tokens are still to come.
-_DRAFT_MODEL_MIN_REMAINING = 32
 
 
 @dataclass(frozen=True)
@@ -75,19 +72,10 @@ class Scheduler:
         # Left the batch since the last step; the runner drops their state.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        self.speculative_config = speculative_config
-        self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config is not None else 0
-        # A draft model writes KV ahead of the verified tokens while it drafts: room for k more.
-        self.num_lookahead_tokens = (
-            self.num_spec_tokens if speculative_config is not None and speculative_config.method == "draft_model" else 0
+        # Speculative decoding's side of scheduling: which drafts to verify, how many to propose.
+        self.spec = (
+            SpecDecodePlanner(speculative_config, max_model_len, max_num_batched_tokens) if speculative_config is not None else None
         )
-        self.spec_stats = SpecDecodingStats(self.num_spec_tokens) if speculative_config is not None else None
-        # The adaptive policy's inputs (pagellm.core.spec_policy): per request, how often its
-        # drafts are accepted; per step width, what a step costs.
-        self._acceptance: dict[str, AcceptanceEstimate] = {}
-        self.step_costs = StepCostModel()
-        # A draft model's proposing: seconds per draft position, by how many requests draft.
-        self.proposal_costs = StepCostModel()
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -113,7 +101,8 @@ class Scheduler:
         return finished
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
-        self._acceptance.pop(request.request_id, None)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         request.status = status
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.request_id)
@@ -141,7 +130,7 @@ class Scheduler:
             if num_new_tokens <= 0:
                 idx += 1  # fully computed and waiting for its sample: nothing to run
                 continue
-            spec_token_ids = self._spec_tokens_to_verify(request, num_new_tokens, token_budget)
+            spec_token_ids = self.spec.tokens_to_verify(request, num_new_tokens, token_budget) if self.spec is not None else []
             num_new_tokens += len(spec_token_ids)
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, self._with_lookahead(request, num_new_tokens))
@@ -240,7 +229,9 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
             scheduled_spec_decode_tokens=spec_decode_tokens,
-            num_draft_tokens_to_propose=self._drafts_to_propose(ordered),
+            num_draft_tokens_to_propose=self.spec.drafts_to_propose(ordered, self.requests, len(self.running))
+            if self.spec is not None
+            else {},
         )
         self._finished_req_ids = set()
         # Tokens handed out now count as computed: their KV is written by this step's forward pass.
@@ -248,78 +239,23 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += n
         return output
 
-    # ---- speculative decoding ----------------------------------------------------------
-
-    def _spec_tokens_to_verify(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
-        """The drafts a decoding request verifies this step: as many as the budget, the model's
-        length and max_tokens leave room for (the step yields up to one token more than its drafts)."""
-        spec = request.spec_token_ids
-        if not spec:
-            return []
-        request.spec_token_ids = []
-        if num_new_tokens != request.num_tokens - request.num_computed_tokens or num_new_tokens != 1:
-            return []  # not a plain decode (a resumed request recomputes first)
-        room = min(
-            token_budget - num_new_tokens,
-            self.max_model_len - request.num_tokens - 1,
-            request.max_tokens - request.num_output_tokens - 1,
-        )
-        return spec[: max(room, 0)]
-
-    def _with_lookahead(self, request: Request, num_new_tokens: int, num_computed_tokens: Optional[int] = None) -> int:
-        """Slots to allocate: the step's tokens, plus a draft model's lookahead within the model's length."""
-        if not self.num_lookahead_tokens:
-            return num_new_tokens
-        computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
-        return num_new_tokens + max(0, min(self.num_lookahead_tokens, self.max_model_len - computed - num_new_tokens))
-
-    def _drafts_to_propose(self, num_scheduled: dict[str, int]) -> dict[str, int]:
-        """Per request that samples this step, how many drafts the runner proposes for the next one."""
-        if not self.num_spec_tokens:
-            return {}
-        config = self.speculative_config
-        if config.disable_by_batch_size is not None and len(self.running) > config.disable_by_batch_size:
-            return {}
-        candidates: dict[str, tuple[int, float]] = {}
-        num_base_tokens = 0  # what the next step runs without drafts
-        for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
-            remaining = request.num_tokens - request.num_computed_tokens - n
-            if remaining > 0:  # a prefill chunk that does not reach the end: nothing is sampled
-                num_base_tokens += remaining
-                continue
-            num_base_tokens += 1
-            # After this step the request has at least one more token; drafts past what the
-            # model's length or max_tokens can still take would never be verified.
-            num_tokens = request.num_tokens + 1
-            k = min(self.num_spec_tokens, self.max_model_len - num_tokens - 1, request.max_tokens - request.num_output_tokens - 2)
-            if k <= 0:
-                continue
-            remaining = request.max_tokens - request.num_output_tokens
-            if self.num_lookahead_tokens and req_id not in self._acceptance and remaining < _DRAFT_MODEL_MIN_REMAINING:
-                continue  # a draft model's first proposal runs it over the whole request: not for a few tokens
-            candidates[req_id] = (k, self._acceptance.setdefault(req_id, AcceptanceEstimate()).rate)
-        if not config.adaptive:
-            return {r: k for r, (k, _) in candidates.items()}
-        num_base_tokens = min(num_base_tokens, self.max_num_batched_tokens)
-        plan = plan_drafts(candidates, num_base_tokens, len(candidates), self.step_costs, self.proposal_costs)
-        for req_id in candidates.keys() - plan.keys():
-            self._acceptance[req_id].idle()
-        return plan
-
-    def _observe_verification(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        self.spec_stats.observe(num_draft_tokens, num_accepted_tokens)
-        self._acceptance.setdefault(request.request_id, AcceptanceEstimate()).observe(num_draft_tokens, num_accepted_tokens)
+    # ---- speculative decoding (pagellm.core.spec_planner) -----------------------------
 
     def observe_step_cost(self, num_tokens: int, seconds: float) -> None:
         """A step's width and duration (less any proposing), for the adaptive speculation policy."""
-        if self.num_spec_tokens:
-            self.step_costs.observe(num_tokens, seconds)
+        if self.spec is not None:
+            self.spec.step_costs.observe(num_tokens, seconds)
 
     def observe_proposal_cost(self, num_requests: int, seconds_per_position: float) -> None:
         """What one draft-model pass over ``num_requests`` drafting requests took."""
-        if num_requests and self.num_lookahead_tokens:
-            self.proposal_costs.observe(num_requests, seconds_per_position)
+        if self.spec is not None and num_requests and self.spec.num_lookahead_tokens:
+            self.spec.proposal_costs.observe(num_requests, seconds_per_position)
+
+    def _with_lookahead(self, request: Request, num_new_tokens: int, num_computed_tokens: Optional[int] = None) -> int:
+        if self.spec is None:
+            return num_new_tokens
+        computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        return self.spec.with_lookahead(computed, num_new_tokens)
 
     def admits_waiting_requests(self) -> bool:
         """Whether waiting requests may join the batch this step; continuous batching always lets them."""
@@ -380,7 +316,7 @@ class Scheduler:
                 # Rejected drafts' KV slots are not computed after all: the next step rewrites them.
                 num_accepted = len(token_ids) - 1
                 request.num_computed_tokens -= len(spec_token_ids) - num_accepted
-                self._observe_verification(request, len(spec_token_ids), num_accepted)
+                self.spec.observe_verification(request.request_id, len(spec_token_ids), num_accepted)
             status = None
             num_new = 0
             for token_id in token_ids:
@@ -447,5 +383,5 @@ class Scheduler:
             num_running_tokens=sum(r.num_computed_tokens for r in self.running),
             num_block_table_entries=sum(kv.num_held_blocks(r.request_id) for r in self.running),
             num_kv_cache_groups=kv.num_kv_cache_groups,
-            spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
+            spec_decoding=self.spec.stats.copy() if self.spec is not None else None,
         )
