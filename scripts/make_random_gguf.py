@@ -27,7 +27,9 @@ SHAPES = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, used=8, expert_ff=768),
     "qwen3-a3b-dense": dict(arch="qwen3", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ff=8 * 768),
     # SmolLM2-1.7B's body: the default model's tokenizer, so the default model can draft for it.
-    "smollm2-1.7b": dict(arch="llama", layers=24, hidden=2048, heads=32, kv_heads=32, head_dim=64, ff=8192, context=8192, rope_base=130000.0),
+    "smollm2-1.7b": dict(
+        arch="llama", layers=24, hidden=2048, heads=32, kv_heads=32, head_dim=64, ff=8192, context=8192, rope_base=130000.0
+    ),
 }
 
 

@@ -56,7 +56,7 @@ class DraftModelProposer:
 
     def draft_probs_for(self, req_id: str, num_drafts: int) -> Optional[torch.Tensor]:
         """The distributions a random request's drafts were drawn from (None: greedy drafts)."""
-        probs = self._probs.pop(req_id, None)
+        probs = self._probs.get(req_id)  # kept until the next proposal: a failed batch retries per request
         return probs[:num_drafts] if probs is not None else None
 
     def _num_computed(self, req_id: str, row: int, batch: InputBatch) -> int:

@@ -39,7 +39,7 @@ def test_streamed_and_whole_answers_agree_and_drafts_are_counted(spec_server):
     chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=60, temperature=0, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content
-    assert whole.usage.completion_tokens == 60
+    assert 20 < whole.usage.completion_tokens <= 60
     text = httpx.get(f"{spec_server.url}/metrics").text
     drafts = metric(text, "pagellm:spec_decode_num_draft_tokens_total")
     accepted = metric(text, "pagellm:spec_decode_num_accepted_tokens_total")
