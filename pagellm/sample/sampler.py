@@ -105,17 +105,6 @@ class Sampler:
             logits = apply_min_p(logits, metadata.min_p)
         return logits.softmax(dim=-1)
 
-    def uniforms(self, num_rows: int, seeds: dict[int, tuple[int, int]], device: torch.device, num_draws: int = 1) -> torch.Tensor:
-        """``[num_rows, num_draws]`` uniform draws; seeded rows' depend on (seed, step) alone."""
-        u = torch.rand(num_rows, num_draws, device=device, dtype=torch.float32)
-        for i, (row, (seed, step)) in enumerate(seeds.items()):
-            if not 0 <= row < num_rows:
-                raise ValueError(f"seeded row {row} is outside the batch of {num_rows} rows.")
-            generator = self._generator(device, i)
-            generator.manual_seed(derive_step_seed(seed, step))
-            u[row] = torch.rand(num_draws, device=device, dtype=torch.float32, generator=generator)
-        return u
-
     def _random_sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Samples every row as random (greedy rows' results are discarded by the caller).
 
@@ -123,7 +112,7 @@ class Sampler:
         rows elsewhere) through torch; which path a row takes depends only on its own settings,
         so a seeded row samples the same whatever shares its batch.
         """
-        u = self._uniforms(logits.shape[0], metadata.seeds, logits.device, logits.dtype)
+        u = self.uniforms(logits.shape[0], metadata.seeds, logits.device, dtype=logits.dtype)
         temperature = metadata.temperature.to(device=logits.device, dtype=logits.dtype)
         if not _use_sampling_kernel(logits):
             return self._torch_sample(logits, temperature, metadata.top_k, metadata.top_p, metadata.min_p, u)
@@ -175,23 +164,29 @@ class Sampler:
         sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1)
         return sampled.clamp_max_(logits.shape[1] - 1)
 
-    def _uniforms(
-        self, num_rows: int, seeds: dict[int, tuple[int, int]], device: torch.device, dtype: torch.dtype
+    def uniforms(
+        self,
+        num_rows: int,
+        seeds: dict[int, tuple[int, int]],
+        device: torch.device,
+        num_draws: int = 1,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """One uniform draw per row, ``[num_rows, 1]``: the point at which its CDF is inverted
-        (one random number per row; an exponential race needs one per vocabulary entry, which
-        costs far more on a CPU: docs/kernels.md).
+        """``num_draws`` uniform draws per row, ``[num_rows, num_draws]``: the plain sampler takes
+        one, the point at which its CDF is inverted (one random number per row; an exponential
+        race needs one per vocabulary entry, which costs far more on a CPU: docs/kernels.md); the
+        rejection sampler two.
 
         Seeded rows draw theirs from a generator seeded by (seed, step) alone, so their samples
         do not depend on the other rows of the batch nor on the row's position in it.
         """
-        u = torch.rand(num_rows, 1, device=device, dtype=dtype)
+        u = torch.rand(num_rows, num_draws, device=device, dtype=dtype)
         for i, (row, (seed, step)) in enumerate(seeds.items()):
             if not 0 <= row < num_rows:
                 raise ValueError(f"seeded row {row} is outside the batch of {num_rows} rows.")
             generator = self._generator(device, i)
             generator.manual_seed(derive_step_seed(seed, step))
-            u[row] = torch.rand(1, device=device, dtype=dtype, generator=generator)
+            u[row] = torch.rand(num_draws, device=device, dtype=dtype, generator=generator)
         return u
 
     def _generator(self, device: torch.device, index: int) -> torch.Generator:

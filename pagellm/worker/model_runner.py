@@ -323,8 +323,9 @@ class ModelRunner:
             logits = self.structured_output.apply_bitmask_for_drafts(logits, req_ids, drafts)
         draft_probs = getattr(self.drafter, "draft_probs_for", None)
         probs = [draft_probs(r, len(d)) for r, d in zip(req_ids, drafts)] if draft_probs is not None else None
-        output = self.rejection_sampler(logits, metadata, SpecDecodeMetadata(drafts, probs))
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+        spec = SpecDecodeMetadata(drafts, probs)
+        output = self.rejection_sampler(logits, metadata, spec)
+        starts = spec.row_starts
         for i, (req_id, tokens) in enumerate(zip(req_ids, output.output_token_ids)):
             result.sampled_token_ids[req_id] = tokens
             k = self.input_batch.params[int(rows[i])].logprobs
