@@ -20,7 +20,7 @@ _MATMUL_OPS = {
     "aten::bmm",
     "aten::baddbmm",
     "pagellm_gemm::linear_packed",
-    "pagellm_gemm::linear_packed_silu_mul",  # the gate/up projection with its activation
+    "pagellm_gemm::linear_packed_gated",  # the gate/up projection with its activation
     "pagellm_gemm_bf16::linear_bf16",
     "pagellm_gemm_int8::linear_int8",
 }

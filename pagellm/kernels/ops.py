@@ -175,14 +175,51 @@ def fused_add_rms_norm(
     return rms_norm_torch(residual, weight, eps), residual
 
 
+# The gated activations ``act(gate) * up`` the kernels apply, fused into a gate/up product's epilogue
+# or after it (gated_and_mul), with their codes in the C++ kernels (vec.h's GatedAct). Names are
+# transformers' ``hidden_act``; swiglu_oai is gpt-oss's clamped SwiGLU with these constants.
+FUSED_ACTIVATIONS: dict[str, int] = {"silu": 1, "gelu_pytorch_tanh": 2, "swiglu_oai": 3}
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+def activation_code(activation: Optional[str]) -> int:
+    """The kernels' code of a gated activation (0: none, a plain product); ValueError for others."""
+    if activation is None:
+        return 0
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(f"no fused kernel for the activation {activation!r}; fused: {', '.join(FUSED_ACTIVATIONS)}")
+    return FUSED_ACTIVATIONS[activation]
+
+
+def gated_and_mul_torch(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(x[:, :d]) * x[:, d:]`` in torch, as transformers computes each activation."""
+    gate, up = x.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_pytorch_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == "swiglu_oai":
+        gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+        up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+    raise ValueError(f"no gated form of {activation!r}")
+
+
+def gated_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(x[:, :d]) * x[:, d:]`` for a gate/up projection's output ``[T, 2d]``: the kernel's form
+    (the same arithmetic as the fused epilogues) where it runs, else torch's."""
+    code = activation_code(activation)
+    if supports(x) and _rows_contiguous(x):
+        out = torch.empty((x.shape[0], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+        torch.ops.pagellm_ops.gated_and_mul(out, x, code)
+        return out
+    return gated_and_mul_torch(x, activation)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for a gate/up projection's output ``[T, 2d]``."""
-    d = x.shape[-1] // 2
-    if supports(x) and _rows_contiguous(x):
-        out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
-        torch.ops.pagellm_ops.silu_and_mul(out, x)
-        return out
-    return F.silu(x[..., :d]).mul_(x[..., d:])
+    return gated_and_mul(x, "silu")
 
 
 def rotary_embedding(
@@ -202,10 +239,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.pagellm_gemm.pack_weight(weight)
 
 
-def pack_weight_silu_mul(weight: torch.Tensor) -> torch.Tensor:
-    """A gate/up weight ``[2d, K]`` (gate rows first) as panels for :func:`linear_packed_silu_mul`;
+def pack_weight_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """A gate/up weight ``[2d, K]`` (gate rows first) as panels for :func:`linear_packed_gated`;
     ValueError when ``d`` is not a whole number of vectors."""
-    return torch.ops.pagellm_gemm.pack_weight_silu_mul(weight)
+    return torch.ops.pagellm_gemm.pack_weight_gate_up(weight)
 
 
 def linear_packed(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -213,9 +250,12 @@ def linear_packed(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias
     torch.ops.pagellm_gemm.linear_packed(out, x, packed, bias)
 
 
-def linear_packed_silu_mul(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor) -> None:
-    """``out = silu(x @ gate.T) * (x @ up.T)`` with panels from :func:`pack_weight_silu_mul`."""
-    torch.ops.pagellm_gemm.linear_packed_silu_mul(out, x, packed)
+def linear_packed_gated(
+    out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], activation: str
+) -> None:
+    """``out = act(x @ gate.T + b_g) * (x @ up.T + b_u)`` with panels from :func:`pack_weight_gate_up`
+    (``bias``: gate's then up's, ``2d``), the activation one of :data:`FUSED_ACTIVATIONS`."""
+    torch.ops.pagellm_gemm.linear_packed_gated(out, x, packed, bias, activation_code(activation))
 
 
 # --- int8 dot products for GGUF block weights (gemm_int8.cpp) ----------------------------------
@@ -241,7 +281,7 @@ def pack_weight_int8(
     rows contiguous), repacked for :func:`linear_int8`: uint8 panels of 32 outputs holding exactly
     the values gguf dequantizes them to. A list of such tensors is the weight of their rows one
     after another, read in place (a fused projection's shards, never concatenated). For a fused
-    SiLU-and-mul, ``interleave=16`` takes the rows' first half (gate) and second half (up)
+    gated activation, ``interleave=16`` takes the rows' first half (gate) and second half (up)
     alternately, 16 rows at a time. ValueError for a type not in :func:`int8_types` or
     ``in_features`` not a multiple of its block."""
     parts = [raw] if isinstance(raw, torch.Tensor) else list(raw)
@@ -260,14 +300,15 @@ def linear_int8(
     packed: torch.Tensor,
     ggml_type: int,
     bias: Optional[torch.Tensor],
-    silu_mul: bool = False,
+    activation: Optional[str] = None,
 ) -> None:
     """``out = x @ W.T (+ bias)`` on x quantized per 32 inputs (int8 dot products are faster), ``packed``
     from :func:`pack_weight_int8` for ``ggml_type``. ``x`` and ``out`` float32 with contiguous rows
-    (``out`` may be a column slice of a wider tensor). With ``silu_mul``, for rows interleaved in
-    groups of 16, ``out [M, d] = silu(x @ gate.T) * (x @ up.T)``, ``bias`` then gate's then up's
-    (``2d``, not interleaved); ValueError unless ``d`` is a multiple of 16."""
-    torch.ops.pagellm_gemm_int8.linear_int8(out, x, packed, ggml_type, bias, silu_mul)
+    (``out`` may be a column slice of a wider tensor). With a gated ``activation`` (one of
+    :data:`FUSED_ACTIVATIONS`), for rows interleaved in groups of 16, ``out [M, d] = act(x @ gate.T)
+    * (x @ up.T)``, ``bias`` then gate's then up's (``2d``, not interleaved); ValueError unless ``d``
+    is a multiple of 16."""
+    torch.ops.pagellm_gemm_int8.linear_int8(out, x, packed, ggml_type, bias, activation_code(activation))
 
 
 def moe_int8(
@@ -278,14 +319,15 @@ def moe_int8(
     down: list[torch.Tensor],
     down_type: int,
     counts: torch.Tensor,
+    activation: str = "silu",
 ) -> None:
     """A mixture-of-experts layer's experts in one call. ``x`` float32 ``[P, H]`` holds the rows sorted
     by expert (``counts``, int64 ``[experts]``, says how many each has, in expert order); expert
-    ``e``'s rows go through ``silu(x @ gate.T) * (x @ up.T)`` with ``gate_up[e]`` (packed by
+    ``e``'s rows go through ``act(x @ gate.T) * (x @ up.T)`` with ``gate_up[e]`` (packed by
     :func:`pack_weight_int8` with ``interleave=16``) and then ``down[e]`` into the same rows of
     ``out`` ``[P, H_out]``. Bit for bit the two :func:`linear_int8` calls per expert; every expert's
     gate_up has one type and width, and so has every down. ValueError for shapes that do not fit."""
-    torch.ops.pagellm_gemm_int8.moe_int8(out, x, gate_up, gate_up_type, down, down_type, counts)
+    torch.ops.pagellm_gemm_int8.moe_int8(out, x, gate_up, gate_up_type, down, down_type, counts, activation_code(activation))
 
 
 def moe_int8_available() -> bool:
@@ -320,17 +362,18 @@ def bf16_matmul_available() -> bool:
     return available() and bool(torch.ops.pagellm_gemm_bf16.bf16_supported())
 
 
-def pack_weight_bf16(weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+def pack_weight_bf16(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """A float32 weight ``[N, K]`` rounded to bfloat16 panels for :func:`linear_bf16`, or a
     bfloat16 one packed as it is (from its own bytes, no float32 copy); the same panels either way
-    for the same bfloat16 values. With ``silu_mul`` a gate/up weight ``[2d, K]`` for the fused
+    for the same bfloat16 values. With ``gate_up`` a gate/up weight ``[2d, K]`` for a fused gated
     activation (ValueError unless ``d`` is a multiple of 16)."""
-    return torch.ops.pagellm_gemm_bf16.pack_weight_bf16(weight, silu_mul)
+    return torch.ops.pagellm_gemm_bf16.pack_weight_bf16(weight, gate_up)
 
 
 def linear_bf16(
-    out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool = False
+    out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str] = None
 ) -> None:
-    """``out = x @ W.T (+ bias)`` with ``x`` rounded to bfloat16 and float32 sums; with
-    ``silu_mul``, ``silu(x @ gate.T) * (x @ up.T)``. ``packed`` from :func:`pack_weight_bf16`."""
-    torch.ops.pagellm_gemm_bf16.linear_bf16(out, x, packed, bias, silu_mul)
+    """``out = x @ W.T (+ bias)`` with ``x`` rounded to bfloat16 and float32 sums; with a gated
+    ``activation`` (panels packed with ``gate_up``), ``act(x @ gate.T + b_g) * (x @ up.T + b_u)``
+    (``bias``: gate's then up's). ``packed`` from :func:`pack_weight_bf16`."""
+    torch.ops.pagellm_gemm_bf16.linear_bf16(out, x, packed, bias, activation_code(activation))

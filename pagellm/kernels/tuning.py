@@ -62,7 +62,7 @@ class TuningKey(NamedTuple):
     layout: str
 
 
-# The float32 panels of ops.pack_weight / ops.pack_weight_silu_mul, against BLAS.
+# The float32 panels of ops.pack_weight / ops.pack_weight_gate_up, against BLAS.
 F32_PANELS = TuningKey("F32", "panels")
 
 
@@ -106,7 +106,7 @@ class CpuTuning:
 class PackedForms(Protocol):
     """A weight's packed form as :mod:`pagellm.layers.linear` keeps it."""
 
-    panels: torch.Tensor  # float32 panels, from ops.pack_weight or ops.pack_weight_silu_mul
+    panels: torch.Tensor  # float32 panels, from ops.pack_weight or ops.pack_weight_gate_up
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Gated activations for a fused gate/up projection's output ``[T, 2d]`` (gate columns first).
 
-SiLU goes through the C++ kernel (and is fused into the gate/up product where the weights are
-packed for it); the others are a few torch ops after the product, in the arithmetic transformers
-uses for the same ``hidden_act``.
+SiLU, GELU-tanh and gpt-oss's clamped SwiGLU go through the C++ kernels (and are fused into the
+gate/up product's epilogue where the weights are packed for it: ``ops.FUSED_ACTIVATIONS``); exact
+GELU is a few torch ops after the product, in the arithmetic transformers uses.
 """
 from __future__ import annotations
 
@@ -16,13 +16,12 @@ from pagellm.kernels import ops
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]``."""
-    return ops.silu_and_mul(x)
+    return ops.gated_and_mul(x, "silu")
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` (Gemma's ``gelu_pytorch_tanh``)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    return ops.gated_and_mul(x, "gelu_pytorch_tanh")
 
 
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -30,17 +29,9 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate) * up
 
 
-# gpt-oss's clamped SwiGLU constants (its config's swiglu_alpha and swiglu_limit).
-SWIGLU_OAI_ALPHA = 1.702
-SWIGLU_OAI_LIMIT = 7.0
-
-
 def swiglu_oai_and_mul(x: torch.Tensor) -> torch.Tensor:
     """gpt-oss: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``."""
-    gate, up = x.chunk(2, dim=-1)
-    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
-    up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
-    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+    return ops.gated_and_mul(x, "swiglu_oai")
 
 
 # transformers' hidden_act names -> the gated form.

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.kernels import ops
 from pagellm.kernels.tuning import CpuTuning
 from pagellm.layers.activation import canonical_activation, gated_activation
 from pagellm.layers.gguf_types import GGUFWeight
@@ -175,8 +176,7 @@ class Linear(nn.Module):
             precision,
             torch.device(device),
             dtype,
-            silu_and_mul=self.activation == "silu",
-            has_bias=self.bias is not None,
+            gate_up=self.activation in ops.FUSED_ACTIVATIONS,
         )
         return self.method.nbytes
 
@@ -203,8 +203,9 @@ class Linear(nn.Module):
 
 class GatedLinear(Linear):
     """A gate/up projection (weight ``[2d, K]``, gate rows first) whose forward returns
-    ``act(gate) * up``, ``[T, d]``: for SiLU the product and the activation are one kernel pass
-    where the method packs for it; other activations follow the product (pagellm.layers.activation)."""
+    ``act(gate) * up``, ``[T, d]``: for the activations the kernels take (``ops.FUSED_ACTIVATIONS``:
+    SiLU, GELU-tanh, gpt-oss's clamped SwiGLU) the product and the activation are one kernel pass
+    where the method packs for it; others follow the product (pagellm.layers.activation)."""
 
     def __init__(self, *args, activation: str = "silu", **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -212,6 +213,6 @@ class GatedLinear(Linear):
         self._act = gated_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "silu":
-            return self.method.apply_silu_mul(x, self.bias)
+        if self.activation in ops.FUSED_ACTIVATIONS:
+            return self.method.apply_gated(x, self.bias, self.activation)
         return self._act(self.method.apply(x, self.bias))

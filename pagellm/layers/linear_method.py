@@ -35,8 +35,8 @@ WeightSource = GGUFWeight | torch.Tensor
 # Up to this many rows float32 panels beat BLAS on the machines measured; beyond it BLAS's
 # blocking wins. The default until CpuTuning holds this machine's own crossover.
 PACKED_MAX_ROWS = 96
-# The kernels' fused SiLU-and-mul pairs gate and up columns in groups of one vector (AVX-512).
-SILU_MUL_GROUP = 16
+# The kernels' fused gated activations pair gate and up columns in groups of one vector (AVX-512).
+GATE_UP_GROUP = 16
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -47,16 +47,17 @@ class LinearMethod(ABC):
     """A weight ``[out_features, in_features]`` in one form, and its product with ``x``."""
 
     out_features: int
-    # Whether ``apply_silu_mul`` fuses the activation into the product (a gate/up weight packed so).
-    fused_silu_mul: bool = False
+    # Whether ``apply_gated`` fuses the activation into the product (a gate/up weight packed so).
+    fused_gate_up: bool = False
 
     @abstractmethod
     def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """``x @ W.T + bias``."""
 
-    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """``silu(x @ gate.T) * (x @ up.T)`` for a gate/up weight (gate rows first)."""
-        return ops.silu_and_mul(self.apply(x, bias))
+    def apply_gated(self, x: torch.Tensor, bias: Optional[torch.Tensor], activation: str) -> torch.Tensor:
+        """``act(x @ gate.T + b_g) * (x @ up.T + b_u)`` for a gate/up weight (gate rows first), the
+        activation one of ``ops.FUSED_ACTIVATIONS``."""
+        return ops.gated_and_mul(self.apply(x, bias), activation)
 
     @property
     @abstractmethod
@@ -76,35 +77,35 @@ class DenseMethod(LinearMethod):
     """The weight as a dense tensor (float32 on a CPU: the exact path), plus float32 panels for
     small batches where the CPU kernels take it."""
 
-    def __init__(self, weight: torch.Tensor, silu_and_mul: bool, has_bias: bool) -> None:
+    def __init__(self, weight: torch.Tensor, gate_up: bool) -> None:
         self.weight = weight.contiguous()
         self.out_features = weight.shape[0]
         self.panels: Optional[torch.Tensor] = None
         self.packed_max_rows = PACKED_MAX_ROWS
         if not ops.supports(self.weight):
             return
-        if silu_and_mul and not has_bias:
+        if gate_up:
             try:
-                self.panels = ops.pack_weight_silu_mul(self.weight)
-                self.fused_silu_mul = True
+                self.panels = ops.pack_weight_gate_up(self.weight)
+                self.fused_gate_up = True
                 return
             except ValueError:  # half the rows is not a whole number of vectors: two steps then
                 pass
         self.panels = ops.pack_weight(self.weight)
 
     def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.panels is not None and not self.fused_silu_mul and x.shape[0] <= self.packed_max_rows and _rows_ok(x):
+        if self.panels is not None and not self.fused_gate_up and x.shape[0] <= self.packed_max_rows and _rows_ok(x):
             out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
             ops.linear_packed(out, x, self.panels, bias)
             return out
         return F.linear(x, self.weight, bias)
 
-    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.fused_silu_mul and bias is None and x.shape[0] <= self.packed_max_rows and _rows_ok(x):
+    def apply_gated(self, x: torch.Tensor, bias: Optional[torch.Tensor], activation: str) -> torch.Tensor:
+        if self.fused_gate_up and x.shape[0] <= self.packed_max_rows and _rows_ok(x):
             out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
-            ops.linear_packed_silu_mul(out, x, self.panels)
+            ops.linear_packed_gated(out, x, self.panels, bias, activation)
             return out
-        return ops.silu_and_mul(F.linear(x, self.weight, bias))
+        return ops.gated_and_mul(F.linear(x, self.weight, bias), activation)
 
     @property
     def nbytes(self) -> int:
@@ -128,21 +129,21 @@ class _PanelsMethod(LinearMethod):
     packed: torch.Tensor
 
     @abstractmethod
-    def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool) -> None:
-        """The kernel: ``out = x @ W.T + bias`` (``silu(gate) * up`` with ``silu_mul``)."""
+    def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> None:
+        """The kernel: ``out = x @ W.T + bias``, or ``act(gate) * up`` with a gated ``activation``."""
 
     def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.fused_silu_mul:
-            raise ValueError("a gate/up weight packed for the fused activation goes through apply_silu_mul")
+        if self.fused_gate_up:
+            raise ValueError("a gate/up weight packed for a fused activation goes through apply_gated")
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
-        self.product_into(out, x.contiguous(), bias, False)
+        self.product_into(out, x.contiguous(), bias, None)
         return out
 
-    def apply_silu_mul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if not self.fused_silu_mul:
-            return ops.silu_and_mul(self.apply(x, bias))
+    def apply_gated(self, x: torch.Tensor, bias: Optional[torch.Tensor], activation: str) -> torch.Tensor:
+        if not self.fused_gate_up:
+            return ops.gated_and_mul(self.apply(x, bias), activation)
         out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
-        self.product_into(out, x.contiguous(), bias, True)
+        self.product_into(out, x.contiguous(), bias, activation)
         return out
 
     @property
@@ -153,19 +154,19 @@ class _PanelsMethod(LinearMethod):
 class BF16Method(_PanelsMethod):
     """bfloat16 panels, every batch size (they beat float32 BLAS even at a long prefill's rows)."""
 
-    def __init__(self, weight: torch.Tensor, silu_and_mul: bool) -> None:
+    def __init__(self, weight: torch.Tensor, gate_up: bool) -> None:
         self.out_features = weight.shape[0]
-        if silu_and_mul:
+        if gate_up:
             try:
                 self.packed = ops.pack_weight_bf16(weight, True)
-                self.fused_silu_mul = True
+                self.fused_gate_up = True
                 return
             except ValueError:
                 pass
         self.packed = ops.pack_weight_bf16(weight, False)
 
-    def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool) -> None:
-        ops.linear_bf16(out, x, self.packed, bias, silu_mul)
+    def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> None:
+        ops.linear_bf16(out, x, self.packed, bias, activation)
 
     @property
     def form(self) -> str:
@@ -175,10 +176,10 @@ class BF16Method(_PanelsMethod):
 class GGUFInt8Method(_PanelsMethod):
     """One GGUF type's blocks, repacked once for the int8 kernel, straight from the parts' rows as
     stored (the shards of a fused projection are read in place, not concatenated); with
-    ``silu_and_mul`` the gate and up rows are taken alternately (in groups of one vector) so the
-    kernel stores silu(gate) * up."""
+    ``gate_up`` the gate and up rows are taken alternately (in groups of one vector) so the
+    kernel stores act(gate) * up."""
 
-    def __init__(self, weight: GGUFWeight | list[GGUFWeight], silu_and_mul: bool = False) -> None:
+    def __init__(self, weight: GGUFWeight | list[GGUFWeight], gate_up: bool = False) -> None:
         parts = [weight] if isinstance(weight, GGUFWeight) else weight
         first = parts[0]
         if any(p.ggml_type != first.ggml_type or p.cols != first.cols for p in parts):
@@ -187,14 +188,14 @@ class GGUFInt8Method(_PanelsMethod):
         self.out_features = sum(p.rows for p in parts)
         self.in_features = first.cols
         interleave = 0
-        if silu_and_mul and self.out_features % (2 * SILU_MUL_GROUP) == 0:
-            interleave = SILU_MUL_GROUP
-            self.fused_silu_mul = True
+        if gate_up and self.out_features % (2 * GATE_UP_GROUP) == 0:
+            interleave = GATE_UP_GROUP
+            self.fused_gate_up = True
         datas = [p.data if p.data.stride(-1) == 1 else p.data.contiguous() for p in parts]
         self.packed = ops.pack_weight_int8(datas, int(self.ggml_type), self.in_features, interleave)
 
-    def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool) -> None:
-        ops.linear_int8(out, x, self.packed, int(self.ggml_type), bias, silu_mul)
+    def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> None:
+        ops.linear_int8(out, x, self.packed, int(self.ggml_type), bias, activation)
 
     @property
     def form(self) -> str:
@@ -216,7 +217,7 @@ class SegmentedMethod(LinearMethod):
             end = start + part.out_features
             part_bias = None if bias is None else bias[start:end]
             if isinstance(part, GGUFInt8Method):  # writes its columns in place
-                part.product_into(out[:, start:end], x, part_bias, False)
+                part.product_into(out[:, start:end], x, part_bias, None)
             else:
                 out[:, start:end] = part.apply(x, part_bias)
             start = end
@@ -240,7 +241,7 @@ def _as_dense(source: WeightSource) -> torch.Tensor:
 
 
 def _float_method(
-    sources: list[WeightSource], precision: LinearPrecision, device: torch.device, dtype: torch.dtype, silu: bool, has_bias: bool
+    sources: list[WeightSource], precision: LinearPrecision, device: torch.device, dtype: torch.dtype, gate_up: bool
 ) -> LinearMethod:
     if device.type == "cpu" and precision.fallback == "bfloat16":
         parts = [_as_dense(s) for s in sources]
@@ -248,10 +249,10 @@ def _float_method(
         weight = parts[0] if len(parts) == 1 else torch.cat(parts if same else [p.float() for p in parts])
         if weight.dtype not in (torch.float32, torch.bfloat16):
             weight = weight.float()
-        return BF16Method(weight, silu)
+        return BF16Method(weight, gate_up)
     parts = [_as_dense(s).to(device=device, dtype=dtype) for s in sources]
     # One part is used as it is: a tied head then shares the embedding's float table.
-    return DenseMethod(parts[0] if len(parts) == 1 else torch.cat(parts), silu, has_bias)
+    return DenseMethod(parts[0] if len(parts) == 1 else torch.cat(parts), gate_up)
 
 
 def create_linear_method(
@@ -259,12 +260,12 @@ def create_linear_method(
     precision: LinearPrecision,
     device: torch.device,
     dtype: torch.dtype,
-    silu_and_mul: bool = False,
-    has_bias: bool = False,
+    gate_up: bool = False,
 ) -> LinearMethod:
     """The method for a layer whose weight is ``sources`` stacked by rows (the shards of a fused
     projection in order, or one tensor), as stored in the checkpoint; ``precision`` says what the
-    linear layers compute in (pagellm.models.precision)."""
+    linear layers compute in (pagellm.models.precision). ``gate_up``: a gate/up weight whose
+    activation the kernel may apply in the product's epilogue (packed for it where it can)."""
     use_kernel = device.type == "cpu" and precision.kind == "int8"
 
     def kind(source: WeightSource) -> str:
@@ -280,11 +281,11 @@ def create_linear_method(
         else:
             groups.append((k, [source]))
 
-    def build(k: str, group: list[WeightSource], silu: bool) -> LinearMethod:
+    def build(k: str, group: list[WeightSource], fuse: bool) -> LinearMethod:
         if k == "float":
-            return _float_method(group, precision, device, dtype, silu, has_bias)
-        return GGUFInt8Method(group, silu)  # type: ignore[arg-type]
+            return _float_method(group, precision, device, dtype, fuse)
+        return GGUFInt8Method(group, fuse)  # type: ignore[arg-type]
 
     if len(groups) == 1:
-        return build(*groups[0], silu_and_mul)
+        return build(*groups[0], gate_up)
     return SegmentedMethod([build(k, group, False) for k, group in groups])

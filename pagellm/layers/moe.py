@@ -91,7 +91,7 @@ class FusedMoE(nn.Module):
 
     def _int8_args(self) -> Optional[tuple[list[torch.Tensor], int, list[torch.Tensor], int]]:
         """(gate_up panels, type, down panels, type) when every expert is two int8-kernel methods
-        that ``ops.moe_int8`` runs in one call (gate_up with the fused SiLU-and-mul, no biases, one
+        that ``ops.moe_int8`` runs in one call (gate_up with the fused activation, no biases, one
         type per projection); else None. Read once per loaded weights: a reload makes new methods."""
         first, last = self.experts[0], self.experts[-1]
         key = (first.gate_up_proj.method, last.down_proj.method)
@@ -101,8 +101,8 @@ class FusedMoE(nn.Module):
         gate_ups = [e.gate_up_proj.method for e in self.experts]
         downs = [e.down_proj.method for e in self.experts]
         if (
-            all(isinstance(m, GGUFInt8Method) and m.fused_silu_mul for m in gate_ups)
-            and all(isinstance(m, GGUFInt8Method) and not m.fused_silu_mul for m in downs)
+            all(isinstance(m, GGUFInt8Method) and m.fused_gate_up for m in gate_ups)
+            and all(isinstance(m, GGUFInt8Method) and not m.fused_gate_up for m in downs)
             and all(e.gate_up_proj.bias is None and e.down_proj.bias is None for e in self.experts)
             and len({m.ggml_type for m in gate_ups}) == 1
             and len({m.ggml_type for m in downs}) == 1
@@ -126,7 +126,7 @@ class FusedMoE(nn.Module):
         if int8_args is not None:
             # Every used expert's two products in one native call, its threads shared across experts.
             gate_up, gate_up_type, down, down_type = int8_args
-            ops.moe_int8(outputs, inputs, gate_up, gate_up_type, down, down_type, counts)
+            ops.moe_int8(outputs, inputs, gate_up, gate_up_type, down, down_type, counts, self.experts[0].gate_up_proj.activation)
         else:
             start = 0
             for expert, count in enumerate(counts.tolist()):

@@ -261,7 +261,7 @@ class CausalLM(nn.Module):
         pairs = []
         for _, layer in self.linear_layers():
             method = layer.method
-            if isinstance(method, DenseMethod) and method.panels is not None and not method.fused_silu_mul:
+            if isinstance(method, DenseMethod) and method.panels is not None and not method.fused_gate_up:
                 pairs.append((method.weight, method))
         return pairs
 

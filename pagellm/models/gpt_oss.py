@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagellm.layers.activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from pagellm.kernels.ops import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from pagellm.layers.moe import FusedMoE
 from pagellm.models.llama import LlamaForCausalLM
 

@@ -50,34 +50,51 @@ def test_only_float32_weights_are_packed() -> None:
             ops.pack_weight(weight)
 
 
-def _silu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _gated_reference(x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -> torch.Tensor:
     """The unfused kernels: the plain panels' product, then the separate activation."""
     product = torch.empty(x.shape[0], weight.shape[0])
-    ops.linear_packed(product, x, ops.pack_weight(weight), None)
-    return ops.silu_and_mul(product)
+    ops.linear_packed(product, x, ops.pack_weight(weight), bias)
+    return ops.gated_and_mul(product, activation)
+
+
+def _check_fused_gated(rows: int, half: int, in_features: int, activation: str, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows + half)
+    # Large enough that gpt-oss's clamp at 7 cuts some gate and up sums.
+    weight = torch.randn(2 * half, in_features, generator=gen) * (4 / in_features**0.5)
+    bias = torch.randn(2 * half, generator=gen) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = ops.pack_weight_gate_up(weight)
+    out = torch.empty(rows, half)
+    ops.linear_packed_gated(out, x, packed, bias, activation)
+    assert torch.equal(out, _gated_reference(x, weight, bias, activation))
+    expected = ops.gated_and_mul_torch(torch.nn.functional.linear(x, weight, bias), activation)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 96, 200])
 @pytest.mark.parametrize("half,in_features", [(1536, 576), (64, 1300), (32, 100)])  # 1300: three k slices
 def test_fused_silu_and_mul_equals_the_separate_kernels_bit_for_bit(rows: int, half: int, in_features: int) -> None:
-    gen = torch.Generator().manual_seed(rows + half)
-    weight = torch.randn(2 * half, in_features, generator=gen) / in_features**0.5
-    x = torch.randn(rows, in_features, generator=gen)
-    packed = ops.pack_weight_silu_mul(weight)
-    out = torch.empty(rows, half)
-    ops.linear_packed_silu_mul(out, x, packed)
-    assert torch.equal(out, _silu_and_mul_reference(x, weight))
-    expected = torch.nn.functional.silu(x @ weight[:half].T) * (x @ weight[half:].T)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    _check_fused_gated(rows, half, in_features, "silu", with_bias=False)
 
 
-def test_fused_silu_and_mul_checks_its_shapes() -> None:
+@pytest.mark.parametrize("activation", list(ops.FUSED_ACTIVATIONS))
+@pytest.mark.parametrize("rows", [1, 13, 96])
+@pytest.mark.parametrize("half,in_features", [(64, 1300), (32, 100)])
+def test_every_fused_activation_with_a_bias_equals_the_separate_kernels(rows: int, half: int, in_features: int, activation: str) -> None:
+    _check_fused_gated(rows, half, in_features, activation, with_bias=True)
+
+
+def test_fused_gated_product_checks_its_inputs() -> None:
     with pytest.raises(ValueError, match="multiple of"):
-        ops.pack_weight_silu_mul(torch.randn(2 * 20, 64))  # halves of 20: not whole vectors
-    packed = ops.pack_weight_silu_mul(torch.randn(2 * 64, 64))
+        ops.pack_weight_gate_up(torch.randn(2 * 20, 64))  # halves of 20: not whole vectors
+    packed = ops.pack_weight_gate_up(torch.randn(2 * 64, 64))
     with pytest.raises(ValueError, match="gate/up panel pairs"):
-        ops.linear_packed_silu_mul(torch.empty(3, 128), torch.randn(3, 64), packed)
+        ops.linear_packed_gated(torch.empty(3, 128), torch.randn(3, 64), packed, None, "silu")
     with pytest.raises(ValueError, match="input width"):
-        ops.linear_packed_silu_mul(torch.empty(3, 64), torch.randn(3, 65), packed)
-    with pytest.raises(ValueError, match="pack_weight_silu_mul"):
-        ops.linear_packed_silu_mul(torch.empty(3, 64), torch.randn(3, 64), packed.double())
+        ops.linear_packed_gated(torch.empty(3, 64), torch.randn(3, 65), packed, None, "silu")
+    with pytest.raises(ValueError, match="pack_weight_gate_up"):
+        ops.linear_packed_gated(torch.empty(3, 64), torch.randn(3, 64), packed.double(), None, "silu")
+    with pytest.raises(ValueError, match="gate/up bias"):
+        ops.linear_packed_gated(torch.empty(3, 64), torch.randn(3, 64), packed, torch.randn(64), "silu")
+    with pytest.raises(ValueError, match="no fused kernel"):
+        ops.linear_packed_gated(torch.empty(3, 64), torch.randn(3, 64), packed, None, "gelu")

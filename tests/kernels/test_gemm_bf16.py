@@ -36,16 +36,19 @@ def test_linear_bf16_sums_bfloat16_products_in_float32(rows: int, out_features: 
     assert (out - exact).norm() / exact.norm() < 1e-2
 
 
+@pytest.mark.parametrize("activation", list(ops.FUSED_ACTIVATIONS))
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 13, 64])
-def test_fused_silu_and_mul(rows: int) -> None:
+def test_fused_gated_activation(rows: int, with_bias: bool, activation: str) -> None:
     gen = torch.Generator().manual_seed(rows)
     half, in_features = 96, 200
-    weight = torch.randn(2 * half, in_features, generator=gen) * 0.1
+    weight = torch.randn(2 * half, in_features, generator=gen) * 0.3  # sums past gpt-oss's clamp at 7 too
+    bias = torch.randn(2 * half, generator=gen) if with_bias else None
     x = torch.randn(rows, in_features, generator=gen)
     out = torch.empty(rows, half)
-    ops.linear_bf16(out, x, ops.pack_weight_bf16(weight, silu_mul=True), None, silu_mul=True)
-    product = _reference(x, weight)
-    want = F.silu(product[:, :half]) * product[:, half:]
+    ops.linear_bf16(out, x, ops.pack_weight_bf16(weight, gate_up=True), bias, activation)
+    product = _reference(x, weight) + (bias.double() if bias is not None else 0)
+    want = ops.gated_and_mul_torch(product, activation)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -61,7 +64,7 @@ def test_strided_rows_and_bad_inputs() -> None:
     with pytest.raises(ValueError, match="columns"):
         ops.linear_bf16(torch.empty(6, 80), x, packed, None)
     with pytest.raises(ValueError, match="multiple of 16"):
-        ops.pack_weight_bf16(torch.randn(40, 64), silu_mul=True)  # halves of 20 columns
+        ops.pack_weight_bf16(torch.randn(40, 64), gate_up=True)  # halves of 20 columns
     with pytest.raises(ValueError, match="float32"):
         ops.pack_weight_bf16(torch.randn(40, 64, dtype=torch.float64))
 
@@ -85,12 +88,12 @@ def test_a_bfloat16_gate_up_weight_packs_as_its_float32_upcast() -> None:
     gen = torch.Generator().manual_seed(1)
     half, in_features = 96, 201
     weight = (torch.randn(2 * half, in_features, generator=gen) * 0.1).bfloat16()
-    packed = ops.pack_weight_bf16(weight, silu_mul=True)
-    assert torch.equal(packed, ops.pack_weight_bf16(weight.float(), silu_mul=True))
+    packed = ops.pack_weight_bf16(weight, gate_up=True)
+    assert torch.equal(packed, ops.pack_weight_bf16(weight.float(), gate_up=True))
     x = torch.randn(13, in_features, generator=gen)
     out = torch.empty(13, half)
-    ops.linear_bf16(out, x, packed, None, silu_mul=True)
+    ops.linear_bf16(out, x, packed, None, "silu")
     product = _reference(x, weight.float())
     torch.testing.assert_close(out.double(), F.silu(product[:, :half]) * product[:, half:], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of 16"):
-        ops.pack_weight_bf16(weight[:40], silu_mul=True)
+        ops.pack_weight_bf16(weight[:40], gate_up=True)

@@ -34,28 +34,32 @@ def experts(gate_up_type: T, down_type: T, hidden: int, inter: int) -> tuple[lis
     for e in range(NUM_EXPERTS):
         gate = random_gguf_weight(gate_up_type, inter, hidden, seed=3 * e)
         up = random_gguf_weight(gate_up_type, inter, hidden, seed=3 * e + 1)
-        gate_ups.append(GGUFInt8Method([gate, up], silu_and_mul=True))
+        gate_ups.append(GGUFInt8Method([gate, up], gate_up=True))
         downs.append(GGUFInt8Method(random_gguf_weight(down_type, hidden, inter, seed=3 * e + 2)))
-    assert all(m.fused_silu_mul for m in gate_ups)
+    assert all(m.fused_gate_up for m in gate_ups)
     return gate_ups, downs
 
 
-def reference(x: torch.Tensor, counts: list[int], gate_ups: list[GGUFInt8Method], downs: list[GGUFInt8Method]) -> torch.Tensor:
+def reference(
+    x: torch.Tensor, counts: list[int], gate_ups: list[GGUFInt8Method], downs: list[GGUFInt8Method], activation: str = "silu"
+) -> torch.Tensor:
     out = torch.empty_like(x)
     start = 0
     for e, count in enumerate(counts):
         if count:
             rows = x[start : start + count]
-            out[start : start + count] = downs[e].apply(gate_ups[e].apply_silu_mul(rows, None), None)
+            out[start : start + count] = downs[e].apply(gate_ups[e].apply_gated(rows, None, activation), None)
             start += count
     return out
 
 
-def fused(x: torch.Tensor, counts: list[int], gate_ups: list[GGUFInt8Method], downs: list[GGUFInt8Method]) -> torch.Tensor:
+def fused(
+    x: torch.Tensor, counts: list[int], gate_ups: list[GGUFInt8Method], downs: list[GGUFInt8Method], activation: str = "silu"
+) -> torch.Tensor:
     out = torch.empty((x.shape[0], downs[0].out_features))
     ops.moe_int8(
         out, x, [m.packed for m in gate_ups], int(gate_ups[0].ggml_type), [m.packed for m in downs],
-        int(downs[0].ggml_type), torch.tensor(counts, dtype=torch.int64),
+        int(downs[0].ggml_type), torch.tensor(counts, dtype=torch.int64), activation,
     )
     return out
 
@@ -92,6 +96,16 @@ def test_moe_int8_random_routing() -> None:
         counts = torch.bincount(ids, minlength=NUM_EXPERTS).tolist()
         x = torch.randn(rows, 256, generator=gen)
         assert torch.equal(fused(x, counts, gate_ups, downs), reference(x, counts, gate_ups, downs))
+
+
+@pytest.mark.parametrize("activation", [a for a in ops.FUSED_ACTIVATIONS if a != "silu"])
+def test_moe_int8_takes_every_fused_activation(activation: str) -> None:
+    gate_ups, downs = experts(T.Q8_0, T.Q4_K, 256, 512)
+    counts = [13, 1, 0, 2, 6, 8]
+    x = torch.randn(sum(counts), 256, generator=torch.Generator().manual_seed(3)) * 3
+    got, want = fused(x, counts, gate_ups, downs, activation), reference(x, counts, gate_ups, downs, activation)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, fused(x, counts, gate_ups, downs))
 
 
 def test_moe_int8_rejects_bad_input() -> None:

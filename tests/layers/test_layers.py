@@ -61,6 +61,18 @@ def test_silu_and_mul_matches_torch(rows: int) -> None:
     torch.testing.assert_close(silu_and_mul(x), expected, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("activation", list(ops.FUSED_ACTIVATIONS))
+@pytest.mark.parametrize("half", [1536, 37])  # 37: a row tail past the last whole vector
+def test_every_gated_kernel_matches_transformers_arithmetic(activation: str, half: int) -> None:
+    gen = torch.Generator().manual_seed(half)
+    x = torch.randn(9, 2 * half, generator=gen) * 4
+    specials = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 7.0, -7.0, 7.5, -7.5, 20.0, -20.0])
+    x[0, : len(specials)] = specials
+    x[1, half : half + len(specials)] = specials  # up values around gpt-oss's clamp
+    got = ops.gated_and_mul(x, activation)
+    torch.testing.assert_close(got, ops.gated_and_mul_torch(x, activation), rtol=4e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("rows", ROWS)
 def test_rotary_in_place_matches_apply_rotary(rows: int) -> None:
     torch.manual_seed(rows)

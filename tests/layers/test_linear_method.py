@@ -67,7 +67,7 @@ def test_gate_up_blocks_fuse_the_activation() -> None:
     layer.load_shard("gate", gate)
     layer.load_shard("up", up)
     layer.process_weights_after_loading(INT8)
-    assert layer.method.fused_silu_mul
+    assert layer.method.fused_gate_up
     x = torch.randn(9, 256)
     want = F.silu(x @ gate.dequantize().T) * (x @ up.dequantize().T)
     assert rel_err(layer(x), want) < 2e-2

@@ -88,7 +88,7 @@ def test_default_model_keeps_its_blocks_on_the_int8_path(gguf_path: str) -> None
     assert len(linears) == 4 * 30 + 1
     assert all(isinstance(m.method, GGUFInt8Method) for m in linears)
     assert {m.method.ggml_type.name for m in linears} == {"Q4_1", "Q8_0"}
-    assert model.model.layers[5].mlp.gate_up_proj.method.fused_silu_mul
+    assert model.model.layers[5].mlp.gate_up_proj.method.fused_gate_up
     # One copy of the table: looked up row by row from the panels the tied head multiplies by.
     assert model.model.embed_tokens.packed is model.lm_head.method
     assert model.weight_bytes() < 1.1 * os.path.getsize(gguf_path)

@@ -41,15 +41,15 @@ constexpr int KC = 576;  // k per slice: 576 x 32 floats (72 KiB) stay in L2
 // acc[r] = (c_in ? c_in[r] : bias or 0) + sum over k of a[k, r] * b[k, :], for R rows and one
 // panel slice, stored to c_out[r]. a is either x itself (row r at a + r * lda) or, with
 // kPackedRows, a row block of x packed k-major with MR rows per k, so that both inputs stream in
-// order (see kPackRowsMinPanels). With kSiluMul the panel holds W gate columns then the W matching
-// up columns (pack_weight_silu_mul), and silu(gate) * up, W values a row, is stored instead.
+// order (see kPackRowsMinPanels). With kGated the panel holds W gate columns then the W matching
+// up columns (pack_weight_gate_up), and act(gate) * up (vec.h's `gated`), W values a row, is stored.
 // `ahead` is this tile's share (`ahead_rows` k-rows) of the next panel slice, pulled towards L2
 // evenly over the tile's k loop: the weights come from DRAM, the hardware prefetcher stops at page
 // boundaries, and spreading the requests over all row blocks keeps each core's stream at the rate
 // it consumes rather than in bursts that overflow its queue of outstanding misses.
-template <int R, bool kPackedRows, bool kSiluMul>
+template <int R, bool kPackedRows, bool kGated>
 void micro_tile(const float* a, int64_t lda, const float* b, int kc, const float* c_in, int64_t ldc_in, float* c_out,
-                int64_t ldc_out, int ncols, const float* bias, const float* ahead, int ahead_rows) {
+                int64_t ldc_out, int ncols, const float* bias, const float* ahead, int ahead_rows, int64_t act) {
   vfloat acc0[R], acc1[R];
   float edge[NR];
   for (int r = 0; r < R; ++r) {
@@ -88,8 +88,8 @@ void micro_tile(const float* a, int64_t lda, const float* b, int kc, const float
     }
   }
   for (int r = 0; r < R; ++r) {
-    if constexpr (kSiluMul) {  // whole panels only (checked by linear_packed_silu_mul)
-      vstore(c_out + r * ldc_out, silu(acc0[r]) * acc1[r]);
+    if constexpr (kGated) {  // whole panels only (checked by linear_packed_gated)
+      vstore(c_out + r * ldc_out, gated(act, acc0[r], acc1[r]));
     } else if (ncols == NR) {
       vstore(c_out + r * ldc_out, acc0[r]);
       vstore(c_out + r * ldc_out + W, acc1[r]);
@@ -102,13 +102,13 @@ void micro_tile(const float* a, int64_t lda, const float* b, int kc, const float
 }
 
 using MicroTile = void (*)(const float*, int64_t, const float*, int, const float*, int64_t, float*, int64_t, int,
-                           const float*, const float*, int);
+                           const float*, const float*, int, int64_t);
 
-template <bool kPackedRows, bool kSiluMul, size_t... I>
+template <bool kPackedRows, bool kGated, size_t... I>
 constexpr auto make_tiles(std::index_sequence<I...>) {
-  return std::array<MicroTile, sizeof...(I)>{&micro_tile<static_cast<int>(I) + 1, kPackedRows, kSiluMul>...};
+  return std::array<MicroTile, sizeof...(I)>{&micro_tile<static_cast<int>(I) + 1, kPackedRows, kGated>...};
 }
-// [packed rows][silu * up]: tiles of 1..MR rows.
+// [packed rows][act(gate) * up]: tiles of 1..MR rows.
 constexpr std::array<std::array<std::array<MicroTile, MR>, 2>, 2> kTiles = {{
     {{make_tiles<false, false>(std::make_index_sequence<MR>{}),
       make_tiles<false, true>(std::make_index_sequence<MR>{})}},
@@ -156,11 +156,11 @@ void check_linear_inputs(const at::Tensor& out, const at::Tensor& x, const at::T
 // Runs `body(a, tiles, pack_rows)` with x as the micro-tiles want it: `a` is x packed k-major by
 // row block when many panels reuse it (see kPackRowsMinPanels, `pack_rows`), else x in place;
 // `tiles` are the matching kernels.
-template <bool kSiluMul, typename Body>
+template <bool kGated, typename Body>
 void with_rows(const at::Tensor& x, int64_t panels, Body body) {
   const int64_t m = x.size(0), k = x.size(1), row_blocks = (m + MR - 1) / MR;
   const bool pack_rows = row_blocks > 1 && panels >= kPackRowsMinPanels;
-  if (!pack_rows) return body(x.data_ptr<float>(), kTiles[0][kSiluMul], false);
+  if (!pack_rows) return body(x.data_ptr<float>(), kTiles[0][kGated], false);
   thread_local std::vector<float> a_packed;  // [row_blocks, k, MR]
   a_packed.resize(row_blocks * k * MR);
   const float* a = x.data_ptr<float>();
@@ -173,7 +173,7 @@ void with_rows(const at::Tensor& x, int64_t panels, Body body) {
       for (int r = 0; r < rows; ++r) dst[i * MR + r] = src[r * lda + i];
   }
   // The worker threads see their own (empty) thread_local, so they get this thread's buffer by pointer.
-  body(a_packed.data(), kTiles[1][kSiluMul], true);
+  body(a_packed.data(), kTiles[1][kGated], true);
 }
 
 // One panel slice [k0, k0 + kc) against every row block of x (`a` as with_rows gives it): calls
@@ -225,7 +225,7 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
                              [&](int64_t m0, int rows, const float* a_tile, const float* ahead_share, int ahead_rows) {
                                float* c_tile = c + m0 * ldc + p * NR;
                                tiles[rows - 1](a_tile, lda, slice, kc, k0 == 0 ? nullptr : c_tile, ldc, c_tile, ldc,
-                                               ncols, panel_bias, ahead_share, ahead_rows);
+                                               ncols, panel_bias, ahead_share, ahead_rows, kActNone);
                              });
         }
       }
@@ -233,23 +233,31 @@ void linear_packed(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   });
 }
 
-// A gate/up projection [2d, K] (gate rows first) packed for linear_packed_silu_mul: panel p holds
+// A gate/up projection [2d, K] (gate rows first) packed for linear_packed_gated: panel p holds
 // gate columns [pW, pW + W) then up columns [pW, pW + W), so a micro-tile has each output
-// column's gate and up sums side by side in registers and stores silu(gate) * up directly: the
+// column's gate and up sums side by side in registers and stores act(gate) * up directly: the
 // [rows, 2d] product is never written, nor read back by a separate activation pass (which, at
 // decode sizes, also read half its inputs from the other core's cache: the two halves came from
 // panels of different threads).
-at::Tensor pack_weight_silu_mul(const at::Tensor& weight) {
-  const at::Tensor w = weight_to_pack(weight, "pack_weight_silu_mul");
-  return pack_f32(gate_up_interleaved(w, W, "pack_weight_silu_mul"));
+at::Tensor pack_weight_gate_up(const at::Tensor& weight) {
+  const at::Tensor w = weight_to_pack(weight, "pack_weight_gate_up");
+  return pack_f32(gate_up_interleaved(w, W, "pack_weight_gate_up"));
 }
 
-// out = silu(x G^T) * (x U^T) for a gate/up weight packed by pack_weight_silu_mul.
-void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
-  check_linear_inputs(out, x, packed, "linear_packed_silu_mul", "pack_weight_silu_mul");
+// out = act(x G^T + b_g) * (x U^T + b_u) for a gate/up weight packed by pack_weight_gate_up;
+// `bias` (optional) is gate's then up's, 2d values.
+void linear_packed_gated(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias, int64_t activation) {
+  check_linear_inputs(out, x, packed, "linear_packed_gated", "pack_weight_gate_up");
+  TORCH_CHECK_VALUE(activation >= kActSilu && activation <= kActSwigluOai,
+                    "linear_packed_gated: unknown activation code ", activation);
   const int64_t m = x.size(0), k = x.size(1), d = out.size(1), panels = packed.size(0);
-  TORCH_CHECK_VALUE(panels * W == d, "linear_packed_silu_mul: out has ", d, " columns, packed holds ", panels,
+  TORCH_CHECK_VALUE(panels * W == d, "linear_packed_gated: out has ", d, " columns, packed holds ", panels,
                     " gate/up panel pairs of ", W);
+  std::vector<float> bias_interleaved;
+  if (bias.has_value() && bias->defined())
+    bias_interleaved = gate_up_bias_interleaved(*bias, d, W, "linear_packed_gated");
+  const float* bias_ptr = bias_interleaved.empty() ? nullptr : bias_interleaved.data();
   const int64_t lda = x.stride(0), ldc = out.stride(0);
   float* c = out.data_ptr<float>();
   const float* b = packed.data_ptr<float>();
@@ -260,6 +268,7 @@ void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
       std::vector<float> partial(k > KC ? m * NR : 0);
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = b + p * k * NR;
+        const float* panel_bias = bias_ptr == nullptr ? nullptr : bias_ptr + p * NR;
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
           const int kc = static_cast<int>(std::min<int64_t>(KC, k - k0));
           const bool last = k0 + kc == k;
@@ -269,10 +278,10 @@ void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
                                const float* c_in = k0 == 0 ? nullptr : part;
                                if (last) {
                                  fused[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, c + m0 * ldc + p * W, ldc,
-                                                 NR, nullptr, ahead_share, ahead_rows);
+                                                 NR, panel_bias, ahead_share, ahead_rows, activation);
                                } else {
-                                 plain[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, part, NR, NR, nullptr,
-                                                 ahead_share, ahead_rows);
+                                 plain[rows - 1](a_tile, lda, panel + k0 * NR, kc, c_in, NR, part, NR, NR, panel_bias,
+                                                 ahead_share, ahead_rows, kActNone);
                                }
                              });
         }
@@ -287,13 +296,13 @@ void linear_packed_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
 TORCH_LIBRARY(pagellm_gemm, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("linear_packed(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
-  m.def("pack_weight_silu_mul(Tensor weight) -> Tensor");
-  m.def("linear_packed_silu_mul(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
+  m.def("pack_weight_gate_up(Tensor weight) -> Tensor");
+  m.def("linear_packed_gated(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int activation) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_gemm, CPU, m) {
   m.impl("pack_weight", &pagellm::pack_weight);
   m.impl("linear_packed", &pagellm::linear_packed);
-  m.impl("pack_weight_silu_mul", &pagellm::pack_weight_silu_mul);
-  m.impl("linear_packed_silu_mul", &pagellm::linear_packed_silu_mul);
+  m.impl("pack_weight_gate_up", &pagellm::pack_weight_gate_up);
+  m.impl("linear_packed_gated", &pagellm::linear_packed_gated);
 }

@@ -58,14 +58,13 @@ void round_rows(const float* x, int64_t ldx, int64_t k, int64_t kp, int64_t begi
   }
 }
 
-inline __m512 silu512(__m512 g) { return (__m512)silu((vfloat)g); }
-
 // out[r, 0:ncols) = bias + sum over the k pairs of x[r] . panel, for R rows of x (bfloat16 pairs,
-// `ldx` pairs apart) and one panel of `k2` pairs. With kSiluMul the panel's first 16 columns are
-// gate and the last 16 the matching up columns, and silu(gate) * up (16 values a row) is stored.
-template <int R, bool kSiluMul>
+// `ldx` pairs apart) and one panel of `k2` pairs. With kGated the panel's first 16 columns are
+// gate and the last 16 the matching up columns, `bias` (if any) their 32 biases in that order, and
+// act(gate) * up (vec.h's `gated`, 16 values a row) is stored.
+template <int R, bool kGated>
 void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t k2, float* out, int64_t ldo, int ncols,
-               const float* bias) {
+               const float* bias, int64_t act) {
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) {
     acc0[r] = _mm512_setzero_ps();
@@ -82,8 +81,12 @@ void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t k2
   }
   for (int r = 0; r < R; ++r) {
     float* row = out + r * ldo;
-    if constexpr (kSiluMul) {
-      _mm512_storeu_ps(row, _mm512_mul_ps(silu512(acc0[r]), acc1[r]));
+    if constexpr (kGated) {
+      if (bias != nullptr) {
+        acc0[r] = _mm512_add_ps(acc0[r], _mm512_loadu_ps(bias));
+        acc1[r] = _mm512_add_ps(acc1[r], _mm512_loadu_ps(bias + 16));
+      }
+      _mm512_storeu_ps(row, (__m512)gated(act, (vfloat)acc0[r], (vfloat)acc1[r]));
       continue;
     }
     if (bias != nullptr) {
@@ -104,11 +107,12 @@ void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t k2
   }
 }
 
-using TileBf16 = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int, const float*);
+using TileBf16 = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int, const float*,
+                          int64_t);
 
-template <bool kSiluMul, size_t... I>
+template <bool kGated, size_t... I>
 constexpr auto make_bf16_tiles(std::index_sequence<I...>) {
-  return std::array<TileBf16, sizeof...(I)>{&tile_bf16<static_cast<int>(I) + 1, kSiluMul>...};
+  return std::array<TileBf16, sizeof...(I)>{&tile_bf16<static_cast<int>(I) + 1, kGated>...};
 }
 constexpr std::array<std::array<TileBf16, MR_BF16>, 2> kBf16Tiles = {
     make_bf16_tiles<false>(std::make_index_sequence<MR_BF16>{}),
@@ -116,12 +120,12 @@ constexpr std::array<std::array<TileBf16, MR_BF16>, 2> kBf16Tiles = {
 };
 
 // [N, K] bfloat16 (contiguous) -> [ceil(N / NR), ceil(K / 2), NR, 2], zero-padded past N and K.
-// With `silu_mul` (a gate/up weight, N = 2d) panel p holds gate rows [16p, 16p + 16) then the same
+// With `gate_up` (a gate/up weight, N = 2d) panel p holds gate rows [16p, 16p + 16) then the same
 // outputs' up rows, read in place rather than from a reordered copy of the matrix.
-at::Tensor pack_bf16_panels(const at::Tensor& w, bool silu_mul) {
+at::Tensor pack_bf16_panels(const at::Tensor& w, bool gate_up) {
   constexpr int64_t kHalf = NR_BF16 / 2;
   const int64_t n = w.size(0), k = w.size(1), k2 = (k + 1) / 2, panels = (n + NR_BF16 - 1) / NR_BF16;
-  const int64_t d = silu_mul ? gate_up_half(w, kHalf, "pack_weight_bf16") : 0;
+  const int64_t d = gate_up ? gate_up_half(w, kHalf, "pack_weight_bf16") : 0;
   at::Tensor packed = at::zeros({panels, k2, NR_BF16, 2}, w.options().dtype(at::kBFloat16));
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -129,7 +133,7 @@ at::Tensor pack_bf16_panels(const at::Tensor& w, bool silu_mul) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min<int64_t>(NR_BF16, n - p * NR_BF16);
       for (int64_t j = 0; j < cols; ++j) {
-        const int64_t w_row = !silu_mul ? p * NR_BF16 + j : (j < kHalf ? 0 : d) + p * kHalf + j % kHalf;
+        const int64_t w_row = !gate_up ? p * NR_BF16 + j : (j < kHalf ? 0 : d) + p * kHalf + j % kHalf;
         const uint16_t* row = src + w_row * k;
         uint16_t* col = dst + p * k2 * NR_BF16 * 2 + j * 2;
         for (int64_t i = 0; i < k; ++i) col[(i / 2) * NR_BF16 * 2 + (i % 2)] = row[i];
@@ -151,23 +155,23 @@ bool bf16_supported() {
 
 // A bfloat16 weight is packed from its own bytes; a float32 one is rounded to a bfloat16 copy
 // first (round to nearest even, as the activations are).
-at::Tensor pack_weight_bf16(const at::Tensor& weight, bool silu_mul) {
+at::Tensor pack_weight_bf16(const at::Tensor& weight, bool gate_up) {
   TORCH_CHECK_VALUE(bf16_supported(), "pack_weight_bf16: this build has no AVX512_BF16 kernel");
   TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.dim() == 2 &&
                         (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
                     "pack_weight_bf16: weight must be a 2-D float32 or bfloat16 CPU tensor");
 #if defined(PAGELLM_BF16_DOT)
-  return pack_bf16_panels(weight.to(at::kBFloat16).contiguous(), silu_mul);
+  return pack_bf16_panels(weight.to(at::kBFloat16).contiguous(), gate_up);
 #else
-  (void)silu_mul;
+  (void)gate_up;
   return at::Tensor();
 #endif
 }
 
-// out = x W^T (+ bias), or with `silu_mul` silu(x G^T) * (x U^T) for a gate/up weight, W packed by
-// pack_weight_bf16 with the same `silu_mul`.
+// out = x W^T (+ bias), or with an activation code (vec.h's GatedAct) act(x G^T + b_g) * (x U^T + b_u)
+// for a gate/up weight packed by pack_weight_bf16 with `gate_up` (bias: gate's then up's, 2d values).
 void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                 bool silu_mul) {
+                 int64_t activation) {
   TORCH_CHECK_VALUE(bf16_supported(), "linear_bf16: this build has no AVX512_BF16 kernel");
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
                     "linear_bf16: x must be a 2-D float32 CPU tensor with contiguous rows");
@@ -179,16 +183,21 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                         packed.size(2) == NR_BF16 && packed.size(3) == 2 && packed.size(1) * 2 == kp,
                     "linear_bf16: packed must come from pack_weight_bf16 for this input width");
   const int64_t panels = packed.size(0);
-  if (silu_mul) {
+  TORCH_CHECK_VALUE(activation >= kActNone && activation <= kActSwigluOai, "linear_bf16: unknown activation code ",
+                    activation);
+  const bool gate_up = activation != kActNone;
+  std::vector<float> bias_interleaved;
+  if (gate_up) {
     TORCH_CHECK_VALUE(panels * (NR_BF16 / 2) == n, "linear_bf16: out has ", n, " columns, packed holds ", panels,
                       " gate/up panels of ", NR_BF16 / 2);
-    TORCH_CHECK_VALUE(!(bias.has_value() && bias->defined()), "linear_bf16: no bias with silu_mul");
+    if (bias.has_value() && bias->defined())
+      bias_interleaved = gate_up_bias_interleaved(*bias, n, NR_BF16 / 2, "linear_bf16");
   } else {
     TORCH_CHECK_VALUE(n <= panels * NR_BF16 && n > (panels - 1) * NR_BF16, "linear_bf16: out has ", n,
                       " columns, packed holds ", panels, " panels of ", NR_BF16);
   }
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
+  const float* bias_ptr = bias_interleaved.empty() ? nullptr : bias_interleaved.data();
+  if (!gate_up && bias.has_value() && bias->defined()) {
     TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
                       "linear_bf16: bias must be contiguous float32 of N elements");
     bias_ptr = bias->data_ptr<float>();
@@ -204,8 +213,8 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   const uint16_t* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* c = out.data_ptr<float>();
   const int64_t ldc = out.stride(0), k2 = kp / 2;
-  const auto& tiles = kBf16Tiles[silu_mul];
-  const int64_t cols_per_panel = silu_mul ? NR_BF16 / 2 : NR_BF16;
+  const auto& tiles = kBf16Tiles[gate_up];
+  const int64_t cols_per_panel = gate_up ? NR_BF16 / 2 : NR_BF16;
   parallel_panels(panels, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const uint16_t* panel = b + p * k2 * NR_BF16 * 2;
@@ -213,14 +222,14 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
       for (int64_t m0 = 0; m0 < m; m0 += MR_BF16) {
         const int rows = static_cast<int>(std::min<int64_t>(MR_BF16, m - m0));
         tiles[rows - 1](x2 + m0 * k2, k2, panel, k2, c + m0 * ldc + p * cols_per_panel, ldc, ncols,
-                        bias_ptr == nullptr ? nullptr : bias_ptr + p * NR_BF16);
+                        bias_ptr == nullptr ? nullptr : bias_ptr + p * NR_BF16, activation);
       }
     }
   });
 #else
   (void)packed;
   (void)bias;
-  (void)silu_mul;
+  (void)activation;
 #endif
 }
 
@@ -229,8 +238,8 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
 
 TORCH_LIBRARY(pagellm_gemm_bf16, m) {
   m.def("bf16_supported() -> bool", &pagellm::bf16_supported);
-  m.def("pack_weight_bf16(Tensor weight, bool silu_mul) -> Tensor");
-  m.def("linear_bf16(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, bool silu_mul) -> ()");
+  m.def("pack_weight_bf16(Tensor weight, bool gate_up) -> Tensor");
+  m.def("linear_bf16(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int activation) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_gemm_bf16, CPU, m) {

@@ -490,18 +490,18 @@ void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t 
 
 // ---- Micro-tiles ------------------------------------------------------------------------------
 
-// kSiluMul: the panel's first W columns are gate sums, the other W the same outputs' up sums;
-// stores silu(gate) * up. kMulSilu (W = 8, where a group of 16 gate rows fills a panel): this is an
-// up panel, and c already holds the gate sums, stored by the gate panel's tile.
-enum Epilogue { kStore, kSiluMul, kMulSilu };
-constexpr Epilogue kPairEpilogue = W >= 16 ? kSiluMul : kMulSilu;
+// kGated: the panel's first W columns are gate sums, the other W the same outputs' up sums;
+// stores act(gate) * up (vec.h's `gated`). kMulGated (W = 8, where a group of 16 gate rows fills a
+// panel): this is an up panel, and c already holds the gate sums, stored by the gate panel's tile.
+enum Epilogue { kStore, kGated, kMulGated };
+constexpr Epilogue kPairEpilogue = W >= 16 ? kGated : kMulGated;
 
 // out[r0 + r] = bias + x_r W^T for the R rows of row block `rb` (from row r0) and one panel (`ncols`
 // of its columns stored), or as the epilogue says. `ahead` (the next panel, or null) is pulled
 // towards the cache a block at a time while this one is multiplied.
 template <typename F, int R, Epilogue E>
 void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* panel, const float* bias0,
-                const float* bias1, float* c, int64_t ldc, int ncols, const uint8_t* ahead) {
+                const float* bias1, float* c, int64_t ldc, int ncols, const uint8_t* ahead, int64_t gated_act) {
   vfloat acc0[R], acc1[R];
   const vfloat b0 = bias0 != nullptr ? vload(bias0) : vfloat{}, b1 = bias1 != nullptr ? vload(bias1) : vfloat{};
   for (int r = 0; r < R; ++r) {
@@ -602,11 +602,11 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
   float edge[NR];
   for (int r = 0; r < R; ++r) {
     float* row = c + (r0 + r) * ldc;
-    if constexpr (E == kSiluMul) {
-      vstore(row, silu(acc0[r]) * acc1[r]);
-    } else if constexpr (E == kMulSilu) {
-      vstore(row, silu(vload(row)) * acc0[r]);
-      vstore(row + W, silu(vload(row + W)) * acc1[r]);
+    if constexpr (E == kGated) {
+      vstore(row, gated(gated_act, acc0[r], acc1[r]));
+    } else if constexpr (E == kMulGated) {
+      vstore(row, gated(gated_act, vload(row), acc0[r]));
+      vstore(row + W, gated(gated_act, vload(row + W), acc1[r]));
     } else if (ncols == NR) {
       vstore(row, acc0[r]);
       vstore(row + W, acc1[r]);
@@ -619,7 +619,7 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
 }
 
 using MicroTile = void (*)(const Activations&, int64_t, int64_t, const uint8_t*, const float*, const float*, float*,
-                           int64_t, int, const uint8_t*);
+                           int64_t, int, const uint8_t*, int64_t);
 // [plain, gate/up pair][rows - 1]
 using TileTable = std::array<std::array<MicroTile, MR_MAX>, 2>;
 
@@ -666,17 +666,17 @@ struct PanelProduct {
   const TileTable* tiles;
   const uint8_t* w;
   int64_t panel_bytes, n;  // n: output columns
-  bool silu_mul;
-  const float* bias;  // or null
+  int64_t activation;      // vec.h's GatedAct; kActNone for a plain product
+  const float* bias;       // or null
   float* c;
   int64_t ldc;
 };
 
 // With W < 16 a gate/up group of 32 rows is two panels, run by one thread: gate, then up.
-inline bool pairs_of(bool silu_mul) { return silu_mul && kPairEpilogue == kMulSilu; }
+inline bool pairs_of(bool gate_up) { return gate_up && kPairEpilogue == kMulGated; }
 
 void run_panels(const PanelProduct& pr, int64_t first, int64_t last) {
-  const bool silu_mul = pr.silu_mul, pairs = pairs_of(silu_mul);
+  const bool gate_up = pr.activation != kActNone, pairs = pairs_of(gate_up);
   const float* bias_ptr = pr.bias;
   const int64_t n = pr.n;
   float* c = pr.c;
@@ -692,7 +692,7 @@ void run_panels(const PanelProduct& pr, int64_t first, int64_t last) {
       ncols = NR;
       c_panel = c + (p / 2) * NR;
       if (bias_ptr != nullptr) b0 = bias_ptr + (up ? n : 0) + (p / 2) * NR;
-    } else if (silu_mul) {
+    } else if (gate_up) {
       c_panel = c + p * W;
       if (bias_ptr != nullptr) b0 = bias_ptr + p * W, b1 = bias_ptr + n + p * W;
     } else if (bias_ptr != nullptr) {
@@ -701,12 +701,12 @@ void run_panels(const PanelProduct& pr, int64_t first, int64_t last) {
       b0 = edge;
     }
     if (b0 != nullptr && b1 == nullptr) b1 = b0 + W;
-    const MicroTile* row_tiles = (*pr.tiles)[silu_mul && (!pairs || up)].data();
+    const MicroTile* row_tiles = (*pr.tiles)[gate_up && (!pairs || up)].data();
     // The first row block pulls in the next panel (the hardware prefetcher stops at pages).
     const uint8_t* ahead = p + 1 < last ? panel + pr.panel_bytes : nullptr;
     for (int64_t rb = 0; rb < pr.row_blocks->count; ++rb) {
       row_tiles[pr.row_blocks->rows(rb) - 1](*pr.act, rb, pr.row_blocks->start(rb), panel, b0, b1, c_panel, pr.ldc,
-                                             ncols, rb == 0 ? ahead : nullptr);
+                                             ncols, rb == 0 ? ahead : nullptr, pr.activation);
     }
   }
 }
@@ -738,7 +738,7 @@ const TypeInfo& checked_type(int64_t ggml_type, const char* op) {
 // parts: uint8 [N_i, row bytes] each, rows of one output's blocks as the file stores them; the
 // weight is their rows one after another, read in place (a fused projection's shards are not
 // concatenated first). interleave > 0: the rows' first half (gate) and second half (up) are
-// taken alternately in groups of that many rows, the order silu_mul mode needs.
+// taken alternately in groups of that many rows, the order a fused gated activation needs.
 at::Tensor pack_weight_int8(const std::vector<at::Tensor>& parts, int64_t ggml_type, int64_t in_features,
                             int64_t interleave) {
   const TypeInfo& t = checked_type(ggml_type, "pack_weight_int8");
@@ -783,7 +783,7 @@ at::Tensor pack_weight_int8(const std::vector<at::Tensor>& parts, int64_t ggml_t
 }
 
 void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,
-                 const c10::optional<at::Tensor>& bias, bool silu_mul) {
+                 const c10::optional<at::Tensor>& bias, int64_t activation) {
   const TypeInfo& t = checked_type(ggml_type, "linear_int8");
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
                     "linear_int8: x must be a 2-D float32 CPU tensor with contiguous rows");
@@ -800,9 +800,12 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                     "linear_int8: packed must come from pack_weight_int8 for this type and input width (", panel_bytes,
                     " bytes per panel of ", NR, " columns)");
   const int64_t panels = packed.size(0);
-  if (silu_mul) {
+  TORCH_CHECK_VALUE(activation >= kActNone && activation <= kActSwigluOai, "linear_int8: unknown activation code ",
+                    activation);
+  const bool gate_up = activation != kActNone;
+  if (gate_up) {
     TORCH_CHECK_VALUE(n % 16 == 0 && n == panels * W, "linear_int8: out has ", n, " columns, packed holds ",
-                      panels * NR, " interleaved gate/up rows (a multiple of 32 for a fused SiLU-and-mul)");
+                      panels * NR, " interleaved gate/up rows (a multiple of 32 for a fused gated activation)");
   } else {
     TORCH_CHECK_VALUE(n <= panels * NR && n > (panels - 1) * NR, "linear_int8: out has ", n, " columns, packed holds ",
                       panels, " panels of ", NR);
@@ -810,8 +813,8 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK_VALUE(
-        bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == (silu_mul ? 2 * n : n),
-        "linear_int8: bias must be contiguous float32 of ", silu_mul ? 2 * n : n, " elements");
+        bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == (gate_up ? 2 * n : n),
+        "linear_int8: bias must be contiguous float32 of ", gate_up ? 2 * n : n, " elements");
     bias_ptr = bias->data_ptr<float>();
   }
   if (m == 0) return;
@@ -835,25 +838,25 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   }
   const Activations act{qa_ptr, act_ptr, k, num_blocks};
   const PanelProduct pr{&act, &row_blocks, t.tiles,  packed.data_ptr<uint8_t>(), panel_bytes,
-                        n,    silu_mul,    bias_ptr, out.data_ptr<float>(),      out.stride(0)};
-  const bool pairs = pairs_of(silu_mul);
+                        n,    activation,  bias_ptr, out.data_ptr<float>(),      out.stride(0)};
+  const bool pairs = pairs_of(gate_up);
   parallel_panels(pairs ? panels / 2 : panels, [&](int64_t begin, int64_t end) {
     run_panels(pr, pairs ? 2 * begin : begin, pairs ? 2 * end : end);
   });
 #else
-  (void)m, (void)n, (void)packed, (void)bias, (void)silu_mul;
+  (void)m, (void)n, (void)packed, (void)bias, (void)activation;
   TORCH_CHECK(false, "linear_int8: this build has no int8 dot products (needs AVX512-VNNI or AVX-VNNI)");
 #endif
 }
 
 // A mixture-of-experts layer's experts in one call: x's rows sorted by expert (rows
 // [s_e, s_e + counts[e]) are expert e's), each expert's gate_up (packed with interleave 16, stored as
-// silu(gate) * up) then down into the same rows of out. One parallel region runs the whole layer,
-// its tasks (expert, panel chunk) so that the threads share even experts of one row; per output
-// element the sums are linear_int8's (the same quantization, tiles and order), so the result is
-// bit for bit that of two linear_int8 calls per expert.
+// act(gate) * up for the activation code) then down into the same rows of out. One parallel region runs the whole
+// layer, its tasks (expert, panel chunk) so that the threads share even experts of one row; per output element the sums
+// are linear_int8's (the same quantization, tiles and order), so the result is bit for bit that of two linear_int8
+// calls per expert.
 void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& gate_up, int64_t gate_up_type,
-              const std::vector<at::Tensor>& down, int64_t down_type, const at::Tensor& counts) {
+              const std::vector<at::Tensor>& down, int64_t down_type, const at::Tensor& counts, int64_t activation) {
   const TypeInfo& tg = checked_type(gate_up_type, "moe_int8");
   const TypeInfo& td = checked_type(down_type, "moe_int8");
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
@@ -864,6 +867,8 @@ void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor
   const int64_t num_experts = static_cast<int64_t>(gate_up.size());
   TORCH_CHECK_VALUE(num_experts > 0 && static_cast<int64_t>(down.size()) == num_experts,
                     "moe_int8: gate_up and down must hold the same number (> 0) of experts");
+  TORCH_CHECK_VALUE(activation >= kActSilu && activation <= kActSwigluOai, "moe_int8: unknown gated activation code ",
+                    activation);
   TORCH_CHECK_VALUE(counts.device().is_cpu() && counts.scalar_type() == at::kLong && counts.dim() == 1 &&
                         counts.numel() == num_experts,
                     "moe_int8: counts must be int64 [experts] on the CPU");
@@ -938,8 +943,8 @@ void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor
     acts_x.push_back({qa_ptr + at_rb * MR_MAX * k, act_x_ptr + at_rb * MR_MAX * k_blocks, k, k_blocks});
     acts_h.push_back({qh_ptr + at_rb * MR_MAX * inter, act_h_ptr + at_rb * MR_MAX * inter_blocks, inter, inter_blocks});
     products_gu.push_back({&acts_x[u], &blocks[u], tg.tiles, gate_up[e].data_ptr<uint8_t>(), gu_panel_bytes, inter,
-                           true, nullptr, h + used[u].start * inter, inter});
-    products_d.push_back({&acts_h[u], &blocks[u], td.tiles, down[e].data_ptr<uint8_t>(), d_panel_bytes, n, false,
+                           activation, nullptr, h + used[u].start * inter, inter});
+    products_d.push_back({&acts_h[u], &blocks[u], td.tiles, down[e].data_ptr<uint8_t>(), d_panel_bytes, n, kActNone,
                           nullptr, out.data_ptr<float>() + used[u].start * out.stride(0), out.stride(0)});
   }
   const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -1024,14 +1029,14 @@ at::Tensor int8_rows(const at::Tensor& packed, int64_t ggml_type, int64_t in_fea
 
 TORCH_LIBRARY(pagellm_gemm_int8, m) {
   m.def("pack_weight_int8(Tensor[] parts, int ggml_type, int in_features, int interleave) -> Tensor");
-  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor packed, int ggml_type, Tensor? bias, bool silu_mul) -> ()");
+  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor packed, int ggml_type, Tensor? bias, int activation) -> ()");
   // No tensor arguments to dispatch on: one kernel for every backend.
   m.def("int8_supported() -> bool", &pagellm::int8_supported);
   m.def("int8_types() -> int[]", &pagellm::int8_types);
   m.def("int8_rows(Tensor packed, int ggml_type, int in_features, Tensor ids) -> Tensor");
   m.def(
       "moe_int8(Tensor(a!) out, Tensor x, Tensor[] gate_up, int gate_up_type, Tensor[] down, int down_type, Tensor "
-      "counts) -> ()");
+      "counts, int activation) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_gemm_int8, CPU, m) {

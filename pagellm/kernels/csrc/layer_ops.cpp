@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "vec.h"
 
@@ -90,12 +91,15 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   });
 }
 
-// out = silu(x[:, :d]) * x[:, d:], silu(g) = g / (1 + e^-g).
-void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
-  check_matrix(x, "silu_and_mul", "x");
-  check_matrix(out, "silu_and_mul", "out");
+// out = act(x[:, :d]) * x[:, d:] for a gated activation code (vec.h's GatedAct); a row's tail goes
+// through the same vector form, so every element is what the fused epilogues store.
+void gated_and_mul(at::Tensor& out, const at::Tensor& x, int64_t activation) {
+  check_matrix(x, "gated_and_mul", "x");
+  check_matrix(out, "gated_and_mul", "out");
+  TORCH_CHECK_VALUE(activation >= kActSilu && activation <= kActSwigluOai, "gated_and_mul: unknown activation code ",
+                    activation);
   const int64_t rows = x.size(0), d = out.size(1);
-  TORCH_CHECK_VALUE(x.size(1) == 2 * d && out.size(0) == rows, "silu_and_mul: x must be [rows, 2d] and out [rows, d]");
+  TORCH_CHECK_VALUE(x.size(1) == 2 * d && out.size(0) == rows, "gated_and_mul: x must be [rows, 2d] and out [rows, d]");
   const float* src = x.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   const int64_t xs = x.stride(0), os = out.stride(0);
@@ -105,10 +109,14 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
       const float* up = gate + d;
       float* o = dst + r * os;
       int64_t i = 0;
-      for (; i + W <= d; i += W) {
-        vstore(o + i, silu(vload(gate + i)) * vload(up + i));
+      for (; i + W <= d; i += W) vstore(o + i, gated(activation, vload(gate + i), vload(up + i)));
+      if (i < d) {
+        float g[W] = {}, u[W] = {}, res[W];
+        std::memcpy(g, gate + i, (d - i) * sizeof(float));
+        std::memcpy(u, up + i, (d - i) * sizeof(float));
+        vstore(res, gated(activation, vload(g), vload(u)));
+        std::memcpy(o + i, res, (d - i) * sizeof(float));
       }
-      for (; i < d; ++i) o[i] = (gate[i] / (1.0f + std::exp(-gate[i]))) * up[i];
     }
   });
 }
@@ -167,13 +175,13 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tens
 TORCH_LIBRARY(pagellm_ops, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("gated_and_mul(Tensor(a!) out, Tensor x, int activation) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm_ops, CPU, m) {
   m.impl("rms_norm", &pagellm::rms_norm);
   m.impl("fused_add_rms_norm", &pagellm::fused_add_rms_norm);
-  m.impl("silu_and_mul", &pagellm::silu_and_mul);
+  m.impl("gated_and_mul", &pagellm::gated_and_mul);
   m.impl("rotary_embedding", &pagellm::rotary_embedding);
 }

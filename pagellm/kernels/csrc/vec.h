@@ -93,4 +93,29 @@ inline vfloat vexp(vfloat x) { return vexp2(x * kLog2e); }
 // silu(g) = g / (1 + e^-g): one definition, so that the fused and the separate forms agree bit for bit.
 inline vfloat silu(vfloat g) { return g / (vsplat(1.0f) + vexp(-g)); }
 
+// The gated activations act(gate) * up that a gate/up product's epilogue (or gated_and_mul) applies;
+// the codes are ops.py's FUSED_ACTIVATIONS. One definition each, shared by every kernel.
+enum GatedAct : int64_t { kActNone = 0, kActSilu = 1, kActGeluTanh = 2, kActSwigluOai = 3 };
+// gpt-oss's clamped SwiGLU (its config's swiglu_alpha and swiglu_limit; the model refuses others).
+constexpr float kSwigluAlpha = 1.702f, kSwigluLimit = 7.0f;
+
+// gelu_tanh(g) = g/2 (1 + tanh(u)) = g / (1 + e^-2u), u = sqrt(2/pi) (g + 0.044715 g^3).
+inline vfloat gelu_tanh(vfloat g) {
+  constexpr float kC = 0.7978845608028654f;
+  const vfloat u2 = g * (vsplat(2.0f * kC) + vsplat(2.0f * kC * 0.044715f) * g * g);
+  return g / (vsplat(1.0f) + vexp(-u2));
+}
+
+inline vfloat gated(int64_t act, vfloat g, vfloat u) {
+  if (act == kActGeluTanh) return gelu_tanh(g) * u;
+  if (act == kActSwigluOai) {
+    const vfloat limit = vsplat(kSwigluLimit);
+    g = g > limit ? limit : g;
+    u = u > limit ? limit : u;
+    u = u < -limit ? -limit : u;
+    return (u + vsplat(1.0f)) * (g / (vsplat(1.0f) + vexp(-kSwigluAlpha * g)));
+  }
+  return silu(g) * u;
+}
+
 }  // namespace pagellm
