@@ -54,7 +54,7 @@ def chat_text(client, messages, max_tokens: int, **kwargs):
 
 def test_text_with_instructions_equals_chat(client):
     resp = client.responses.create(
-        model=MODEL, input=QUESTION, instructions="You are a geography teacher.", max_output_tokens=48, temperature=0,
+        model=MODEL, input=QUESTION, instructions="You are a geography teacher.", max_output_tokens=32, temperature=0,
         metadata={"k": "v"}, user="u-1",
     )
     assert resp.id.startswith("resp_") and resp.object == "response" and resp.created_at > 0
@@ -64,14 +64,14 @@ def test_text_with_instructions_equals_chat(client):
     assert message.id.startswith("msg_") and message.content[0].type == "output_text"
     assert "Paris" in resp.output_text
     assert (resp.instructions, resp.max_output_tokens, resp.temperature, resp.metadata, resp.user) == (
-        "You are a geography teacher.", 48, 0.0, {"k": "v"}, "u-1"
+        "You are a geography teacher.", 32, 0.0, {"k": "v"}, "u-1"
     )
     assert resp.store is True and resp.parallel_tool_calls is True and resp.tools == []
     usage = resp.usage
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert usage.input_tokens_details.cached_tokens >= 0 and usage.output_tokens_details.reasoning_tokens == 0
     choice, chat_usage = chat_text(client, [{"role": "system", "content": "You are a geography teacher."},
-                                            {"role": "user", "content": QUESTION}], 48)
+                                            {"role": "user", "content": QUESTION}], 32)
     assert resp.output_text == choice.message.content
     assert (usage.input_tokens, usage.output_tokens) == (chat_usage.prompt_tokens, chat_usage.completion_tokens)
 
@@ -137,10 +137,6 @@ def test_parse_with_a_pydantic_text_format(client):
     assert resp.status == "completed"
     assert isinstance(resp.output_parsed, City) and resp.output_parsed.name
     assert resp.text.format.type == "json_schema" and resp.text.format.name == "City"
-    obj = client.responses.create(model=MODEL, input="Describe Paris as JSON.", text={"format": {"type": "json_object"}},
-                                  max_output_tokens=64, temperature=0)
-    if obj.status == "completed":
-        assert isinstance(json.loads(obj.output_text), dict)
 
 
 def test_function_call_then_its_output_via_previous_response_id(client):
@@ -152,7 +148,7 @@ def test_function_call_then_its_output_via_previous_response_id(client):
     assert first.tools[0].name == "get_weather" and first.tool_choice.name == "get_weather"
     output = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21, "sky": "clear"}'}
     second = client.responses.create(model=MODEL, previous_response_id=first.id, input=[output], tools=[WEATHER], tool_choice="auto",
-                                     max_output_tokens=32, temperature=0)
+                                     max_output_tokens=16, temperature=0)
     assert second.previous_response_id == first.id and second.usage.input_tokens > first.usage.input_tokens
     # The same turn spelt out on /v1/chat/completions gives the same reply.
     messages = [
@@ -162,7 +158,7 @@ def test_function_call_then_its_output_via_previous_response_id(client):
         ]},
         {"role": "tool", "tool_call_id": call.call_id, "content": output["output"]},
     ]
-    choice, chat_usage = chat_text(client, messages, 32, tools=[CHAT_WEATHER], tool_choice="auto")
+    choice, chat_usage = chat_text(client, messages, 16, tools=[CHAT_WEATHER], tool_choice="auto")
     assert second.usage.input_tokens == chat_usage.prompt_tokens
     got = [(i.type, i.content[0].text if i.type == "message" else (i.name, i.arguments)) for i in second.output]
     want = ([("message", choice.message.content)] if choice.message.content is not None else []) + [
