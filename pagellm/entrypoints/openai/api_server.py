@@ -42,9 +42,12 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
     VersionResponse,
 )
+from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagellm.entrypoints.openai.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from pagellm.entrypoints.openai.serving_base import to_api_error
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, authorize
 
@@ -147,6 +150,7 @@ def build_app(
     dashboard_show_text: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
 ) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__)
     state = ServerState(api_key=api_key, max_request_body_bytes=max_request_body_bytes)
@@ -157,6 +161,7 @@ def build_app(
     completions = OpenAIServingCompletion(async_llm, name)
     chat = OpenAIServingChat(async_llm, name, trust_request_chat_template, enable_auto_tool_choice, tool_call_parser)
     tokenization = OpenAIServingTokenization(async_llm, name, trust_request_chat_template)
+    responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -220,6 +225,18 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
 
     if dashboard:
         from pagellm.entrypoints.dashboard.hub import DashboardHub
@@ -310,6 +327,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
     )
     parser.add_argument("--tool-call-parser", default=None, choices=["hermes"], help="how to read tool calls out of the model's text")
+    parser.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=DEFAULT_MAX_STORED_RESPONSES,
+        help=f"responses kept in memory for previous_response_id and GET /v1/responses/ID, least recently used dropped first "
+        f"(default {DEFAULT_MAX_STORED_RESPONSES}; 0 keeps none)",
+    )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
 
@@ -345,6 +369,7 @@ def run_server(args: argparse.Namespace) -> int:
         args.trust_request_chat_template,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        max_stored_responses=args.max_stored_responses,
         dashboard=not args.no_dashboard,
         dashboard_show_text=args.dashboard_show_text,
     )

@@ -25,6 +25,7 @@ from pagellm.entrypoints.openai.protocol import (
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+    UsageInfo,
     random_id,
 )
 from pagellm.entrypoints.openai.serving_base import (
@@ -51,6 +52,32 @@ class _Choice:
     stop_reason: Optional[Union[int, str]] = None
     parser: Optional[HermesToolParser] = None  # streaming with tool_choice "auto"
     num_tool_calls: int = 0
+
+
+@dataclass
+class ChatRun:
+    """A chat request added to the engine: what reading its reply needs."""
+
+    request: ChatCompletionRequest
+    request_id: str
+    created: int
+    stream: RequestStream
+    n: int
+    role: str
+    echo: str
+    tool_mode: str  # "none", "auto", "required" or "named"
+
+
+@dataclass
+class ChatDelta:
+    """One streamed piece of one choice, or (``usage`` set, nothing else) the tally at the end."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    usage: Optional[UsageInfo] = None
 
 
 def make_chat_prompt(
@@ -107,6 +134,16 @@ class OpenAIServingChat(OpenAIServing):
         self.enable_auto_tool_choice = enable_auto_tool_choice
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        run = await self.start_chat(request, random_id("chatcmpl"))
+        if request.stream:
+            return StreamingResponse(self._stream(run), media_type="text/event-stream")
+        response = await run_until_disconnected(raw_request, lambda: self._full(run))
+        if response is None:
+            return Response(status_code=499)
+        return JSONResponse(response.model_dump())
+
+    async def start_chat(self, request: ChatCompletionRequest, request_id: str) -> ChatRun:
+        """Validates the request, renders its conversation and adds it to the engine (the Responses API's entry too)."""
         self.check_model(request.model)
         if not request.messages:
             raise APIError("messages must not be empty", param="messages")
@@ -149,19 +186,9 @@ class OpenAIServingChat(OpenAIServing):
         echo = ""
         if request.echo and messages[-1]["role"] == role:
             echo = messages[-1]["content"]
-        request_id = random_id("chatcmpl")
         created = int(time.time())
         streams = await self.add_requests(request_id, [prompt], params, time.monotonic())
-        if request.stream:
-            return StreamingResponse(
-                self._stream(request, request_id, created, streams[0], n, role, echo, tool_mode), media_type="text/event-stream"
-            )
-        response = await run_until_disconnected(
-            raw_request, lambda: self._full(request, request_id, created, streams[0], n, role, echo, tool_mode)
-        )
-        if response is None:
-            return Response(status_code=499)
-        return JSONResponse(response.model_dump())
+        return ChatRun(request, request_id, created, streams[0], n, role, echo, tool_mode)
 
     def _logprobs(
         self, request: ChatCompletionRequest, token_ids: list[int], logprobs: Optional[SampleLogprobs]
@@ -245,20 +272,11 @@ class OpenAIServingChat(OpenAIServing):
             deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]))
         return deltas
 
-    async def _full(
-        self,
-        request: ChatCompletionRequest,
-        request_id: str,
-        created: int,
-        stream: RequestStream,
-        n: int,
-        role: str,
-        echo: str,
-        tool_mode: str = "none",
-    ) -> ChatCompletionResponse:
+    async def _full(self, run: ChatRun) -> ChatCompletionResponse:
+        request, n, role, echo, tool_mode = run.request, run.n, run.role, run.echo, run.tool_mode
         choices = [_Choice() for _ in range(n)]
         num_prompt = num_cached = 0
-        async for _, output in self.iterate_streams([stream]):
+        async for _, output in self.iterate_streams([run.stream]):
             if output.error is not None:
                 raise APIError(f"the engine failed on this request: {output.error}", 500)
             num_prompt, num_cached = len(output.prompt_token_ids), output.num_cached_tokens
@@ -268,8 +286,8 @@ class OpenAIServingChat(OpenAIServing):
                     self._update_choice(request, choice, completion)
         messages = [self._message(request, c, role, echo, tool_mode) for c in choices]
         return ChatCompletionResponse(
-            id=request_id,
-            created=created,
+            id=run.request_id,
+            created=run.created,
             model=self.served_model_name,
             choices=[
                 ChatCompletionResponseChoice(
@@ -284,76 +302,67 @@ class OpenAIServingChat(OpenAIServing):
             usage=make_usage(num_prompt, sum(c.num_tokens for c in choices), num_cached),
         )
 
-    async def _stream(
-        self,
-        request: ChatCompletionRequest,
-        request_id: str,
-        created: int,
-        stream: RequestStream,
-        n: int,
-        role: str,
-        echo: str,
-        tool_mode: str = "none",
-    ) -> AsyncIterator[str]:
+    async def stream_deltas(self, run: ChatRun) -> AsyncIterator[ChatDelta]:
+        """The reply as OpenAI's chat deltas, role first; the last one carries the usage. Raises on failure."""
+        request, n, tool_mode = run.request, run.n, run.tool_mode
         choices = [_Choice() for _ in range(n)]
         if tool_mode == "auto" and self.tool_parser_cls is not None:
             for c in choices:
                 c.parser = self.tool_parser_cls()
         num_prompt = num_cached = 0
+        # The role goes first, at once: clients see the stream open before the first token.
+        for j in range(n):
+            yield ChatDelta(j, DeltaMessage(role=run.role, content=""))
+            if run.echo:
+                yield ChatDelta(j, DeltaMessage(content=run.echo))
+        async for _, output in self.iterate_streams([run.stream]):
+            if output.error is not None:
+                raise APIError(f"the engine failed on this request: {output.error}", 500)
+            num_prompt, num_cached = len(output.prompt_token_ids), output.num_cached_tokens
+            for completion in output.outputs:
+                choice = choices[completion.index]
+                if choice.finish_reason is not None:
+                    continue
+                text, logprobs = self._update_choice(request, choice, completion)
+                finish_reason = completion.finish_reason
+                if tool_mode != "none":
+                    text, calls = self._stream_tool_calls(request, choice, text, tool_mode, finish_reason is not None)
+                    for delta in self._tool_call_deltas(choice, calls):
+                        yield ChatDelta(completion.index, delta)
+                    if calls and tool_mode != "named" and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                    if choice.num_tool_calls and finish_reason == "stop" and tool_mode != "named":
+                        finish_reason = "tool_calls"
+                if not text and not logprobs and finish_reason is None:
+                    continue
+                yield ChatDelta(
+                    completion.index,
+                    DeltaMessage(content=text) if text or finish_reason is None else DeltaMessage(),
+                    ChatCompletionLogProbs(content=logprobs) if request.logprobs else None,
+                    finish_reason,
+                    completion.stop_reason,
+                )
+        yield ChatDelta(0, DeltaMessage(), usage=make_usage(num_prompt, sum(c.num_tokens for c in choices), num_cached))
+
+    async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
+        request = run.request
         exclude = None if request.include_usage else {"usage"}
-
-        def chunk(index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None) -> str:
-            return sse(
-                ChatCompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=self.served_model_name,
-                    choices=[
-                        ChatCompletionResponseStreamChoice(
-                            index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
-                        )
-                    ],
-                ),
-                exclude,
-            )
-
         try:
-            # The role goes first, at once: clients see the stream open before the first token.
-            for j in range(n):
-                yield chunk(j, DeltaMessage(role=role, content=""))
-                if echo:
-                    yield chunk(j, DeltaMessage(content=echo))
-            async for _, output in self.iterate_streams([stream]):
-                if output.error is not None:
-                    raise APIError(f"the engine failed on this request: {output.error}", 500)
-                num_prompt, num_cached = len(output.prompt_token_ids), output.num_cached_tokens
-                for completion in output.outputs:
-                    choice = choices[completion.index]
-                    if choice.finish_reason is not None:
-                        continue
-                    text, logprobs = self._update_choice(request, choice, completion)
-                    finish_reason = completion.finish_reason
-                    if tool_mode != "none":
-                        text, calls = self._stream_tool_calls(request, choice, text, tool_mode, finish_reason is not None)
-                        for delta in self._tool_call_deltas(choice, calls):
-                            yield chunk(completion.index, delta)
-                        if calls and tool_mode != "named" and finish_reason == "stop":
-                            finish_reason = "tool_calls"
-                        if choice.num_tool_calls and finish_reason == "stop" and tool_mode != "named":
-                            finish_reason = "tool_calls"
-                    if not text and not logprobs and finish_reason is None:
-                        continue
-                    yield chunk(
-                        completion.index,
-                        DeltaMessage(content=text) if text or finish_reason is None else DeltaMessage(),
-                        ChatCompletionLogProbs(content=logprobs) if request.logprobs else None,
-                        finish_reason,
-                        completion.stop_reason,
-                    )
-            if request.include_usage:
-                usage = make_usage(num_prompt, sum(c.num_tokens for c in choices), num_cached)
+            async for d in self.stream_deltas(run):
+                if d.usage is not None:
+                    if request.include_usage:
+                        yield sse(
+                            ChatCompletionStreamResponse(
+                                id=run.request_id, created=run.created, model=self.served_model_name, choices=[], usage=d.usage
+                            )
+                        )
+                    continue
+                choice = ChatCompletionResponseStreamChoice(
+                    index=d.index, delta=d.delta, logprobs=d.logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason
+                )
                 yield sse(
-                    ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name, choices=[], usage=usage)
+                    ChatCompletionStreamResponse(id=run.request_id, created=run.created, model=self.served_model_name, choices=[choice]),
+                    exclude,
                 )
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
             yield sse_error(e)
