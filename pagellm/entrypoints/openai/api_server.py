@@ -42,9 +42,11 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
     VersionResponse,
 )
+from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagellm.entrypoints.openai.serving_base import to_api_error
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, authorize
 
@@ -157,6 +159,7 @@ def build_app(
     completions = OpenAIServingCompletion(async_llm, name)
     chat = OpenAIServingChat(async_llm, name, trust_request_chat_template, enable_auto_tool_choice, tool_call_parser)
     tokenization = OpenAIServingTokenization(async_llm, name, trust_request_chat_template)
+    embedding = OpenAIServingEmbedding(async_llm, name)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -220,6 +223,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embedding.create_embedding(request, raw_request)
 
     if dashboard:
         from pagellm.entrypoints.dashboard.hub import DashboardHub

@@ -108,6 +108,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
+        self.check_runner("Chat Completions")
         if not request.messages:
             raise APIError("messages must not be empty", param="messages")
         if request.add_generation_prompt and request.continue_final_message:
