@@ -1,8 +1,8 @@
 """``pagellm serve --runner pooling``: /v1/embeddings to the official ``openai`` client, against transformers.
 
-One server per pooling type (LAST, MEAN, CLS) on the exact path (``--dtype float32``), and the
-default int8 path with LAST; each vector is compared with transformers' last hidden state of the
-same weights, pooled the same way.
+One server per pooling type (LAST, MEAN, CLS) on the exact path (``--dtype float32``); each vector
+is compared with transformers' last hidden state of the same weights, pooled the same way. The
+default int8 path is checked offline (tests/engine/test_llm_embed.py), where an engine starts faster.
 """
 from __future__ import annotations
 
@@ -20,17 +20,13 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 TEXTS = ["The capital of France is Paris.", "Paged attention stores keys and values in fixed-size blocks.", "hi"]
-TOKEN_IDS = [[1, 2, 3, 4, 5, 6, 7], [504, 3458, 282, 4649, 314]]
+TOKEN_IDS = [[29817, 19463, 4141, 1694, 288, 14799, 30], [504, 3458, 282, 4649, 314]]
 EXACT_COSINE = 0.9999
-# Measured on this machine's int8 (VNNI) path: the lowest cosine to transformers' float32 over
-# TEXTS and TOKEN_IDS was 0.9961 (LAST pooling); the bound leaves room for other CPUs' rounding.
-INT8_COSINE = 0.99
 
 SERVERS = {
     "LAST": ["--runner", "pooling", "--dtype", "float32"],
     "MEAN": ["--runner", "pooling", "--dtype", "float32", "--pooler-config", json.dumps({"pooling_type": "MEAN", "normalize": True})],
     "CLS": ["--task", "embed", "--dtype", "float32", "--pooler-config", json.dumps({"pooling_type": "CLS"})],
-    "int8": ["--runner", "pooling"],
 }
 
 
@@ -56,14 +52,9 @@ def tokenize(server: RemoteServer, text: str) -> list[int]:
     return resp.json()["tokens"]
 
 
-def pooling_type(server: RemoteServer) -> str:
-    return "LAST" if server.kind == "int8" else server.kind
-
-
 def test_matches_transformers_for_a_string_a_batch_and_token_ids(embed_server):
     client = embed_server.openai_client()
-    bound = INT8_COSINE if embed_server.kind == "int8" else EXACT_COSINE
-    kind = pooling_type(embed_server)
+    bound, kind = EXACT_COSINE, embed_server.kind
     one = client.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="float")
     assert len(one.data) == 1 and one.data[0].index == 0 and one.data[0].object == "embedding"
     ids = tokenize(embed_server, TEXTS[0])
