@@ -98,8 +98,9 @@ class Pooler:
             return hidden[c.flat_end - 1].float() if c.finishes_prompt else None
         if self.pooling_type == "CLS":
             if c.start == 0:
-                self._partial[c.req_id] = hidden[c.flat_start].float()
-            return self._require(c)
+                # A copy: the hidden states may live in a buffer the next step overwrites (CUDA graphs).
+                self._partial[c.req_id] = hidden[c.flat_start].float().clone()
+            return self._require(c) if c.finishes_prompt else None
         rows = hidden[c.flat_start : c.flat_end].float().sum(dim=0)
         if c.start == 0:
             self._partial[c.req_id] = rows

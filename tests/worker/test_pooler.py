@@ -88,3 +88,14 @@ def test_pooling_chunks_take_only_pooling_rows_in_batch_order():
     chunks = pooling_chunks(batch, ["gen", "emb"], rows, np.array([0, 2]), np.array([3, 3]), np.array([3, 6]))
     assert chunks == [PoolingChunk("emb", 3, 6, 2, 5, RAW)]
     assert chunks[0].finishes_prompt
+
+
+@pytest.mark.parametrize("pooling_type", ["MEAN", "CLS"])
+def test_state_kept_across_steps_survives_the_hidden_buffer_being_reused(pooling_type):
+    states = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(2))
+    pooler = Pooler(pooling_type)
+    buffer = states[:3].clone()  # a static output buffer, as CUDA graphs replay into
+    pooler.pool(buffer, [PoolingChunk("a", 0, 3, 0, 6, RAW)])
+    buffer.copy_(states[3:])
+    out = pooler.pool(buffer, [PoolingChunk("a", 0, 3, 3, 6, RAW)])
+    torch.testing.assert_close(torch.tensor(out["a"]), reference(states, pooling_type), rtol=1e-6, atol=1e-6)
