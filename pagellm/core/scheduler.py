@@ -298,9 +298,10 @@ class Scheduler:
                 if request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
                     # Scoring or pooling: the prompt is done and nothing is to be generated.
                     pooled = runner_output.pooler_output.get(req_id)
-                    status = RequestStatus.FINISHED_STOPPED if request.pooling_params is not None else RequestStatus.FINISHED_LENGTH_CAPPED
-                    if request.pooling_params is not None and pooled is None:
-                        status = RequestStatus.FINISHED_ERROR
+                    if request.pooling_params is None:
+                        status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    else:
+                        status = RequestStatus.FINISHED_STOPPED if pooled is not None else RequestStatus.FINISHED_ERROR
                     self.running.remove(request)
                     self._free_request(request, status)
                     outputs.append(
