@@ -89,6 +89,18 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\'',
     )
+    parser.add_argument(
+        "--runner",
+        choices=["generate", "pooling"],
+        default=None,
+        help="generate (default): sample tokens; pooling: embed prompts (/v1/embeddings, LLM.embed)",
+    )
+    parser.add_argument("--task", choices=["generate", "embed"], default=None, help="older vLLM's name: --task embed = --runner pooling")
+    parser.add_argument(
+        "--pooler-config",
+        default=None,
+        help='pooling runner, vLLM\'s JSON: \'{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}\' (default LAST, normalized)',
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -116,6 +128,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         speculative_config=args.speculative_config,
+        runner=getattr(args, "runner", None),
+        task=getattr(args, "task", None),
+        pooler_config=getattr(args, "pooler_config", None),
     )
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs

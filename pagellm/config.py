@@ -1,11 +1,14 @@
 """Engine configuration: every knob a user can set, validated in one place."""
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -146,6 +149,12 @@ class EngineConfig:
     distributed_executor_backend: Optional[str] = None
     # Speculative decoding (vLLM's ``--speculative-config``): a dict, its JSON, or None for none.
     speculative_config: Optional[Any] = None
+    # vLLM's ``--runner``: "generate" samples tokens, "pooling" prefills prompts into embeddings
+    # (``task="embed"``, older vLLM's name, means the same); ``pooler_config`` (vLLM's JSON or a
+    # dict) how: pagellm.pooling_params.PoolerConfig.
+    runner: Optional[str] = None
+    task: Optional[str] = None
+    pooler_config: Optional[Any] = None
     # Whether dtype / kv_cache_dtype were "auto", so that a GPU engine may refine them.
     auto_dtype: bool = field(default=False, init=False, repr=False)
     auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
@@ -203,8 +212,29 @@ class EngineConfig:
         from pagellm.speculative_config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._resolve_pooling()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def _resolve_pooling(self) -> None:
+        from pagellm.pooling_params import PoolerConfig, resolve_runner
+
+        self.runner = resolve_runner(self.runner, self.task)
+        self.task = None
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config needs runner='pooling'")
+            return
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.speculative_config is not None:
+            raise ValueError("the pooling runner generates no tokens; speculative_config does not apply")
+        if self.enable_prefix_caching and not self.pooler_config.supports_prefix_caching:
+            logger.info("prefix caching is off: %s pooling reads positions a cache hit would skip", self.pooler_config.pooling_type)
+            self.enable_prefix_caching = False
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
     def apply_linear_precision(self, precision: LinearPrecision) -> None:
         """Records the resolved precision. On a CPU the model's tensors are float32 whatever the

@@ -52,3 +52,27 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    """A pooling request's vector, as vLLM's: float32 values as Python floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt, shaped as vLLM's (``.outputs.embedding``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None
+    error: Optional[str] = None

@@ -5,6 +5,7 @@ import enum
 import time
 from typing import Callable, Optional
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -52,10 +53,13 @@ class Request:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         block_hasher: Optional[Callable[["Request"], list[bytes]]] = None,
+        pooling_params: Optional[PoolingParams] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        # A pooling request (max_tokens 0): finishes when its prompt is computed, with an embedding.
+        self.pooling_params = pooling_params
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.cache_salt = cache_salt

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -77,3 +78,20 @@ def check_close(ours: RequestOutput, ref: HFGreedy, name: str) -> bool:
             return False
     assert len(our_ids) == len(ref.token_ids), f"{name}: lengths differ: {len(our_ids)} vs {len(ref.token_ids)}"
     return True
+
+
+@torch.inference_mode()
+def hf_embedding(prompt_token_ids: list[int], pooling_type: str, normalize: bool = True, dimensions: Optional[int] = None) -> torch.Tensor:
+    """transformers' last hidden state (``output_hidden_states``' last entry: after the final norm),
+    pooled as vLLM's pooling runner does: LAST, MEAN or CLS, truncated, then L2-normalized."""
+    model, _ = hf_model_and_tokenizer()
+    hidden = model(input_ids=torch.tensor([prompt_token_ids]), output_hidden_states=True).hidden_states[-1][0].float()
+    pooled = {"LAST": lambda h: h[-1], "MEAN": lambda h: h.mean(dim=0), "CLS": lambda h: h[0]}[pooling_type](hidden)
+    pooled = pooled[:dimensions] if dimensions is not None else pooled
+    return torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled
+
+
+def cosine(a, b) -> float:
+    """Cosine similarity of two vectors given as lists or tensors, in float64."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))

@@ -7,6 +7,7 @@ from pagellm.core.block_hash import make_block_hasher
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
+from pagellm.pooling_params import PoolingParams
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -16,12 +17,22 @@ def fake_token(token_ids: list[int]) -> int:
     return (sum(token_ids) * 31 + len(token_ids)) % 1000 + 1000
 
 
+def fake_embedding(token_ids: list[int]) -> list[float]:
+    """What the fake model pools a prompt into: a function of every token, as MEAN pooling's."""
+    return [float(sum(token_ids)), float(len(token_ids))]
+
+
 class FakeRunner:
-    """Tracks what the runner would hold, and checks the scheduler's instructions are coherent."""
+    """Tracks what the runner would hold, and checks the scheduler's instructions are coherent.
+
+    A pooling request (``pooling_params`` set) is never sampled: when its prompt is computed it
+    gets ``fake_embedding`` once, and is never scheduled again."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.state: dict[str, dict] = {}
+        self.pooling_req_ids: set[str] = set()
+        self.num_pooled: dict[str, int] = {}
 
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
         for req_id in out.finished_req_ids:
@@ -29,21 +40,27 @@ class FakeRunner:
         for new in out.new_reqs:
             assert new.req_id not in self.state
             self.state[new.req_id] = {"tokens": list(new.token_ids), "computed": new.num_computed_tokens, "blocks": list(new.block_ids)}
+            if new.pooling_params is not None:
+                self.pooling_req_ids.add(new.req_id)
         for cached in out.cached_reqs:
             st = self.state[cached.req_id]
             st["blocks"].extend(cached.new_block_ids)
             assert st["computed"] == cached.num_computed_tokens
-        sampled = {}
+        sampled, pooled = {}, {}
         for req_id, n in out.num_scheduled_tokens.items():
             st = self.state[req_id]
             st["computed"] += n
             assert st["computed"] <= len(st["tokens"])
             assert len(st["blocks"]) * self.block_size >= st["computed"], "not enough blocks for the computed tokens"
-            if st["computed"] == len(st["tokens"]):
+            if st["computed"] == len(st["tokens"]) and req_id in self.pooling_req_ids:
+                assert self.num_pooled.get(req_id, 0) == 0, f"{req_id} scheduled after its prompt was pooled"
+                self.num_pooled[req_id] = 1
+                pooled[req_id] = fake_embedding(st["tokens"])
+            elif st["computed"] == len(st["tokens"]):
                 token = fake_token(st["tokens"])
                 st["tokens"].append(token)
                 sampled[req_id] = [token]
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled, pooler_output=pooled)
 
 
 def make_scheduler(
@@ -56,6 +73,12 @@ def make_scheduler(
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching)
     return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
+
+
+def make_pooling_request(sched: Scheduler, req_id: str, prompt: list[int]) -> Request:
+    """A request to embed, as the engine makes one: max_tokens 0 and pooling params."""
+    hasher = make_block_hasher(sched.block_size) if sched.kv_cache_manager.enable_caching else None
+    return Request(req_id, prompt, SamplingParams(max_tokens=0, temperature=0.0), 0, block_hasher=hasher, pooling_params=PoolingParams())
 
 
 def make_request(sched: Scheduler, req_id: str, prompt: list[int], max_tokens: int = 4, **params) -> Request:

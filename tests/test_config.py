@@ -57,3 +57,40 @@ def test_half_precision_blocks_take_half_the_bytes() -> None:
     assert bytes_per_block(30, 16, 3, 64, torch.float32) == 737_280
     assert bytes_per_block(30, 16, 3, 64, torch.float16) == 368_640
     assert bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 368_640
+
+
+def test_runner_task_and_pooler_config():
+    from pagellm.pooling_params import PoolerConfig
+
+    assert EngineConfig().runner == "generate" and EngineConfig().pooler_config is None
+    config = EngineConfig(runner="pooling")
+    assert config.is_pooling and config.pooler_config == PoolerConfig("LAST", True) and config.enable_prefix_caching
+    assert EngineConfig(task="embed").is_pooling
+    mean = EngineConfig(runner="pooling", pooler_config='{"pooling_type": "mean", "normalize": false}')
+    assert mean.pooler_config == PoolerConfig("MEAN", False)
+    assert not mean.enable_prefix_caching  # MEAN reads positions a cache hit skips
+    assert not EngineConfig(runner="pooling", pooler_config={"pooling_type": "CLS"}).enable_prefix_caching
+    for bad, match in [
+        (dict(runner="embed"), "unsupported runner"),
+        (dict(task="classify"), "unsupported task"),
+        (dict(task="embed", runner="generate"), "asks for runner"),
+        (dict(pooler_config={"pooling_type": "LAST"}), "needs runner='pooling'"),
+        (dict(runner="pooling", pooler_config={"pooling_type": "MAX"}), "unsupported pooling_type"),
+        (dict(runner="pooling", pooler_config={"normalise": True}), "unknown pooler_config keys"),
+        (dict(runner="pooling", pooler_config="{not json"), "not valid JSON"),
+        (dict(runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
+
+
+def test_pooling_params_validation():
+    from pagellm.pooling_params import PoolerConfig, PoolingParams
+
+    for bad in (dict(dimensions=0), dict(dimensions=True), dict(dimensions=2.5), dict(normalize="yes")):
+        with pytest.raises(ValueError):
+            PoolingParams(**bad)
+    assert PoolingParams().resolved(PoolerConfig(), 576) == PoolingParams(dimensions=576, normalize=True)
+    assert PoolingParams(dimensions=8, normalize=False).resolved(PoolerConfig(), 576) == PoolingParams(8, False)
+    with pytest.raises(ValueError, match="between 1 and"):
+        PoolingParams(dimensions=577).resolved(PoolerConfig(), 576)

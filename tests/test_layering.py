@@ -15,17 +15,18 @@ ROOT = Path(__file__).resolve().parent.parent / "pagellm"
 
 # What each unit may import from pagellm. The small top-level modules (config, request, ...) are
 # the shared vocabulary of the layers above them; the tokenizer loads through the model loader.
-SHARED = {"envs", "config", "sampling_params", "request", "outputs", "speculative_config"}
+SHARED = {"envs", "config", "sampling_params", "pooling_params", "request", "outputs", "speculative_config"}
 ALLOWED: dict[str, set[str]] = {
     "envs": set(),
     "speculative_config": set(),
-    "config": {"speculative_config"},
+    "config": {"speculative_config", "pooling_params"},
     "sampling_params": set(),
+    "pooling_params": set(),
     "outputs": set(),
-    "request": {"sampling_params"},
+    "request": {"sampling_params", "pooling_params"},
     "tokenizer": {"models"},
     "kernels": {"envs"},
-    "core": {"sampling_params", "request", "speculative_config"},
+    "core": {"sampling_params", "pooling_params", "request", "speculative_config"},
     "attention": SHARED | {"kernels"},
     "sample": SHARED | {"kernels"},
     "layers": SHARED | {"kernels", "attention", "distributed"},

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit: the runner skips these
     num_output_tokens: int  # outputs so far (seeded sampling continues from here)
     extra_group_block_ids: tuple[list[int], ...] = ()  # groups 1.. of a hybrid model
+    pooling_params: Optional[PoolingParams] = None  # a pooling request: pooled, never sampled
 
     @property
     def block_ids_by_group(self) -> tuple[list[int], ...]:
@@ -89,6 +91,8 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # Drafts proposed after this step, for the next one's verification.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling requests whose prompt this step finished: the pooled hidden state (float32 values).
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,6 +109,7 @@ class EngineCoreOutput:
     error: Optional[str] = None
     # When the request was first admitted to the running set (monotonic), for queue-time metrics.
     scheduled_time: Optional[float] = None
+    pooled: Optional[list[float]] = None  # a finished pooling request's embedding
 
     @property
     def finished(self) -> bool:

@@ -199,6 +199,7 @@ class Scheduler:
                         num_computed_tokens=num_hit_tokens,
                         num_output_tokens=request.num_output_tokens,
                         extra_group_block_ids=block_ids[1:],
+                        pooling_params=request.pooling_params,
                     )
                 )
             # Skipped requests keep their place at the head of the queue.
@@ -295,17 +296,24 @@ class Scheduler:
                 continue
             if not token_ids:
                 if request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
-                    # Scoring only: the prompt is done and nothing is to be generated.
+                    # Scoring or pooling: the prompt is done and nothing is to be generated.
+                    pooled = runner_output.pooler_output.get(req_id)
+                    if request.pooling_params is None:
+                        status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    else:
+                        status = RequestStatus.FINISHED_STOPPED if pooled is not None else RequestStatus.FINISHED_ERROR
                     self.running.remove(request)
-                    self._free_request(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                    self._free_request(request, status)
                     outputs.append(
                         EngineCoreOutput(
                             req_id,
                             [],
                             new_prompt_logprobs=prompt_logprobs,
-                            finish_reason=RequestStatus.finish_reason(RequestStatus.FINISHED_LENGTH_CAPPED),
+                            finish_reason=RequestStatus.finish_reason(status),
                             num_cached_tokens=max(request.num_cached_tokens, 0),
                             scheduled_time=request.scheduled_time,
+                            pooled=pooled,
+                            error="the runner returned no pooled output" if status == RequestStatus.FINISHED_ERROR else None,
                         )
                     )
                 elif prompt_logprobs:

@@ -31,7 +31,8 @@ from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import RequestOutputKind
 from pagellm.engine.stats import EngineStats
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -167,10 +168,10 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: LazyPrompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: Optional[float] = None,
     ) -> RequestStream:
-        """Validates and queues a request; returns once the engine accepted it.
+        """Validates and queues a request (``PoolingParams``: one to embed); returns once the engine accepted it.
 
         Raises ``ValueError`` for bad input (nothing is queued then), ``EngineOverloadedError``
         when ``max_waiting_requests`` are already waiting, ``EngineDeadError`` after a crash.
@@ -361,9 +362,9 @@ class AsyncLLM:
         for loop, items in by_loop.items():
             _deliver_threadsafe(loop, items)
 
-    def _record_output(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
+    def _record_output(self, stream: RequestStream, output: RequestOutput | EmbeddingRequestOutput, now: float) -> None:
         itl = None
-        if any(c.token_ids for c in output.outputs):
+        if isinstance(output, RequestOutput) and any(c.token_ids for c in output.outputs):
             if stream.last_token_time is not None:
                 itl = now - stream.last_token_time
             stream.last_token_time = now

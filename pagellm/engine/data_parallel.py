@@ -25,6 +25,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.block_hash import BlockHash, hash_full_blocks
 from pagellm.engine.async_llm import AsyncLLM, LazyPrompt, RequestStream
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class DPAsyncLLM:
         return self._route_tokenizer.encode(text, add_special_tokens=True)
 
     async def add_request(
-        self, request_id: str, prompt: LazyPrompt, params: SamplingParams, arrival_time: Optional[float] = None
+        self, request_id: str, prompt: LazyPrompt, params: SamplingParams | PoolingParams, arrival_time: Optional[float] = None
     ) -> RequestStream:
         def resolve() -> tuple[Any, list[int]]:
             # Off the event loop: a chat template's rendering, and tokenizing for the router.

@@ -169,6 +169,7 @@ class EngineCore:
                 config.calculate_kv_scales,
                 kv_cache_layout=layout,
                 drafter=drafter,
+                pooler_config=config.pooler_config,
             )
             self.executor: Executor = UniProcExecutor(self.runner, KVCachePrefaulter(kv_caches + draft_caches))
         else:
@@ -202,6 +203,7 @@ class EngineCore:
         )
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params, max_tokens: int, **kwargs) -> Request:
+        """``pooling_params`` in ``kwargs`` makes a pooling request (with ``max_tokens`` 0)."""
         return Request(request_id, prompt_token_ids, params, max_tokens, block_hasher=self.block_hasher, **kwargs)
 
     @staticmethod

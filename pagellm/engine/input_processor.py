@@ -71,6 +71,22 @@ class InputProcessor:
             raise ValueError(f"could not tokenize the prompt: {e}") from None
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        text, token_ids, cache_salt = self._tokens(prompt)
+        self.validate_params(params)
+        max_tokens = self.resolve_max_tokens(len(token_ids), params)
+        return ProcessedPrompt(text, token_ids, max_tokens, cache_salt)
+
+    def process_for_pooling(self, prompt: PromptType) -> ProcessedPrompt:
+        """A prompt to embed: it may fill the whole context, as nothing is generated after it."""
+        text, token_ids, cache_salt = self._tokens(prompt)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(token_ids)} tokens long, but the model's context length is {self.max_model_len} tokens"
+            )
+        return ProcessedPrompt(text, token_ids, 0, cache_salt)
+
+    def _tokens(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
+        """(text, checked token ids, cache salt) of a prompt."""
         cache_salt = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -88,9 +104,7 @@ class InputProcessor:
             text = prompt
             token_ids = self.tokenize(prompt)
         self.validate_token_ids(token_ids)
-        self.validate_params(params)
-        max_tokens = self.resolve_max_tokens(len(token_ids), params)
-        return ProcessedPrompt(text, list(token_ids), max_tokens, cache_salt)
+        return text, list(token_ids), cache_salt
 
     def validate_token_ids(self, token_ids: Any) -> None:
         if not isinstance(token_ids, (list, tuple)):

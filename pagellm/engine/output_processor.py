@@ -13,7 +13,16 @@ from typing import Optional
 
 from pagellm.core.sched_output import EngineCoreOutput, LogprobRow
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-from pagellm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from pagellm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from pagellm.sampling_params import SamplingParams
 
 
@@ -51,6 +60,9 @@ class RequestState:
     num_sent_prompt_logprobs: int = 0
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    # A pooling request: one EmbeddingRequestOutput when it finishes, whatever the output kind.
+    pooling: bool = False
+    pooled: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:
@@ -72,6 +84,7 @@ class OutputProcessor:
         child_params: list[tuple[str, SamplingParams]],
         output_kind: RequestOutputKind,
         arrival_time: Optional[float] = None,
+        pooling: bool = False,
     ) -> RequestState:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -92,6 +105,7 @@ class OutputProcessor:
             output_kind,
             RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
             prompt_logprobs=[None] if first.prompt_logprobs is not None else None,
+            pooling=pooling,
         )
         self.request_states[request_id] = state
         return state
@@ -119,7 +133,9 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Returns the outputs ready for their callers, and core ids to abort."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
@@ -145,6 +161,9 @@ class OutputProcessor:
     def _process_child(self, state: RequestState, child: _ChildState, out: EngineCoreOutput, now: float, to_abort: list[str]) -> None:
         if out.error is not None:
             state.error = out.error
+        if out.pooled is not None:
+            state.pooled = out.pooled
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if out.scheduled_time is not None and state.metrics.first_scheduled_time is None:
             state.metrics.first_scheduled_time = out.scheduled_time
         if out.new_prompt_logprobs and state.prompt_logprobs is not None and child.index == 0:
@@ -201,9 +220,21 @@ class OutputProcessor:
             dicts.append(d)
         return dicts
 
-    def _make_output(self, state: RequestState) -> Optional[RequestOutput]:
+    def _make_output(self, state: RequestState) -> Optional[RequestOutput | EmbeddingRequestOutput]:
         kind = state.output_kind
         finished = state.finished
+        if state.pooling:
+            if not finished:
+                return None
+            return EmbeddingRequestOutput(
+                request_id=state.request_id,
+                outputs=EmbeddingOutput(state.pooled or []),
+                prompt_token_ids=state.prompt_token_ids,
+                finished=True,
+                num_cached_tokens=state.num_cached_tokens,
+                metrics=state.metrics,
+                error=state.error if state.pooled is None else None,
+            )
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA

@@ -17,7 +17,7 @@ from pagellm.core.scheduler import SchedulerStats
 from pagellm.core.spec_decode_stats import SpecDecodingStats
 from pagellm.engine.memory_plan import MemoryPlan
 from pagellm.engine.stats import EngineStats
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,10 @@ class EngineMetrics:
         self._seen_spec = spec.copy()
         self._interval_spec = self._interval_spec.plus(new)
 
-    def record_output(self, output: RequestOutput, now: float, inter_token_latency: Optional[float]) -> None:
+    def record_output(self, output: RequestOutput | EmbeddingRequestOutput, now: float, inter_token_latency: Optional[float]) -> None:
+        if isinstance(output, EmbeddingRequestOutput):
+            self._record_embedding(output, now)
+            return
         num_new_tokens = sum(len(c.token_ids) for c in output.outputs)
         metrics = output.metrics
         if num_new_tokens:
@@ -188,6 +191,15 @@ class EngineMetrics:
                 self.request_success[reason].inc()
             if metrics is not None:
                 self.e2e_request_latency.observe((metrics.finished_time or now) - metrics.arrival_time)
+
+    def _record_embedding(self, output: EmbeddingRequestOutput, now: float) -> None:
+        """A pooling request's one output: its prompt tokens, and success or error."""
+        num_prompt_tokens = len(output.prompt_token_ids)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self._interval_prompt_tokens += num_prompt_tokens
+        self.request_success["stop" if output.error is None else "error"].inc()
+        if output.metrics is not None:
+            self.e2e_request_latency.observe((output.metrics.finished_time or now) - output.metrics.arrival_time)
 
     def record_aborted(self, num_requests: int) -> None:
         self.request_success["abort"].inc(num_requests)

@@ -108,6 +108,7 @@ class TPWorker:
             config.calculate_kv_scales,
             kv_cache_layout=layout,
             drafter=NgramProposer.from_config(config.speculative_config),
+            pooler_config=config.pooler_config,
         )
         logger.info(
             "rank %d/%d ready: q heads %d-%d, kv heads %d-%d, %d threads",

@@ -10,6 +10,7 @@ from typing import Optional
 
 import numpy as np
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -38,6 +39,7 @@ class InputBatch:
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.params: list[Optional[SamplingParams]] = [None] * max_num_reqs
+        self.pooling_params: list[Optional[PoolingParams]] = [None] * max_num_reqs  # set: a pooling row
         self.req_ids: list[Optional[str]] = [None] * max_num_reqs
         self.req_id_to_row: dict[str, int] = {}
         # Lowest rows first, so the arrays touched each step stay dense.
@@ -55,6 +57,7 @@ class InputBatch:
         block_ids: list[int],
         num_computed_tokens: int,
         extra_group_block_ids: tuple[list[int], ...] = (),
+        pooling_params: Optional[PoolingParams] = None,
     ) -> int:
         if req_id in self.req_id_to_row:
             raise ValueError(f"request {req_id!r} is already in the batch")
@@ -80,6 +83,7 @@ class InputBatch:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         self.params[row] = params
+        self.pooling_params[row] = pooling_params
         self.req_ids[row] = req_id
         self.req_id_to_row[req_id] = row
         return row
@@ -89,6 +93,7 @@ class InputBatch:
         if row is None:
             return
         self.params[row] = None
+        self.pooling_params[row] = None
         self.req_ids[row] = None
         self._free_rows.append(row)
 

@@ -16,6 +16,7 @@ from pagellm.attention.backend import AttentionMetadata
 from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.pooling_params import PoolerConfig
 from pagellm.sample.logprobs import compute_prompt_logprobs
 from pagellm.sample.metadata import LogprobsTensors
 from pagellm.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
@@ -23,9 +24,11 @@ from pagellm.sample.sampler import Sampler
 from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.cuda_graphs import DecodeGraphRunner, model_supports_cuda_graphs
 from pagellm.worker.input_batch import InputBatch
+from pagellm.worker.pooler import Pooler, pooling_chunks
 from pagellm.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
+
 
 def _logprob_rows(tensors: LogprobsTensors, nums: list[int]) -> list[LogprobRow]:
     """Splits batched logprobs into per-row lists, each cut to the k its request asked for."""
@@ -53,6 +56,7 @@ class ModelRunner:
         calculate_kv_scales: bool = False,
         kv_cache_layout: Optional[KVCacheLayout] = None,
         drafter: Optional[object] = None,
+        pooler_config: Optional[PoolerConfig] = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -71,6 +75,8 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_reqs, max_model_len, max_num_blocks_per_req, self.num_kv_cache_groups)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
+        # The pooling runner's vectors (pagellm.worker.pooler); None: this runner only generates.
+        self.pooler = Pooler(pooler_config.pooling_type) if pooler_config is not None else None
         # Speculative decoding's proposer (pagellm.spec_decode): ``propose_batch(batch, requests)``
         # drafts after each step; a draft model also has ``draft_probs_for``, the distributions
         # its drafts were drawn from, and ``remove_request``.
@@ -136,6 +142,8 @@ class ModelRunner:
                 so.remove_request(req_id)
             if hasattr(self.drafter, "remove_request"):
                 self.drafter.remove_request(req_id)
+            if self.pooler is not None:
+                self.pooler.remove_request(req_id)
         for new in out.new_reqs:
             batch.add_request(
                 new.req_id,
@@ -145,6 +153,7 @@ class ModelRunner:
                 new.block_ids,
                 new.num_computed_tokens,
                 new.extra_group_block_ids,
+                new.pooling_params,
             )
             if so is not None and new.sampling_params.structured_outputs is not None:
                 # A resumed request replays the outputs it had, to put its grammar where it was.
@@ -221,10 +230,12 @@ class ModelRunner:
 
         # Only sequences whose known tokens (and drafts) are now all computed produce tokens.
         sample_mask = seq_lens == batch.num_tokens[rows] + num_drafts
-        # max_tokens=0 (scoring only) rows run their prompt but sample nothing.
+        # max_tokens=0 rows (scoring only, and every pooling request) run their prompt but sample nothing.
         sample_mask &= np.fromiter((batch.params[r].max_tokens != 0 for r in rows.tolist()), dtype=bool, count=len(rows))
         sample_idx = np.nonzero(sample_mask)[0]
         result = ModelRunnerOutput(sampled_token_ids={})
+        if self.pooler is not None:
+            result.pooler_output = self.pooler.pool(hidden, pooling_chunks(batch, req_ids, rows, start, num_sched, cu_end))
         self._prompt_logprobs(req_ids, rows, start, num_sched, cu_end, hidden, result)
         if len(sample_idx) == 0:
             return result

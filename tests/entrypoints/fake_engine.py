@@ -78,7 +78,7 @@ class FakeEngine:
         prefault_slices: int = 0,
         prefault_delay_s: float = 0.0,
     ) -> None:
-        self.config = SimpleNamespace(max_waiting_requests=max_waiting_requests)
+        self.config = SimpleNamespace(max_waiting_requests=max_waiting_requests, runner="generate")
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
         self.model_path = "/nowhere/fake-model"

@@ -271,3 +271,8 @@ def test_metrics_names(server, client):
     assert metric_value(text, "pagellm:activation_reserve_bytes") > 0
     assert re.search(r'^pagellm:cache_config_info\{.*cache_dtype="bfloat16".*\} 1\.0$', text, re.MULTILINE)
     assert json.loads(httpx.get(f"{server.url}/version").text)["version"]
+
+
+def test_embeddings_on_the_generate_runner_are_400(client):
+    with pytest.raises(openai.BadRequestError, match="The model does not support Embeddings API"):
+        client.embeddings.create(model="SmolLM2-135M-Instruct", input="hello")

@@ -42,11 +42,13 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
     VersionResponse,
 )
+from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from pagellm.entrypoints.openai.serving_base import to_api_error
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, authorize
@@ -162,6 +164,7 @@ def build_app(
     chat = OpenAIServingChat(async_llm, name, trust_request_chat_template, enable_auto_tool_choice, tool_call_parser)
     tokenization = OpenAIServingTokenization(async_llm, name, trust_request_chat_template)
     responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
+    embedding = OpenAIServingEmbedding(async_llm, name)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -237,6 +240,10 @@ def build_app(
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
         return responses.delete(response_id)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embedding.create_embedding(request, raw_request)
 
     if dashboard:
         from pagellm.entrypoints.dashboard.hub import DashboardHub

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -13,6 +13,7 @@ from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloaded
 from pagellm.entrypoints.errors import APIError, error_body
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptTokensDetails, UsageInfo
 from pagellm.outputs import Logprob, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,38 @@ def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
     )
 
 
+def prompt_items(prompt: Union[list[int], list[list[int]], str, list[str]]) -> list:
+    """A request's prompts (completions' ``prompt``, embeddings' ``input``): one string or token list, or a list of them."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return prompt if isinstance(prompt, list) else list(prompt)
+
+
+def lazy_prompts(items: list, input_processor, add_special_tokens: bool = True, cache_salt: Optional[str] = None) -> list[LazyPrompt]:
+    """Engine prompts for ``prompt_items``: token lists as they are, text tokenized on the engine thread."""
+    out: list[LazyPrompt] = []
+    for item in items:
+        if isinstance(item, list):
+            d: dict = {"prompt_token_ids": item}
+            if cache_salt is not None:
+                d["cache_salt"] = cache_salt
+            out.append(d)
+        elif add_special_tokens and cache_salt is None:
+            out.append(item)
+        else:
+
+            def lazy(text: str = item) -> dict:
+                d = {"prompt": text}
+                if not add_special_tokens:
+                    d["prompt_token_ids"] = input_processor.tokenize(text, add_special_tokens=False)
+                if cache_salt is not None:
+                    d["cache_salt"] = cache_salt
+                return d
+
+            out.append(lazy)
+    return out
+
+
 def logprob_value(logprob: Logprob) -> float:
     return max(logprob.logprob, LOGPROB_FLOOR)
 
@@ -118,6 +151,11 @@ class OpenAIServing:
                 param="chat_template",
             )
 
+    def check_runner(self, api: str, pooling: bool = False) -> None:
+        """Generation routes need the generate runner and /v1/embeddings the pooling one (vLLM's message)."""
+        if (self.async_llm.engine.config.runner == "pooling") != pooling:
+            raise APIError(f"The model does not support {api} API")
+
     def check_model(self, model: Optional[str]) -> None:
         if model and model != self.served_model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, param="model")
@@ -131,7 +169,7 @@ class OpenAIServing:
         return params
 
     async def add_requests(
-        self, base_request_id: str, prompts: Sequence[LazyPrompt], params: SamplingParams, arrival_time: float
+        self, base_request_id: str, prompts: Sequence[LazyPrompt], params: SamplingParams | PoolingParams, arrival_time: float
     ) -> list[RequestStream]:
         """Adds one engine request per prompt; all are validated or none is left running."""
         streams: list[RequestStream] = []

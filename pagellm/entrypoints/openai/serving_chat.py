@@ -145,6 +145,7 @@ class OpenAIServingChat(OpenAIServing):
     async def start_chat(self, request: ChatCompletionRequest, request_id: str) -> ChatRun:
         """Validates the request, renders its conversation and adds it to the engine (the Responses API's entry too)."""
         self.check_model(request.model)
+        self.check_runner("Chat Completions")
         if not request.messages:
             raise APIError("messages must not be empty", param="messages")
         if request.add_generation_prompt and request.continue_final_message:

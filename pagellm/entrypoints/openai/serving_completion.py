@@ -22,8 +22,10 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
+    lazy_prompts,
     logprob_value,
     make_usage,
+    prompt_items,
     run_until_disconnected,
     sse,
     sse_error,
@@ -59,6 +61,7 @@ class _PromptInfo:
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
+        self.check_runner("Completions")
         if request.suffix:
             raise APIError("suffix is not supported", param="suffix")
         n = 1 if request.n is None else request.n
@@ -68,7 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
             # Scoring only makes sense when the prompt comes back (with its logprobs).
             raise APIError("max_tokens must be at least 1, or 0 with echo=true to score the prompt", param="max_tokens")
         params = self.check_params(request.to_sampling_params(request.max_tokens, request.logprobs))
-        num_prompts = len(_prompt_items(request.prompt))
+        num_prompts = len(prompt_items(request.prompt))
         if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
             raise APIError(
                 f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts x n), "
@@ -91,31 +94,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     def _prompts(self, request: CompletionRequest) -> list[LazyPrompt]:
-        items = _prompt_items(request.prompt)
+        items = prompt_items(request.prompt)
         if not items:
             raise APIError("prompt must not be empty", param="prompt")
-        input_processor = self.async_llm.engine.input_processor
-        out: list[LazyPrompt] = []
-        for item in items:
-            if isinstance(item, list):
-                d: dict = {"prompt_token_ids": item}
-                if request.cache_salt is not None:
-                    d["cache_salt"] = request.cache_salt
-                out.append(d)
-            elif request.add_special_tokens and request.cache_salt is None:
-                out.append(item)
-            else:
-                # Tokenized on the engine thread, like plain text prompts are.
-                def lazy(text: str = item) -> dict:
-                    d = {"prompt": text}
-                    if not request.add_special_tokens:
-                        d["prompt_token_ids"] = input_processor.tokenize(text, add_special_tokens=False)
-                    if request.cache_salt is not None:
-                        d["cache_salt"] = request.cache_salt
-                    return d
-
-                out.append(lazy)
-        return out
+        return lazy_prompts(items, self.async_llm.engine.input_processor, request.add_special_tokens, request.cache_salt)
 
     # -- helpers shared by both paths ----------------------------------------------------------------
 
@@ -260,13 +242,6 @@ class OpenAIServingCompletion(OpenAIServing):
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
             yield sse_error(e)
         yield SSE_DONE
-
-
-def _prompt_items(prompt: Union[list[int], list[list[int]], str, list[str]]) -> list:
-    """The request's prompts: one string or token list, or a list of them."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    return prompt if isinstance(prompt, list) else list(prompt)
 
 
 def _usage(infos: list[_PromptInfo], choices: list[_Choice]):
