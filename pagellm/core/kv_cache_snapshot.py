@@ -12,9 +12,11 @@ A block's state byte (``block_code``): 0 free, 1 cached (free but still findable
 hash, so in the LRU), ``n + 1`` when ``n`` requests hold it (2: one owner, 3 and up: shared),
 capped at 255.
 
-With several KV cache groups (a hybrid sliding-window model) the tables shown are group 0's, the
-full-attention one where there is one; a block's owners are looked up in every group. Entries a
-window has left behind point to the pool's null block (id 0), which shows as free.
+With several KV cache groups (a hybrid sliding-window model) ``tables`` are group 0's (the
+full-attention one where there is one) and ``group_tables`` hold the others', keyed by group id,
+with ``groups`` saying what each group is (its window and layers); a block's owners are looked up
+in every group. Entries a window has left behind point to the pool's null block (id 0), which
+shows as free.
 
 Privacy: token text appears only when a ``decode`` function is given (``--dashboard-show-text``).
 Without one, the snapshot holds token counts, block ids and hash prefixes, never token ids or text.
@@ -74,9 +76,9 @@ class KVCacheSnapshotter:
         for code in self.codes:
             self.state_counts[state_index(code)] += 1
         self.version = 0
-        # Block tables as last sent: request id -> (the engine's list object, its length then, its
-        # leading null entries then). Holding the list keeps its id from being reused by a new one.
-        self._tables: dict[str, tuple[list, int, int]] = {}
+        # Block tables as last sent, per group: request id -> (the engine's list object, its length
+        # then, its leading null entries then). Holding the list keeps its id from being reused.
+        self._group_tables: list[dict[str, tuple[list, int, int]]] = [{} for _ in kv_cache_manager.group_tables]
         self._requests: list[dict[str, Any]] = []
         self._request_keys: list[tuple] = []
         self._text_cache: dict[str, str] = {}
@@ -93,11 +95,19 @@ class KVCacheSnapshotter:
         blocks = self._poll_blocks()
         if blocks:
             diff["blocks"] = blocks
-        tables, removed = self._poll_tables()
-        if tables:
-            diff["tables"] = tables
-        if removed:
-            diff["tables_removed"] = removed
+        group_tables = self.kv_cache_manager.group_tables
+        for group_id, (engine_tables, sent) in enumerate(zip(group_tables, self._group_tables)):
+            tables, removed = self._poll_tables(engine_tables, sent)
+            if group_id == 0:
+                if tables:
+                    diff["tables"] = tables
+                if removed:
+                    diff["tables_removed"] = removed
+            else:
+                if tables:
+                    diff.setdefault("group_tables", {})[str(group_id)] = tables
+                if removed:
+                    diff.setdefault("group_tables_removed", {})[str(group_id)] = removed
         if self._poll_requests():
             diff["requests"] = self._requests
         if not diff:
@@ -125,13 +135,15 @@ class KVCacheSnapshotter:
                 changes.append([block_id, code])
         return changes
 
-    def _poll_tables(self) -> tuple[dict[str, list[int]], list[str]]:
-        """Per request, ``[start, id, id, ...]``: its table from ``start`` on is those ids."""
-        req_to_blocks: dict[str, list] = self.kv_cache_manager.req_to_blocks
+    def _poll_tables(
+        self, req_to_blocks: dict[str, list], sent: dict[str, tuple[list, int, int]]
+    ) -> tuple[dict[str, list[int]], list[str]]:
+        """One group's changes: per request ``[start, id, id, ...]`` (its table from ``start`` on is
+        those ids), and the requests whose tables are gone."""
         null = self.kv_cache_manager.block_pool.null_block
         changed: dict[str, list[int]] = {}
         for req_id, blocks in req_to_blocks.items():
-            prev = self._tables.get(req_id)
+            prev = sent.get(req_id)
             n = len(blocks)
             same = prev is not None and prev[0] is blocks
             # A sliding window nulls entries from the front, never elsewhere: follow the run's end.
@@ -145,10 +157,10 @@ class KVCacheSnapshotter:
             if same and prev[1] <= n:
                 start = prev[2] if num_null != prev[2] else prev[1]
             changed[req_id] = [start, *(b.block_id for b in blocks[start:])]
-            self._tables[req_id] = (blocks, n, num_null)
-        removed = [req_id for req_id in self._tables if req_id not in req_to_blocks]
+            sent[req_id] = (blocks, n, num_null)
+        removed = [req_id for req_id in sent if req_id not in req_to_blocks]
         for req_id in removed:
-            del self._tables[req_id]
+            del sent[req_id]
         return changed, removed
 
     def _poll_requests(self) -> bool:
@@ -199,7 +211,10 @@ class KVCacheSnapshotter:
 
     def full(self) -> dict[str, Any]:
         """The whole mirrored state (call ``poll()`` first for an up-to-date one)."""
-        return {
+        def as_ids(sent: dict[str, tuple[list, int, int]]) -> dict[str, list[int]]:
+            return {req_id: [b.block_id for b in blocks[:n]] for req_id, (blocks, n, _) in sent.items()}
+
+        state = {
             "type": "full",
             "v": self.version,
             "num_blocks": len(self.codes),
@@ -207,10 +222,21 @@ class KVCacheSnapshotter:
             "show_text": self.decode is not None,
             "cache": self.cache_info,
             "codes": base64.b64encode(bytes(self.codes)).decode("ascii"),
-            "tables": {req_id: [b.block_id for b in blocks[:n]] for req_id, (blocks, n, _) in self._tables.items()},
+            "tables": as_ids(self._group_tables[0]),
             "requests": self._requests,
             "counts": self.counts(),
         }
+        if len(self._group_tables) > 1:
+            state["groups"] = self._describe_groups()
+            state["group_tables"] = {str(g): as_ids(sent) for g, sent in enumerate(self._group_tables) if g > 0}
+        return state
+
+    def _describe_groups(self) -> list[dict[str, Any]]:
+        """Each KV cache group's window (None: full attention) and layers, for the dashboard's labels."""
+        layout = getattr(self.kv_cache_manager, "kv_cache_layout", None)
+        if layout is None:
+            return [{"window": None, "layers": []} for _ in self._group_tables]
+        return [{"window": g.sliding_window, "layers": list(g.layer_ids)} for g in layout.groups]
 
     # -- one block, on demand (hover) ------------------------------------------------------------------
 

@@ -43,11 +43,30 @@ def test_diffs_replay_while_a_window_nulls_entries():
     assert counts["used"] + counts["shared"] == counts["engine_used"] == kv.block_pool.num_used_blocks
 
 
-def test_two_groups_show_group_zero_and_find_owners_in_both():
+def replay_groups(full: dict, diffs: list[dict]) -> dict[str, dict[str, list[int]]]:
+    """The other groups' tables a dashboard client holds after a full snapshot and the diffs after it."""
+    groups = {g: {k: list(v) for k, v in t.items()} for g, t in full.get("group_tables", {}).items()}
+    for d in diffs:
+        for g, changed in d.get("group_tables", {}).items():
+            tables = groups.setdefault(g, {})
+            for req_id, (start, *ids) in changed.items():
+                tables[req_id] = tables.get(req_id, [])[:start] + ids
+        for g, removed in d.get("group_tables_removed", {}).items():
+            for req_id in removed:
+                groups.get(g, {}).pop(req_id, None)
+    return groups
+
+
+def test_two_groups_show_every_group_and_find_owners_in_both():
     sched, snap, full0, diffs = run([None, 8], seed=5)
     kv = sched.kv_cache_manager
     _, tables = replay(full0, diffs)
     assert tables == {k: [b.block_id for b in v] for k, v in kv.req_to_blocks.items()}
+    want = {k: [b.block_id for b in v] for k, v in kv.group_tables[1].items()}
+    assert want and replay_groups(full0, diffs)["1"] == want == snap.full()["group_tables"]["1"]
+    assert any(0 in t for t in want.values())  # the sliding group's entries behind its window are null
+    assert snap.full()["groups"] == [{"window": None, "layers": [0]}, {"window": 8, "layers": [1]}]
+    assert any("group_tables_removed" in d for d in diffs)  # finished requests leave the other group too
     req_id, blocks = next((k, v) for k, v in kv.group_tables[1].items() if v and v[-1] is not kv.block_pool.null_block)
     info = snap.describe_block(blocks[-1].block_id)
     assert {"id": req_id, "index": len(blocks) - 1, "group": 1} in info["owners"]

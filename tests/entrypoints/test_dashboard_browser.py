@@ -163,6 +163,21 @@ def test_dashboard_shows_shared_blocks_matching_metrics(server, tmp_path):
             print(f"131072-block map drawn in {ms:.0f} ms")
             assert ms < 1000
             assert page.evaluate("document.querySelectorAll('#map-wrap canvas').length") == 1
+
+            # A hybrid model: each request's tables in every KV cache group, labelled by window.
+            page.evaluate("""() => {
+              const counts = {free: 5, cached: 0, used: 3, shared: 0, engine_used: 3, engine_free: 5};
+              window.dashboard.applyFull({v: 0, num_blocks: 8, block_size: 16, show_text: false,
+                codes: btoa('\\x00\\x02\\x02\\x02\\x00\\x00\\x00\\x00'), tables: {r1: [1, 2]},
+                groups: [{window: null, layers: [0]}, {window: 512, layers: [1]}], group_tables: {'1': {r1: [0, 3]}},
+                requests: [{id: 'r1', queue: 'running', status: 'running', prompt: 20, output: 1, computed: 20, preemptions: 0}],
+                counts});
+              window.dashboard.applyDiff({v: 1, group_tables: {'1': {r1: [2, 4]}}, counts});
+            }""")
+            page.wait_for_function("document.querySelectorAll('#running .group-row').length === 2", timeout=10_000)
+            labels = page.evaluate("Array.from(document.querySelectorAll('#running .group-label')).map((e) => e.textContent)")
+            assert labels == ["full", "W512"]
+            assert page.evaluate("window.dashboard.groupTables.get('1').get('r1')") == [0, 3, 4]
             assert not errors, errors
         finally:
             browser.close()

@@ -23,6 +23,8 @@
   const S = {
     version: -1, numBlocks: 0, blockSize: 0, showText: false,
     codes: new Uint8Array(0), counts: {}, tables: new Map(), requests: [],
+    // A hybrid model's other KV cache groups: group id -> (request id -> block ids), and what each group is.
+    groupTables: new Map(), groups: null,
     cell: 8, cols: 1, rows: 1, gap: 1, connected: false, events: 0,
   };
   window.dashboard = S; // for tests and the curious: the page's whole state
@@ -101,6 +103,8 @@
     S.showText = full.show_text;
     S.codes = decodeCodes(full.codes);
     S.tables = new Map(Object.entries(full.tables));
+    S.groups = full.groups || null;
+    S.groupTables = new Map(Object.entries(full.group_tables || {}).map(([g, t]) => [g, new Map(Object.entries(t))]));
     S.requests = full.requests;
     S.counts = full.counts;
     if (resized || !S.laidOut) { layout(); S.laidOut = true; }
@@ -121,18 +125,35 @@
     if (d.blocks) {
       for (const [id, code] of d.blocks) { S.codes[id] = code; drawCell(id); }
     }
-    if (d.tables) {
-      for (const [rid, [start, ...ids]] of Object.entries(d.tables)) {
-        const t = (S.tables.get(rid) || []).slice(0, start);
-        for (const id of ids) t.push(id);
-        S.tables.set(rid, t);
-      }
-    }
+    if (d.tables) applyTables(S.tables, d.tables);
     if (d.tables_removed) for (const rid of d.tables_removed) S.tables.delete(rid);
+    for (const [g, changed] of Object.entries(d.group_tables || {})) {
+      if (!S.groupTables.has(g)) S.groupTables.set(g, new Map());
+      applyTables(S.groupTables.get(g), changed);
+    }
+    for (const [g, removed] of Object.entries(d.group_tables_removed || {})) {
+      const tables = S.groupTables.get(g);
+      if (tables) for (const rid of removed) tables.delete(rid);
+    }
     if (d.requests) S.requests = d.requests;
     S.counts = d.counts;
     renderCounts();
     scheduleQueues();
+  }
+
+  // Each changed table is [start, ids...]: from `start` on it holds those ids.
+  function applyTables(tables, changed) {
+    for (const [rid, [start, ...ids]] of Object.entries(changed)) {
+      const t = (tables.get(rid) || []).slice(0, start);
+      for (const id of ids) t.push(id);
+      tables.set(rid, t);
+    }
+  }
+
+  // A group's label beside its row of blocks: its window, or "full".
+  function groupLabel(g) {
+    const spec = S.groups && S.groups[Number(g)];
+    return spec && spec.window ? `W${spec.window}` : 'full';
   }
 
   function renderCounts() {
@@ -195,11 +216,24 @@
         tr.append(idCell, td(r.prompt, 'num'), td(r.output, 'num'),
           td(r.computed, 'num'), td(r.preemptions, 'num'));
         const cellTd = document.createElement('td');
-        const ids = S.tables.get(r.id) || [];
-        cellTd.append(tableCanvas(ids));
-        const n = document.createElement('span');
-        n.textContent = ` ${ids.length}`;
-        cellTd.append(n);
+        const rows = [['0', S.tables.get(r.id) || []]];
+        for (const [g, tables] of S.groupTables) rows.push([g, tables.get(r.id) || []]);
+        for (const [g, ids] of rows) {
+          // One group: the canvas and its count as always; several: a labelled line per group.
+          const line = rows.length > 1 ? document.createElement('div') : cellTd;
+          if (rows.length > 1) {
+            line.className = 'group-row';
+            const label = document.createElement('span');
+            label.className = 'group-label';
+            label.textContent = groupLabel(g);
+            line.append(label);
+            cellTd.append(line);
+          }
+          line.append(tableCanvas(ids));
+          const n = document.createElement('span');
+          n.textContent = ` ${ids.length}`;
+          line.append(n);
+        }
         tr.append(cellTd);
         frag.append(tr);
         if (r.text !== undefined) {
@@ -221,9 +255,12 @@
 
   function ownersOf(id) {
     const owners = [];
-    for (const [rid, ids] of S.tables) {
-      const k = ids.indexOf(id);
-      if (k >= 0) owners.push(`${shortId(rid)}[${k}]`);
+    const groups = [['0', S.tables], ...S.groupTables];
+    for (const [g, tables] of groups) {
+      for (const [rid, ids] of tables) {
+        const k = ids.indexOf(id);
+        if (k >= 0) owners.push(`${shortId(rid)}[${k}]${groups.length > 1 ? ' ' + groupLabel(g) : ''}`);
+      }
     }
     return owners;
   }
@@ -342,6 +379,7 @@
   });
 
   S.applyFull = applyFull; // tests draw synthetic maps with it (e.g. 100k+ blocks)
+  S.applyDiff = applyDiff;
   makeCharts();
   connect();
 })();
