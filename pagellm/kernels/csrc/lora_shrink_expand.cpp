@@ -22,6 +22,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel_panels.h"
@@ -29,6 +30,8 @@
 
 namespace pagellm {
 namespace {
+
+#define PAGELLM_INLINE inline __attribute__((always_inline))
 
 typedef uint16_t vbf16_u __attribute__((vector_size(W * 2), aligned(2)));
 typedef uint32_t vuint __attribute__((vector_size(W * 4)));
@@ -40,15 +43,15 @@ inline float to_float(uint16_t v) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
-inline vfloat vload_weight(const float* p) { return vload(p); }
+PAGELLM_INLINE vfloat vload_weight(const float* p) { return vload(p); }
 // bfloat16 is the top half of a float32: widen and shift (vpmovzxwd + vpslld).
-inline vfloat vload_weight(const uint16_t* p) {
+PAGELLM_INLINE vfloat vload_weight(const uint16_t* p) {
   const vuint wide = __builtin_convertvector(*reinterpret_cast<const vbf16_u*>(p), vuint);
   return (vfloat)(wide << 16);
 }
 
-constexpr int kShrinkRanks = 4;  // rank rows of A per shrink tile (and per task)
-constexpr int kShrinkRows = 4;   // rows of x per shrink tile
+constexpr int kShrinkRanks = 4;                 // rank rows of A per shrink tile (and per task)
+constexpr int kShrinkRows = 4;                  // rows of x per shrink tile
 constexpr int64_t kExpandTaskBytes = 32 << 10;  // B bytes per expand task: stays in L1/L2 across a group's rows
 
 // t[r][j0 + j] = A[j0 + j] . x[rows[r]] for J rank rows and R rows.
@@ -80,7 +83,8 @@ void shrink_tile(const T* a, int64_t in, const float* x, const int64_t* rows, fl
 template <int J, typename T>
 void shrink_rows(const T* a, int64_t in, const float* x, const int64_t* rows, int64_t num_rows, float* t, int64_t ldt) {
   int64_t r = 0;
-  for (; r + kShrinkRows <= num_rows; r += kShrinkRows) shrink_tile<J, kShrinkRows>(a, in, x, rows + r, t + r * ldt, ldt);
+  for (; r + kShrinkRows <= num_rows; r += kShrinkRows)
+    shrink_tile<J, kShrinkRows>(a, in, x, rows + r, t + r * ldt, ldt);
   switch (num_rows - r) {
     case 3: shrink_tile<J, 3>(a, in, x, rows + r, t + r * ldt, ldt); break;
     case 2: shrink_tile<J, 2>(a, in, x, rows + r, t + r * ldt, ldt); break;
@@ -92,7 +96,7 @@ void shrink_rows(const T* a, int64_t in, const float* x, const int64_t* rows, in
 // One fold step at chunk width c: lanes [0, c/2) of each chunk take a's chunk halves summed, lanes
 // [c/2, c) b's, so the result has chunks of width c/2 alternating between a's and b's outputs.
 template <int c>
-inline vfloat fold_pair(vfloat a, vfloat b) {
+PAGELLM_INLINE vfloat fold_pair(vfloat a, vfloat b) {
   constexpr vint first = make_mask([](int l) { return l % c < c / 2 ? l : W + l; });
   constexpr vint second = make_mask([](int l) { return l % c < c / 2 ? l + c / 2 : W + l - c / 2; });
   return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
@@ -101,10 +105,11 @@ inline vfloat fold_pair(vfloat a, vfloat b) {
 // c vectors whose lanes come in chunks of width c, each chunk one output's partial products ->
 // one vector of the sums, in fold order.
 template <int c>
-inline vfloat fold(vfloat* v) {
+PAGELLM_INLINE vfloat fold(vfloat* v) {
   if constexpr (c == 1) {
     return v[0];
   } else {
+#pragma GCC unroll 16
     for (int j = 0; j < c / 2; ++j) v[j] = fold_pair<c>(v[2 * j], v[2 * j + 1]);
     return fold<c / 2>(v);
   }
@@ -120,7 +125,7 @@ constexpr int log2_int(int value) { return value <= 1 ? 0 : 1 + log2_int(value /
 // Output o of a block starts in vector o / (W / C), chunk o % (W / C); fold leaves it in lane
 // chunk * C + bit_reverse(vector): this mask puts every output back in its own lane.
 template <int C>
-inline vfloat unfold_order(vfloat v) {
+PAGELLM_INLINE vfloat unfold_order(vfloat v) {
   constexpr vint mask = make_mask([](int o) { return (o % (W / C)) * C + bit_reverse(o / (W / C), log2_int(C)); });
   if constexpr (C == 1) {
     return v;
@@ -131,35 +136,41 @@ inline vfloat unfold_order(vfloat v) {
 
 // y[o0 + l] += B[o0 + l] . t for the W outputs of a block, B's rows `rank` values long. C = W when
 // rank is a multiple of W (each output's values summed down to one vector first); C = rank below
-// W (t_tiled holds t repeated W / rank times, and each vector covers W / rank outputs).
-template <int C, typename T>
-inline void expand_block(const T* b, int64_t rank, const float* t, vfloat t_tiled, float* y) {
+// W (t_tiled holds t repeated W / rank times, and each vector covers W / rank outputs). A
+// compile-time Rank (0: rank) turns the W row offsets into constant displacements.
+template <int C, int Rank, typename T>
+PAGELLM_INLINE void expand_block(const T* b, int64_t runtime_rank, const float* t, vfloat t_tiled, float* y) {
+  const int64_t rank = Rank > 0 ? Rank : runtime_rank;
   vfloat v[C];
   if constexpr (C == W) {
-    for (int o = 0; o < W; ++o) {
-      const T* row = b + o * rank;
-      vfloat acc = vload_weight(row) * vload(t);
-      for (int64_t q = W; q < rank; q += W) acc += vload_weight(row + q) * vload(t + q);
-      v[o] = acc;
+    // Outputs inner: W independent sums, not one chain of dependent multiply-adds per output.
+    const vfloat t0 = vload(t);
+#pragma GCC unroll 16
+    for (int o = 0; o < W; ++o) v[o] = vload_weight(b + o * rank) * t0;
+    for (int64_t q = W; q < rank; q += W) {
+      const vfloat tq = vload(t + q);
+#pragma GCC unroll 16
+      for (int o = 0; o < W; ++o) v[o] += vload_weight(b + o * rank + q) * tq;
     }
   } else {
+#pragma GCC unroll 16
     for (int i = 0; i < C; ++i) v[i] = vload_weight(b + i * W) * t_tiled;
   }
   vstore(y, vload(y) + unfold_order<C>(fold<C>(v)));
 }
 
 template <typename T>
-inline void expand_scalar(const T* b, int64_t rank, const float* t, int64_t begin, int64_t end, float* y) {
-  for (int64_t o = begin; o < end; ++o) {
+inline void expand_scalar(const T* b, int64_t rank, const float* t, int64_t count, float* y) {
+  for (int64_t o = 0; o < count; ++o) {
     float sum = 0.f;
     for (int64_t r = 0; r < rank; ++r) sum += to_float(b[o * rank + r]) * t[r];
     y[o] += sum;
   }
 }
 
-// Outputs [begin, end) of every row of a group: rows outer, so the chunk of B read from memory for
-// the first row is in cache for the others.
-template <int C, typename T>
+// Outputs [begin, end) of every row of a group, `b` at output `begin`'s row: rows outer, so the
+// chunk of B read from memory for the first row is in cache for the others.
+template <int C, int Rank, typename T>
 void expand_rows(const T* b, int64_t rank, const float* t, int64_t ldt, const int64_t* rows, int64_t num_rows, float* y,
                  int64_t out, int64_t begin, int64_t end) {
   const int64_t vector_end = C == 0 ? begin : begin + (std::min(end, out) - begin) / W * W;
@@ -170,9 +181,10 @@ void expand_rows(const T* b, int64_t rank, const float* t, int64_t ldt, const in
       float tiled[W];
       for (int l = 0; l < W; ++l) tiled[l] = tr[l % rank];
       const vfloat t_tiled = vload(tiled);
-      for (int64_t o = begin; o < vector_end; o += W) expand_block<C>(b + o * rank, rank, tr, t_tiled, yr + o);
+      for (int64_t o = begin; o < vector_end; o += W)
+        expand_block<C, Rank>(b + (o - begin) * rank, rank, tr, t_tiled, yr + o);
     }
-    expand_scalar(b, rank, tr, vector_end, end, yr);
+    expand_scalar(b + (vector_end - begin) * rank, rank, tr, end - vector_end, yr + vector_end);
   }
 }
 
@@ -184,22 +196,30 @@ using ExpandRows = void (*)(const T*, int64_t, const float*, int64_t, const int6
 template <int C, typename T>
 ExpandRows<T> expand_below_width() {
   if constexpr (C < W) {
-    return &expand_rows<C, T>;
+    return &expand_rows<C, C, T>;
   } else {
-    return &expand_rows<0, T>;
+    return &expand_rows<0, 0, T>;
   }
 }
 
 // C for a rank: W for multiples of W, the rank itself for a power of two below W, 0 (scalar) otherwise.
 template <typename T>
 ExpandRows<T> expand_for_rank(int64_t rank) {
-  if (rank % W == 0) return &expand_rows<W, T>;
+  if (rank % W == 0) {
+    switch (rank / W) {
+      case 1: return &expand_rows<W, W, T>;
+      case 2: return &expand_rows<W, 2 * W, T>;
+      case 4: return &expand_rows<W, 4 * W, T>;
+      case 8: return &expand_rows<W, 8 * W, T>;
+      default: return &expand_rows<W, 0, T>;
+    }
+  }
   switch (rank) {
-    case 1: return &expand_rows<1, T>;
+    case 1: return &expand_rows<1, 1, T>;
     case 2: return expand_below_width<2, T>();
     case 4: return expand_below_width<4, T>();
     case 8: return expand_below_width<8, T>();
-    default: return &expand_rows<0, T>;
+    default: return &expand_rows<0, 0, T>;
   }
 }
 
@@ -216,9 +236,31 @@ struct Task {
   int64_t end;
 };
 
+// A bfloat16 chunk of weights as float32, for a group of several rows: converted once rather than
+// once per row.
+inline const float* widened(const uint16_t* src, int64_t count, std::vector<float>& dst) {
+  dst.resize(count);
+  int64_t i = 0;
+  for (; i + W <= count; i += W) vstore(dst.data() + i, vload_weight(src + i));
+  for (; i < count; ++i) dst[i] = to_float(src[i]);
+  return dst.data();
+}
+
 template <typename T>
-void run_native(at::Tensor& y, const at::Tensor& x, const T* a_pool, const T* b_pool, int64_t rank, int64_t in, int64_t out,
-                const std::vector<SlotGroup>& groups, const std::vector<int64_t>& rows) {
+void shrink_task(const T* a, int64_t num_ranks, int64_t in, const float* x, const int64_t* rows, int64_t num_rows,
+                 float* t, int64_t ldt) {
+  switch (num_ranks) {
+    case 4: shrink_rows<4>(a, in, x, rows, num_rows, t, ldt); break;
+    case 3: shrink_rows<3>(a, in, x, rows, num_rows, t, ldt); break;
+    case 2: shrink_rows<2>(a, in, x, rows, num_rows, t, ldt); break;
+    default: shrink_rows<1>(a, in, x, rows, num_rows, t, ldt); break;
+  }
+}
+
+template <typename T>
+void run_native(at::Tensor& y, const at::Tensor& x, const T* a_pool, const T* b_pool, int64_t rank, int64_t in,
+                int64_t out, const std::vector<SlotGroup>& groups, const std::vector<int64_t>& rows) {
+  constexpr bool kWiden = std::is_same_v<T, uint16_t>;
   const int64_t num_rows = static_cast<int64_t>(rows.size());
   if (num_rows == 0) return;
   const int64_t ldt = rank;
@@ -230,17 +272,19 @@ void run_native(at::Tensor& y, const at::Tensor& x, const T* a_pool, const T* b_
   for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
     for (int64_t j = 0; j < rank; j += kShrinkRanks) tasks.push_back({g, j, std::min(rank, j + kShrinkRanks)});
   parallel_panels(static_cast<int64_t>(tasks.size()), [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
       const SlotGroup& group = groups[task.group];
       const T* a = a_pool + (group.slot * rank + task.begin) * in;
       float* tg = t.data() + group.first * ldt + task.begin;
       const int64_t* group_rows = rows.data() + group.first;
-      switch (task.end - task.begin) {
-        case 4: shrink_rows<4>(a, in, xp, group_rows, group.count, tg, ldt); break;
-        case 3: shrink_rows<3>(a, in, xp, group_rows, group.count, tg, ldt); break;
-        case 2: shrink_rows<2>(a, in, xp, group_rows, group.count, tg, ldt); break;
-        default: shrink_rows<1>(a, in, xp, group_rows, group.count, tg, ldt); break;
+      const int64_t num_ranks = task.end - task.begin;
+      if (kWiden && group.count > 1) {
+        shrink_task(widened(reinterpret_cast<const uint16_t*>(a), num_ranks * in, scratch), num_ranks, in, xp,
+                    group_rows, group.count, tg, ldt);
+      } else {
+        shrink_task(a, num_ranks, in, xp, group_rows, group.count, tg, ldt);
       }
     }
   });
@@ -251,12 +295,21 @@ void run_native(at::Tensor& y, const at::Tensor& x, const T* a_pool, const T* b_
   for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
     for (int64_t o = 0; o < out; o += outputs_per_task) tasks.push_back({g, o, std::min(out, o + outputs_per_task)});
   const ExpandRows<T> expand = expand_for_rank<T>(rank);
+  const ExpandRows<float> expand_widened = expand_for_rank<float>(rank);
   parallel_panels(static_cast<int64_t>(tasks.size()), [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
       const SlotGroup& group = groups[task.group];
-      expand(b_pool + group.slot * out * rank, rank, t.data() + group.first * ldt, ldt, rows.data() + group.first,
-             group.count, yp, out, task.begin, task.end);
+      const T* b = b_pool + (group.slot * out + task.begin) * rank;
+      const float* tg = t.data() + group.first * ldt;
+      const int64_t* group_rows = rows.data() + group.first;
+      if (kWiden && group.count > 1) {
+        const float* wide = widened(reinterpret_cast<const uint16_t*>(b), (task.end - task.begin) * rank, scratch);
+        expand_widened(wide, rank, tg, ldt, group_rows, group.count, yp, out, task.begin, task.end);
+      } else {
+        expand(b, rank, tg, ldt, group_rows, group.count, yp, out, task.begin, task.end);
+      }
     }
   });
 }
@@ -267,12 +320,14 @@ void check_inputs(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lo
     TORCH_CHECK_VALUE(tensor->device().is_cpu(), "lora_shrink_expand: every tensor must be on the CPU");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                     "lora_shrink_expand: x must be a contiguous float32 [num_tokens, in_features] tensor");
-  TORCH_CHECK_VALUE(y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == x.size(0),
-                    "lora_shrink_expand: y must be a contiguous float32 [num_tokens, out_features] tensor with x's rows");
+  TORCH_CHECK_VALUE(
+      y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == x.size(0),
+      "lora_shrink_expand: y must be a contiguous float32 [num_tokens, out_features] tensor with x's rows");
   TORCH_CHECK_VALUE(lora_a.scalar_type() == lora_b.scalar_type() &&
                         (lora_a.scalar_type() == at::kFloat || lora_a.scalar_type() == at::kBFloat16),
                     "lora_shrink_expand: lora_a and lora_b must both be float32 or both bfloat16");
-  TORCH_CHECK_VALUE(lora_a.is_contiguous() && lora_b.is_contiguous(), "lora_shrink_expand: lora_a and lora_b must be contiguous");
+  TORCH_CHECK_VALUE(lora_a.is_contiguous() && lora_b.is_contiguous(),
+                    "lora_shrink_expand: lora_a and lora_b must be contiguous");
   TORCH_CHECK_VALUE(lora_a.dim() == 3 && lora_a.size(2) == x.size(1),
                     "lora_shrink_expand: lora_a must be [num_slots, max_rank, in_features] with x's in_features");
   TORCH_CHECK_VALUE(lora_b.dim() == 3 && lora_b.size(0) == lora_a.size(0) && lora_b.size(1) == y.size(1) &&
@@ -293,8 +348,8 @@ void lora_shrink_expand(at::Tensor& y, const at::Tensor& x, const at::Tensor& lo
   const int64_t num_segments = seg_slots.numel();
   const int64_t* starts = seg_starts.data_ptr<int64_t>();
   const int64_t* slots = seg_slots.data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(starts[0] >= 0 && starts[num_segments] <= num_tokens, "lora_shrink_expand: seg_starts must lie in [0, ",
-                    num_tokens, "]");
+  TORCH_CHECK_VALUE(starts[0] >= 0 && starts[num_segments] <= num_tokens,
+                    "lora_shrink_expand: seg_starts must lie in [0, ", num_tokens, "]");
   for (int64_t s = 0; s < num_segments; ++s) {
     TORCH_CHECK_VALUE(starts[s] <= starts[s + 1], "lora_shrink_expand: seg_starts must be ascending");
     TORCH_CHECK_VALUE(slots[s] >= -1 && slots[s] < num_slots, "lora_shrink_expand: seg_slots[", s, "] = ", slots[s],
@@ -344,7 +399,8 @@ void lora_shrink_expand(at::Tensor& y, const at::Tensor& x, const at::Tensor& lo
     run_native<float>(y, x, lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), rank, in, out, groups, rows);
   } else {
     run_native<uint16_t>(y, x, reinterpret_cast<const uint16_t*>(lora_a.data_ptr<at::BFloat16>()),
-                         reinterpret_cast<const uint16_t*>(lora_b.data_ptr<at::BFloat16>()), rank, in, out, groups, rows);
+                         reinterpret_cast<const uint16_t*>(lora_b.data_ptr<at::BFloat16>()), rank, in, out, groups,
+                         rows);
   }
 }
 
@@ -353,7 +409,8 @@ void lora_shrink_expand(at::Tensor& y, const at::Tensor& x, const at::Tensor& lo
 
 TORCH_LIBRARY(pagellm_lora, m) {
   m.def(
-      "lora_shrink_expand(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_starts, Tensor seg_slots, int "
+      "lora_shrink_expand(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_starts, Tensor seg_slots, "
+      "int "
       "aten_min_rows) -> ()");
 }
 
