@@ -1,6 +1,6 @@
 """Micro-benchmark of batched multi-LoRA's grouped low-rank update, ``ops.lora_shrink_expand``.
 
-    python -m pagellm.bench.lora_bench [--ranks 8,16,32,64] [--shapes 576x960,2048x16384] [--reps 3] [--save-result out.json]
+    python -m pagellm.bench.lora_bench [--ranks 8,16,32,64] [--shapes 576x960,2048x16384] [--threads N] [--save-result out.json]
 
 Decode: 32 rows, each its own adapter (32 segments of one row), for each (in, out) shape, rank and
 pool dtype (float32, bfloat16). As in a model's layers, the weights stream from memory: the pass
@@ -163,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-ranks", type=positive_int_list, default=[16, 64])
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: as torch starts)")
     parser.add_argument("--save-result", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if not ops.available():
         print(f"the C++ kernels are unavailable ({ops.load_error()}); nothing to compare")
         return 1
