@@ -28,10 +28,14 @@
 #include "parallel_panels.h"
 #include "vec.h"
 
-namespace pagellm {
-namespace {
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define PAGELLM_INLINE inline __attribute__((always_inline))
+
+namespace pagellm {
+namespace {
 
 typedef uint16_t vbf16_u __attribute__((vector_size(W * 2), aligned(2)));
 typedef uint32_t vuint __attribute__((vector_size(W * 4)));
@@ -44,10 +48,17 @@ inline float to_float(uint16_t v) {
   return f;
 }
 PAGELLM_INLINE vfloat vload_weight(const float* p) { return vload(p); }
-// bfloat16 is the top half of a float32: widen and shift (vpmovzxwd + vpslld).
+// bfloat16 is the top half of a float32: widen and shift. Spelled out for x86, where GCC's generic
+// conversion widens in 128-bit pieces and reinserts them (decode ran at half float32's weights/s).
 PAGELLM_INLINE vfloat vload_weight(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+  return (vfloat)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
   const vuint wide = __builtin_convertvector(*reinterpret_cast<const vbf16_u*>(p), vuint);
   return (vfloat)(wide << 16);
+#endif
 }
 
 constexpr int kShrinkRanks = 4;                 // rank rows of A per shrink tile (and per task)
