@@ -1,11 +1,12 @@
-"""Pieces every ``pagellm bench`` subcommand shares: result files and prompt sampling setup."""
+"""Pieces every ``pagellm bench`` subcommand shares: result files, prompt sampling setup and timing a call."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 from datetime import datetime
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -57,3 +58,14 @@ def positive_int_list(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise ValueError(f"expected positive integers, got {text!r}")
     return values
+
+
+def best_of(fn: Callable[[], None], reps: int) -> float:
+    """The fastest of ``reps`` timed calls of ``fn`` in seconds, after one untimed warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -21,14 +21,14 @@ import argparse
 import functools
 import json
 import platform
-import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch.nn import functional as F
 
+from pagellm.bench.common import best_of
 from pagellm.kernels import ops
 from pagellm.kernels.tuning import SMOLLM2_LAYER_SHAPES
 
@@ -79,16 +79,6 @@ class Int8Row:
     gops: float
 
 
-def _best_of(fn: Callable[[], None], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _compare(
     case: str, shapes: list[tuple[int, int]], weights: list[torch.Tensor], rows: int, reps: int, bf16: bool
 ) -> GemmRow:
@@ -111,10 +101,10 @@ def _compare(
 
     blas_s = packed_s = bf16_s = float("inf")
     for _ in range(2):  # alternate, so drift on a shared machine hits all of them
-        blas_s = min(blas_s, _best_of(blas, reps))
-        packed_s = min(packed_s, _best_of(run_packed, reps))
+        blas_s = min(blas_s, best_of(blas, reps))
+        packed_s = min(packed_s, best_of(run_packed, reps))
         if bf16:
-            bf16_s = min(bf16_s, _best_of(run_bf16, reps))
+            bf16_s = min(bf16_s, best_of(run_bf16, reps))
     flops = 2 * rows * sum(w.numel() for w in weights)
     row = GemmRow(case, rows, blas_s * 1e3, packed_s * 1e3, blas_s / packed_s, flops / packed_s / 1e9)
     if bf16:
@@ -148,7 +138,7 @@ def _int8_rows(rows_list: list[int], reps: int) -> list[Int8Row]:
             for rows in rows_list:
                 x, out = torch.randn(rows, k, generator=generator), torch.empty(rows, n)
                 run = functools.partial(_run_int8, out, x, copies, ggml_type)
-                s = min(_best_of(run, reps) for _ in range(2)) / len(copies)
+                s = min(best_of(run, reps) for _ in range(2)) / len(copies)
                 row = Int8Row(name, k, n, rows, s * 1e3, packed.numel() / s / 1e9, 2 * rows * n * k / s / 1e9)
                 results.append(row)
                 print(f"{name:<6}{k:>6} -> {n:<6}{rows:>6}{row.ms:>9.3f}{row.packed_gb_s:>8.1f}{row.gops:>8.0f}")

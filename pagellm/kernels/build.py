@@ -2,8 +2,9 @@
 
 One library holds them all: paged attention (op namespace ``pagellm_attn``), the fused layer ops
 (``pagellm_ops``), the packed small-batch matmul (``pagellm_gemm``), its int8 dot-product
-form for GGUF block weights (``pagellm_gemm_int8``) and sampling from logits
-(``pagellm_sample``), called only through :mod:`pagellm.kernels.ops`. It is compiled once with
+form for GGUF block weights (``pagellm_gemm_int8``), sampling from logits
+(``pagellm_sample``) and batched multi-LoRA's shrink and expand (``pagellm_lora``), called only
+through :mod:`pagellm.kernels.ops`. It is compiled once with
 ``-O3 -march=native -fopenmp`` (``$PAGELLM_CPU_ARCH`` replaces ``native``) into the
 ``extensions`` folder of ``$PAGELLM_CACHE_DIR`` (see :mod:`pagellm.envs`), in a folder named by a
 hash of everything that shapes the binary, so a later start just loads the ``.so``.
@@ -32,7 +33,9 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_bf16.cpp", "gemm_int8.cpp", "sampling.cpp")
+    for name in (
+        "paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_bf16.cpp", "gemm_int8.cpp", "sampling.cpp", "lora_shrink_expand.cpp"
+    )
 )
 HEADERS = (CSRC / "vec.h", CSRC / "quant_blocks.h", CSRC / "kv_types.h", CSRC / "weight_layout.h", CSRC / "parallel_panels.h")
 LIB_NAME = "pagellm_cpu_kernels"

@@ -377,3 +377,77 @@ def linear_bf16(
     ``activation`` (panels packed with ``gate_up``), ``act(x @ gate.T + b_g) * (x @ up.T + b_u)``
     (``bias``: gate's then up's). ``packed`` from :func:`pack_weight_bf16`."""
     torch.ops.pagellm_gemm_bf16.linear_bf16(out, x, packed, bias, activation_code(activation))
+
+
+# --- batched multi-LoRA (lora_shrink_expand.cpp) ------------------------------------------------
+
+# A run of at least this many rows of one adapter goes to ATen's matmul inside the kernel rather
+# than its own loops (docs/kernels.md has the measurement).
+LORA_ATEN_MIN_ROWS = 32
+
+
+def _check_lora_args(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor
+) -> None:
+    """The shape and dtype rules the kernel enforces, for the torch path (ValueError)."""
+    if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("lora_shrink_expand: x must be a contiguous float32 [num_tokens, in_features] tensor")
+    if y.dim() != 2 or y.dtype != torch.float32 or not y.is_contiguous() or y.shape[0] != x.shape[0]:
+        raise ValueError("lora_shrink_expand: y must be a contiguous float32 [num_tokens, out_features] tensor with x's rows")
+    if lora_a.dtype != lora_b.dtype or lora_a.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("lora_shrink_expand: lora_a and lora_b must both be float32 or both bfloat16")
+    if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1]:
+        raise ValueError("lora_shrink_expand: lora_a must be [num_slots, max_rank, in_features] with x's in_features")
+    if lora_b.dim() != 3 or (lora_b.shape[0], lora_b.shape[1], lora_b.shape[2]) != (lora_a.shape[0], y.shape[1], lora_a.shape[1]):
+        raise ValueError("lora_shrink_expand: lora_b must be [num_slots, out_features, max_rank] matching lora_a and y")
+    if seg_starts.dtype != torch.int64 or seg_starts.dim() != 1 or seg_starts.numel() < 1:
+        raise ValueError("lora_shrink_expand: seg_starts must be a contiguous int64 [num_segments + 1] tensor")
+    if seg_slots.dtype != torch.int64 or seg_slots.dim() != 1 or seg_slots.numel() != seg_starts.numel() - 1:
+        raise ValueError("lora_shrink_expand: seg_slots must be a contiguous int64 [num_segments] tensor")
+
+
+def lora_shrink_expand(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+    aten_min_rows: int = LORA_ATEN_MIN_ROWS,
+) -> None:
+    """For each segment ``s`` with slot ``k = seg_slots[s] >= 0``, rows ``a, b = seg_starts[s], seg_starts[s + 1]``:
+    ``y[a:b] += (x[a:b] @ lora_a[k].T) @ lora_b[k].T``, in place; slot -1 leaves its rows alone.
+
+    ``x`` ``[T, in]`` and ``y`` ``[T, out]`` float32 contiguous; the adapter pool ``lora_a``
+    ``[slots, max_rank, in]`` and ``lora_b`` ``[slots, out, max_rank]`` both float32 or both
+    bfloat16 (sums in float32; a smaller rank zero-padded, its scaling folded into ``lora_b``);
+    ``seg_starts`` int64 ``[segments + 1]`` ascending, ``seg_slots`` int64 ``[segments]``. The
+    kernel reads each used slot's weights once per call (its rows grouped) and hands runs of at
+    least ``aten_min_rows`` rows of one slot to ATen's matmul. ValueError for inputs that do not fit.
+    On another device or without the library: :func:`lora_shrink_expand_reference`.
+    """
+    tensors = (y, x, lora_a, lora_b, seg_starts, seg_slots)
+    if all(t.device.type == "cpu" for t in tensors) and available():
+        torch.ops.pagellm_lora.lora_shrink_expand(y, x, lora_a, lora_b, seg_starts, seg_slots, int(aten_min_rows))
+        return
+    lora_shrink_expand_reference(y, x, lora_a, lora_b, seg_starts, seg_slots)
+
+
+def lora_shrink_expand_reference(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor
+) -> None:
+    """:func:`lora_shrink_expand` in plain torch, one pair of matmuls per segment: the kernel's
+    oracle and its path on other devices."""
+    _check_lora_args(y, x, lora_a, lora_b, seg_starts, seg_slots)
+    starts = seg_starts.tolist()
+    slots = seg_slots.tolist()
+    if starts[0] < 0 or starts[-1] > x.shape[0] or any(a > b for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"lora_shrink_expand: seg_starts must be ascending within [0, {x.shape[0]}]")
+    for s, slot in enumerate(slots):
+        if not -1 <= slot < lora_a.shape[0]:
+            raise ValueError(f"lora_shrink_expand: seg_slots[{s}] = {slot} is not -1 or a slot of the pool of {lora_a.shape[0]}")
+        a, b = starts[s], starts[s + 1]
+        if slot < 0 or a == b:
+            continue
+        shrunk = x[a:b] @ lora_a[slot].float().T
+        y[a:b] += shrunk @ lora_b[slot].float().T
