@@ -3,11 +3,12 @@
 from pagellm import envs
 
 envs.set_openmp_defaults()
+from pagellm.lora.request import LoRARequest  # noqa: E402
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):

@@ -58,6 +58,11 @@ class LinearMethod(ABC):
         """``silu(x @ gate.T) * (x @ up.T)`` for a gate/up weight (gate rows first)."""
         return ops.silu_and_mul(self.apply(x, bias))
 
+    def apply_gate_up(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x @ W.T + bias`` of a gate/up weight, gate columns first, whatever its packing: for a
+        LoRA delta, which must reach gate and up before the activation."""
+        return self.apply(x, bias)
+
     @property
     @abstractmethod
     def nbytes(self) -> int:
@@ -106,6 +111,9 @@ class DenseMethod(LinearMethod):
             return out
         return ops.silu_and_mul(F.linear(x, self.weight, bias))
 
+    def apply_gate_up(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, self.weight, bias) if self.fused_silu_mul else self.apply(x, bias)
+
     @property
     def nbytes(self) -> int:
         panels = 0 if self.panels is None else self.panels.numel() * self.panels.element_size()
@@ -144,6 +152,16 @@ class _PanelsMethod(LinearMethod):
         out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
         self.product_into(out, x.contiguous(), bias, True)
         return out
+
+    def apply_gate_up(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.fused_silu_mul:
+            return self.apply(x, bias)
+        # Panels packed for the fused activation hold gate and up rows alternately, one vector each.
+        mixed = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        self.product_into(mixed, x.contiguous(), None, False)
+        groups = mixed.view(x.shape[0], -1, 2, SILU_MUL_GROUP)
+        out = torch.cat((groups[:, :, 0].reshape(x.shape[0], -1), groups[:, :, 1].reshape(x.shape[0], -1)), dim=1)
+        return out if bias is None else out + bias
 
     @property
     def nbytes(self) -> int:
