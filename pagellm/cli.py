@@ -89,6 +89,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\'',
     )
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (docs/lora.md)")
+    parser.add_argument("--max-loras", type=int, default=1, help="adapters in one batch at once (their slots; default 1)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in host memory (default: --max-loras)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -116,6 +120,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         speculative_config=args.speculative_config,
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
     )
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -37,14 +37,16 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from pagellm.entrypoints.openai.serving_base import to_api_error
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, authorize
 
@@ -147,6 +149,7 @@ def build_app(
     dashboard_show_text: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
+    lora_modules: Sequence[str] = (),
 ) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__)
     state = ServerState(api_key=api_key, max_request_body_bytes=max_request_body_bytes)
@@ -157,6 +160,12 @@ def build_app(
     completions = OpenAIServingCompletion(async_llm, name)
     chat = OpenAIServingChat(async_llm, name, trust_request_chat_template, enable_auto_tool_choice, tool_call_parser)
     tokenization = OpenAIServingTokenization(async_llm, name, trust_request_chat_template)
+    served = OpenAIServingModels(async_llm, name, model_root)
+    for spec in lora_modules:
+        served.register(*parse_lora_module(spec))
+    for serving in (completions, chat, tokenization):
+        serving.models = served
+    app.state.models = served
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -203,7 +212,15 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=model_root or name, max_model_len=async_llm.max_model_len)])
+        return served.list_models()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        return Response(await served.load_lora_adapter(request.lora_name, request.lora_path), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        return Response(await served.unload_lora_adapter(request.lora_name), media_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
@@ -310,6 +327,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
     )
     parser.add_argument("--tool-call-parser", default=None, choices=["hermes"], help="how to read tool calls out of the model's text")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help='LoRA adapters served by name (needs --enable-lora): name=path or \'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
 
@@ -325,6 +349,10 @@ def run_server(args: argparse.Namespace) -> int:
     dp = getattr(args, "data_parallel_size", 1) or 1
     if dp < 1:
         raise ValueError(f"data_parallel_size must be positive, got {dp}")
+    if args.lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if dp > 1 and config.enable_lora:
+        raise ValueError("LoRA under data parallelism is not supported yet; use --data-parallel-size 1 with --enable-lora")
     if dp > 1:
         from pagellm.engine.data_parallel import DPAsyncLLM
 
@@ -347,7 +375,10 @@ def run_server(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         dashboard=not args.no_dashboard,
         dashboard_show_text=args.dashboard_show_text,
+        lora_modules=args.lora_modules,
     )
+    for lora in app.state.models.loras.values():
+        engine.add_lora(lora)  # a bad adapter stops the server here, not at its first request
     uv_config = uvicorn.Config(
         app,
         host=args.host,

@@ -107,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
         self.enable_auto_tool_choice = enable_auto_tool_choice
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         if not request.messages:
             raise APIError("messages must not be empty", param="messages")
         if request.add_generation_prompt and request.continue_final_message:
@@ -151,7 +151,7 @@ class OpenAIServingChat(OpenAIServing):
             echo = messages[-1]["content"]
         request_id = random_id("chatcmpl")
         created = int(time.time())
-        streams = await self.add_requests(request_id, [prompt], params, time.monotonic())
+        streams = await self.add_requests(request_id, [prompt], params, time.monotonic(), lora_request)
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, created, streams[0], n, role, echo, tool_mode), media_type="text/event-stream"

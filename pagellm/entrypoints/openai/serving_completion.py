@@ -58,7 +58,7 @@ class _PromptInfo:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         if request.suffix:
             raise APIError("suffix is not supported", param="suffix")
         n = 1 if request.n is None else request.n
@@ -80,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params.prompt_logprobs = request.logprobs  # echoed prompt tokens carry logprobs too
         request_id = random_id("cmpl")
         created = int(time.time())
-        streams = await self.add_requests(request_id, prompts, params, time.monotonic())
+        streams = await self.add_requests(request_id, prompts, params, time.monotonic(), lora_request)
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, created, streams, n), media_type="text/event-stream"
