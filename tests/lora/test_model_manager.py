@@ -27,7 +27,8 @@ class TinyModel(nn.Module):
         self.down = self.Layer(4, {"": 4})
 
     def linear_layers(self):
-        return [("lm_head", self.Layer(4, {"": 10})), ("model.layers.0.self_attn.qkv_proj", self.qkv), ("model.layers.0.mlp.down_proj", self.down)]
+        head = self.Layer(4, {"": 10})
+        return [("lm_head", head), ("model.layers.0.self_attn.qkv_proj", self.qkv), ("model.layers.0.mlp.down_proj", self.down)]
 
     def checkpoint_target(self, name: str) -> tuple[str, Optional[str]]:
         for part, shard in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
