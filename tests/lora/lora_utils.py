@@ -35,45 +35,10 @@ def make_adapter(out_dir: Path, rank: int, targets: list[str], seed: int, b_scal
     return Adapter(str(out_dir), peft_model.merge_and_unload().eval())
 
 
-def module_shapes() -> dict[str, tuple[int, int]]:
-    """(in, out) of each targetable module of the default model, from its config."""
-    from pagellm.models.loader import default_model_path, load_hf_config
-
-    cfg = load_hf_config(default_model_path())
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    hidden, kv, inter = cfg.hidden_size, cfg.num_key_value_heads * head_dim, cfg.intermediate_size
-    return {
-        "self_attn.q_proj": (hidden, hidden),
-        "self_attn.k_proj": (hidden, kv),
-        "self_attn.v_proj": (hidden, kv),
-        "self_attn.o_proj": (hidden, hidden),
-        "mlp.gate_proj": (hidden, inter),
-        "mlp.up_proj": (hidden, inter),
-        "mlp.down_proj": (inter, hidden),
-    }
-
 
 def write_random_adapter(out_dir: Path, rank: int, targets: list[str], seed: int, std: float = 0.02, **config) -> str:
-    """A PEFT directory written by hand (no model needed): random A and B of the default model's
-    shapes for every layer, as peft names and stores them."""
-    import json
-
-    from safetensors.torch import save_file
-
+    """A PEFT directory written directly (no model copy): random A and B of the default model's shapes."""
+    from pagellm.bench.lora_adapters import write_random_adapter as write
     from pagellm.models.loader import default_model_path, load_hf_config
 
-    num_layers = load_hf_config(default_model_path()).num_hidden_layers
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(num_layers):
-        for module, (fan_in, fan_out) in module_shapes().items():
-            if module.rsplit(".", 1)[-1] not in targets:
-                continue
-            key = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * std
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * std
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "bias": "none", **config}
-    (out_dir / "adapter_config.json").write_text(json.dumps(meta))
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
-    return str(out_dir)
+    return write(out_dir, load_hf_config(default_model_path()), rank, tuple(targets), seed, std, **config)
