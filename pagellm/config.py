@@ -152,6 +152,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    # The slots' element type (vLLM's --lora-dtype): "auto" is float32; bfloat16 halves what each
+    # step reads of its adapters.
+    lora_dtype: Union[str, torch.dtype] = "auto"
     # Whether dtype / kv_cache_dtype were "auto", so that a GPU engine may refine them.
     auto_dtype: bool = field(default=False, init=False, repr=False)
     auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
@@ -222,6 +225,9 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        self.lora_dtype = torch.float32 if self.lora_dtype == "auto" else parse_dtype(self.lora_dtype)
+        if self.lora_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype}")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA under tensor parallelism is not supported yet; use tensor_parallel_size=1 with enable_lora")
 

@@ -161,7 +161,9 @@ class EngineCore:
                 drafter = DraftModelProposer(draft[0], draft_caches, config.block_size)
             lora_manager = None
             if config.enable_lora:
-                lora_manager = LoRAModelManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, config.device)
+                lora_manager = LoRAModelManager(
+                    model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, config.lora_dtype, config.device
+                )
                 logger.info("LoRA: %d slots of rank <= %d (%.1f MiB)", config.max_loras, config.max_lora_rank, lora_manager.nbytes / 2**20)
             self.runner = ModelRunner(
                 model,

@@ -2,13 +2,13 @@
 segments of the flat batch (vLLM's PunicaWrapper metadata), and the one grouped product that adds
 every segment's delta after the layer's base product.
 
-A fused projection (q/k/v, gate/up) holds its shards' adapters block-diagonally: shard ``s``'s A
-sits in ranks ``[s * max_rank, s * max_rank + r)`` and its B in the shard's output rows at those
-ranks, so one shrink and one expand cover all shards and untargeted shards are zeros.
+A fused projection (q/k/v, gate/up) keeps one pool per shard, so a step reads each adapter's B
+once (a block-diagonal B over all shards would read zeros for the others), and a shard that no
+loaded adapter targets is skipped.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,10 +30,20 @@ def lora_shrink_expand(
     ``[S + 1]``, ``seg_slots`` int64 ``[S]``. The torch stand-in for the native grouped kernel,
     which takes exactly this signature."""
     starts = seg_starts.tolist()
-    for i, slot in enumerate(seg_slots.tolist()):
-        if slot < 0:
-            continue
-        a, b = starts[i], starts[i + 1]
+    segments = [(starts[i], starts[i + 1], slot) for i, slot in enumerate(seg_slots.tolist()) if slot >= 0 and starts[i + 1] > starts[i]]
+    if not segments:
+        return
+    length = segments[0][1] - segments[0][0]
+    if len(segments) > 1 and all(b - a == length for a, b, _ in segments):
+        # Equal segments (decode steps: one row per request) as two batched products, not two per segment.
+        slots = torch.tensor([slot for _, _, slot in segments], dtype=torch.int64, device=x.device)
+        rows = torch.tensor([r for a, b, _ in segments for r in range(a, b)], dtype=torch.int64, device=x.device)
+        xs = x.index_select(0, rows).view(len(segments), length, -1)
+        shrunk = torch.bmm(xs, lora_a.index_select(0, slots).to(x.dtype).transpose(1, 2))
+        expanded = torch.bmm(shrunk, lora_b.index_select(0, slots).to(y.dtype).transpose(1, 2))
+        y.index_add_(0, rows, expanded.view(len(rows), -1))
+        return
+    for a, b, slot in segments:
         shrunk = x[a:b] @ lora_a[slot].to(x.dtype).T
         y[a:b].addmm_(shrunk, lora_b[slot].to(y.dtype).T)
 
@@ -69,9 +79,21 @@ class LoRAStepContext:
         self.batch: Optional[LoRABatch] = None
 
 
+@dataclass
+class ShardPool:
+    """One output shard's adapters: ``lora_a [num_slots, max_rank, in]``, ``lora_b [num_slots, rows, max_rank]``."""
+
+    offset: int
+    rows: int
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    # Slots whose adapter targets this shard; a shard none targets costs nothing.
+    slots: set[int] = field(default_factory=set)
+
+
 class LoRALayerWeights:
-    """One linear layer's adapter pool: ``lora_a [num_slots, R, in]`` and ``lora_b [num_slots,
-    out, R]`` with ``R = num_shards * max_rank``, set and cleared one slot at a time."""
+    """One linear layer's adapter pool, one :class:`ShardPool` per shard of a fused projection
+    (q/k/v, gate/up; one for a plain layer), set and cleared one slot at a time."""
 
     def __init__(
         self,
@@ -84,42 +106,62 @@ class LoRALayerWeights:
         device: torch.device | str = "cpu",
     ) -> None:
         self.in_features = in_features
-        self.shard_sizes = dict(shard_sizes)
         self.max_rank = max_rank
         self.context = context
-        out_features = sum(self.shard_sizes.values())
-        width = len(self.shard_sizes) * max_rank
-        self.lora_a = torch.zeros((num_slots, width, in_features), dtype=dtype, device=device)
-        self.lora_b = torch.zeros((num_slots, out_features, width), dtype=dtype, device=device)
+        self.shards: dict[str, ShardPool] = {}
+        offset = 0
+        for name, rows in shard_sizes.items():
+            self.shards[name] = ShardPool(
+                offset,
+                rows,
+                torch.zeros((num_slots, max_rank, in_features), dtype=dtype, device=device),
+                torch.zeros((num_slots, rows, max_rank), dtype=dtype, device=device),
+            )
+            offset += rows
 
     @property
     def active(self) -> bool:
         return self.context.batch is not None
 
+    @property
+    def nbytes(self) -> int:
+        return sum(p.lora_a.nbytes + p.lora_b.nbytes for p in self.shards.values())
+
     def set_slot(self, slot: int, shards: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Writes an adapter into ``slot``: per shard name, ``(A [r, in], B [rows, r])``, B already scaled."""
+        """Writes an adapter into ``slot``: per shard name, ``(A [r, in], B [rows, r])``, B already
+        scaled; smaller ranks are zero-padded to ``max_rank``."""
         self.clear_slot(slot)
-        offset = 0
-        for index, (name, rows) in enumerate(self.shard_sizes.items()):
-            if name in shards:
-                a, b = shards[name]
-                rank = a.shape[0]
-                if a.shape[1] != self.in_features or tuple(b.shape) != (rows, rank) or rank > self.max_rank:
-                    raise ValueError(
-                        f"LoRA shard {name or 'weight'}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit a layer of "
-                        f"{self.in_features} inputs and {rows} outputs at rank <= {self.max_rank}"
-                    )
-                ranks = slice(index * self.max_rank, index * self.max_rank + rank)
-                self.lora_a[slot, ranks] = a.to(self.lora_a.dtype)
-                self.lora_b[slot, offset : offset + rows, ranks] = b.to(self.lora_b.dtype)
-            offset += rows
+        for name, (a, b) in shards.items():
+            pool = self.shards[name]
+            rank = a.shape[0]
+            if a.shape[1] != self.in_features or tuple(b.shape) != (pool.rows, rank) or rank > self.max_rank:
+                raise ValueError(
+                    f"LoRA shard {name or 'weight'}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit a layer of "
+                    f"{self.in_features} inputs and {pool.rows} outputs at rank <= {self.max_rank}"
+                )
+            pool.lora_a[slot, :rank] = a.to(pool.lora_a.dtype)
+            pool.lora_b[slot, :, :rank] = b.to(pool.lora_b.dtype)
+            pool.slots.add(slot)
 
     def clear_slot(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        for pool in self.shards.values():
+            if slot in pool.slots:
+                pool.lora_a[slot].zero_()
+                pool.lora_b[slot].zero_()
+                pool.slots.discard(slot)
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """Adds this step's adapters' deltas to the base product ``y`` of ``x``, in place."""
         batch = self.context.batch
-        if batch is not None:
-            lora_shrink_expand(y, x, self.lora_a, self.lora_b, batch.seg_starts, batch.seg_slots)
+        if batch is None:
+            return
+        if len(self.shards) == 1:
+            pool = next(iter(self.shards.values()))
+            lora_shrink_expand(y, x, pool.lora_a, pool.lora_b, batch.seg_starts, batch.seg_slots)
+            return
+        for pool in self.shards.values():
+            if pool.slots:
+                # The product takes whole rows of y: a shard's delta goes through its own buffer.
+                part = torch.zeros((y.shape[0], pool.rows), dtype=y.dtype, device=y.device)
+                lora_shrink_expand(part, x, pool.lora_a, pool.lora_b, batch.seg_starts, batch.seg_slots)
+                y[:, pool.offset : pool.offset + pool.rows] += part

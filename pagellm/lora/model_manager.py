@@ -38,6 +38,7 @@ class LoRAModelManager:
         max_loras: int,
         max_lora_rank: int,
         max_cpu_loras: int,
+        dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         loader: Callable[[str, int], PEFTAdapter] = load_peft_adapter,
     ) -> None:
@@ -50,7 +51,7 @@ class LoRAModelManager:
         self.layers: dict[str, LoRALayerWeights] = {}
         for name, layer in model.linear_layers():
             if name.rsplit(".", 1)[-1] in ADAPTED_LAYERS:
-                weights = LoRALayerWeights(layer.in_features, layer.shard_sizes, max_loras, max_lora_rank, self.context, device=device)
+                weights = LoRALayerWeights(layer.in_features, layer.shard_sizes, max_loras, max_lora_rank, self.context, dtype, device)
                 layer.lora = weights
                 self.layers[name] = weights
         if not self.layers:
@@ -63,7 +64,7 @@ class LoRAModelManager:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.lora_a.nbytes + w.lora_b.nbytes for w in self.layers.values())
+        return sum(w.nbytes for w in self.layers.values())
 
     # ---- adapters ----------------------------------------------------------------------
 

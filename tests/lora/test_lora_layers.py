@@ -25,6 +25,23 @@ def test_lora_shrink_expand_adds_each_segments_delta():
     torch.testing.assert_close(y, expected)
 
 
+@pytest.mark.parametrize("length", [1, 3])
+def test_lora_shrink_expand_on_equal_segments_matches_the_per_segment_sum(length):
+    """Decode steps (one row per request, slots all different, a base row between) take the batched path."""
+    torch.manual_seed(5)
+    slots = [3, 0, -1, 2, 1, 0]
+    x, y = torch.randn(len(slots) * length, 16), torch.randn(len(slots) * length, 9)
+    lora_a, lora_b = torch.randn(4, 5, 16), torch.randn(4, 9, 5)
+    expected = y.clone()
+    for i, k in enumerate(slots):
+        if k >= 0:
+            rows = slice(i * length, (i + 1) * length)
+            expected[rows] += x[rows] @ lora_a[k].T @ lora_b[k].T
+    starts = torch.arange(0, len(slots) * length + 1, length)
+    lora_shrink_expand(y, x, lora_a, lora_b, starts, torch.tensor(slots))
+    torch.testing.assert_close(y, expected)
+
+
 def test_lora_shrink_expand_takes_bfloat16_pools():
     torch.manual_seed(1)
     x, y = torch.randn(4, 8), torch.zeros(4, 5)
@@ -41,8 +58,8 @@ def test_segments_merge_neighbours_and_vanish_without_adapters():
     assert LoRABatch.from_rows([2, 3], [-1, -1]) is None
 
 
-def test_fused_shards_sit_block_diagonally():
-    """q/k/v's adapters in one pool: an untargeted shard (k) gets no delta, each other shard its own."""
+def test_fused_shards_get_their_own_deltas():
+    """q/k/v's adapters: an untargeted shard (k) gets no delta, each other shard its own."""
     torch.manual_seed(2)
     context = LoRAStepContext()
     weights = LoRALayerWeights(6, {"q": 4, "k": 2, "v": 2}, num_slots=2, max_rank=3, context=context)

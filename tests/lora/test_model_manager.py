@@ -66,7 +66,7 @@ def test_slots_evict_least_recently_used_and_cpu_cache_reloads():
     batch = manager.context.batch
     slot_1, slot_2 = batch.seg_slots.tolist()
     assert batch.seg_starts.tolist() == [0, 2, 3]
-    pool = manager.layers["model.layers.0.self_attn.qkv_proj"]
+    pool = manager.layers["model.layers.0.self_attn.qkv_proj"].shards["q"]
     assert pool.lora_a[slot_1, 0].tolist() == [1.0] * 4 and pool.lora_a[slot_2, 0].tolist() == [2.0] * 4
     manager.prepare_step(["r2"], [1])  # 2 used last: 1 is the least recently used slot
     manager.prepare_step(["r3", "r2"], [1, 1])
