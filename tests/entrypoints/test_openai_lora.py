@@ -56,6 +56,7 @@ def test_completions_and_chat_select_the_adapter_by_model(lora_client):
     base, a1, a2 = (_complete(lora_client, m) for m in (BASE, "a1", "a2"))
     assert len({base, a1, a2}) == 3
     assert _complete(lora_client, "a1") == a1  # deterministic, and the slot reuse keeps it so
+    assert lora_client.completions.create(model="a1", prompt=PROMPT, max_tokens=1).model == "a1"
     messages = [{"role": "user", "content": "Name a color."}]
     chat = lambda model: lora_client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)  # noqa: E731
     assert chat("a2").choices[0].message.content != chat(BASE).choices[0].message.content

@@ -126,6 +126,10 @@ class OpenAIServing:
         """The LoRA adapter ``model`` names (None: the base model); 404 for a name not served."""
         return self.models.resolve(model)
 
+    def response_model(self, model: Optional[str]) -> str:
+        """The name a response reports: the adapter's when the request chose one (as vLLM), else the base model's."""
+        return model if model and model in self.models.loras else self.served_model_name
+
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """Checks what SamplingParams cannot know alone: token ids against the vocabulary."""
         vocab_size = self.async_llm.engine.input_processor.vocab_size

@@ -270,7 +270,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=request_id,
             created=created,
-            model=self.served_model_name,
+            model=self.response_model(request.model),
             choices=[
                 ChatCompletionResponseChoice(
                     index=j,
@@ -307,7 +307,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=self.served_model_name,
+                    model=self.response_model(request.model),
                     choices=[
                         ChatCompletionResponseStreamChoice(
                             index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
@@ -352,9 +352,8 @@ class OpenAIServingChat(OpenAIServing):
                     )
             if request.include_usage:
                 usage = make_usage(num_prompt, sum(c.num_tokens for c in choices), num_cached)
-                yield sse(
-                    ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name, choices=[], usage=usage)
-                )
+                model = self.response_model(request.model)
+                yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
             yield sse_error(e)
         yield SSE_DONE

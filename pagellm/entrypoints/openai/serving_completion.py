@@ -210,7 +210,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(
             id=request_id,
             created=created,
-            model=self.served_model_name,
+            model=self.response_model(request.model),
             choices=[
                 CompletionResponseChoice(
                     index=j, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
@@ -242,7 +242,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self.served_model_name,
+                        model=self.response_model(request.model),
                         choices=[
                             CompletionResponseStreamChoice(
                                 index=index,
@@ -256,7 +256,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse(chunk, exclude)
             if request.include_usage:
                 usage = _usage(infos, choices)
-                yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name, choices=[], usage=usage))
+                model = self.response_model(request.model)
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
             yield sse_error(e)
         yield SSE_DONE
