@@ -28,7 +28,10 @@ def adapter_paths(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_server(adapter_paths):
     modules = ["a1=" + adapter_paths["a1"], json.dumps({"name": "a2", "path": adapter_paths["a2"], "base_model_name": BASE})]
-    srv = RemoteServer(SERVER_ARGS + ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--lora-modules", *modules])
+    srv = RemoteServer(
+        SERVER_ARGS + ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--lora-modules", *modules],
+        env={"PAGELLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    )
     yield srv
     exit_code = srv.terminate()
     log = srv.read_log()

@@ -214,13 +214,15 @@ def build_app(
     async def models() -> ModelList:
         return served.list_models()
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
-        return Response(await served.load_lora_adapter(request.lora_name, request.lora_path), media_type="text/plain")
+    if envs.allow_runtime_lora_updating():  # as vLLM: a client naming paths to read is opt-in
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
-        return Response(await served.unload_lora_adapter(request.lora_name), media_type="text/plain")
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            return Response(await served.load_lora_adapter(request.lora_name, request.lora_path), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            return Response(await served.unload_lora_adapter(request.lora_name), media_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
