@@ -86,15 +86,13 @@ class LoRAModelManager:
         return adapter
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forgets an adapter (its slot frees unless a running request still uses it)."""
+        """Forgets an adapter and frees its slot; a running request on it reloads it from its path
+        at its next step, so a later adapter under the same id never finds the old weights."""
         found = self._known.pop(lora_int_id, None) is not None
         self._cpu.pop(lora_int_id, None)
-        if lora_int_id in self._slot_of and all(r.lora_int_id != lora_int_id for r in self._request_lora.values()):
+        if lora_int_id in self._slot_of:
             self._free_slots.append(self._slot_of.pop(lora_int_id))
         return found
-
-    def list_loras(self) -> list[int]:
-        return list(self._known)
 
     def _layer_and_shard(self, module: str) -> tuple[str, Optional[str]]:
         """The adapted layer's name and the shard a checkpoint module lands in."""

@@ -82,7 +82,12 @@ def test_unknown_modules_and_reused_ids_are_refused():
     manager = LoRAModelManager(TinyModel(), 1, 2, 1, loader=fake_loader([]))
     with pytest.raises(ValueError, match="matches no adapted layer"):
         manager.add_lora(LoRARequest("bad", 7, "/adapters/-1"))
-    manager.add_lora(lora(1))
+    manager.add_request("r", lora(1))
+    manager.prepare_step(["r"], [1])
     with pytest.raises(ValueError, match="already"):
         manager.add_lora(LoRARequest("other", 1, "/elsewhere/1"))
     assert manager.remove_lora(1) and not manager.remove_lora(1)
+    # The id comes back with other weights: the step loads them, not the old slot's.
+    manager.add_request("s", LoRARequest("other", 1, "/elsewhere/5"))
+    manager.prepare_step(["s"], [1])
+    assert manager.layers["model.layers.0.self_attn.qkv_proj"].shards["q"].lora_a[0, 0].tolist() == [5.0] * 4
