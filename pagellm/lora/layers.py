@@ -29,8 +29,20 @@ def lora_shrink_expand(
     [num_slots, out, max_rank]`` (scaling folded into B; float32 or bfloat16), ``seg_starts`` int64
     ``[S + 1]``, ``seg_slots`` int64 ``[S]``. The torch stand-in for the native grouped kernel,
     which takes exactly this signature."""
-    starts = seg_starts.tolist()
-    segments = [(starts[i], starts[i + 1], slot) for i, slot in enumerate(seg_slots.tolist()) if slot >= 0 and starts[i + 1] > starts[i]]
+    num_threads = torch.get_num_threads()
+    # Its products are small: on one thread none waits for a busy OpenMP pool (which costs more
+    # than the arithmetic when other processes share the cores).
+    torch.set_num_threads(1)
+    try:
+        _shrink_expand(y, x, lora_a, lora_b, seg_starts.tolist(), seg_slots.tolist())
+    finally:
+        torch.set_num_threads(num_threads)
+
+
+def _shrink_expand(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, starts: list[int], seg_slots: list[int]
+) -> None:
+    segments = [(starts[i], starts[i + 1], slot) for i, slot in enumerate(seg_slots) if slot >= 0 and starts[i + 1] > starts[i]]
     if not segments:
         return
     length = segments[0][1] - segments[0][0]

@@ -128,6 +128,8 @@ def test_unservable_adapters_are_refused_before_anything_runs(llm, tmp_path, lor
         LLM(dtype="float32", enable_lora=True, max_lora_rank=8).generate(
             ["hi"], PARAMS, use_tqdm=False, lora_request=LoRARequest("big", 1, loras["mlp16"].lora_path)
         )
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(num_kv_blocks=64).generate(["hi"], PARAMS, use_tqdm=False, lora_request=loras["all8"])
     with pytest.raises(ValueError, match="PEFT directory"):
         llm.generate(["hi"], PARAMS, use_tqdm=False, lora_request=LoRARequest("none", 99, str(tmp_path)))
     assert not llm.llm_engine.has_unfinished_requests()
