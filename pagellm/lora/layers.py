@@ -48,11 +48,20 @@ def _shrink_expand(
     length = segments[0][1] - segments[0][0]
     if len(segments) > 1 and all(b - a == length for a, b, _ in segments):
         # Equal segments (decode steps: one row per request) as two batched products, not two per segment.
-        slots = torch.tensor([slot for _, _, slot in segments], dtype=torch.int64, device=x.device)
+        slot_ids = [slot for _, _, slot in segments]
+        slots = torch.tensor(slot_ids, dtype=torch.int64, device=x.device)
         rows = torch.tensor([r for a, b, _ in segments for r in range(a, b)], dtype=torch.int64, device=x.device)
         xs = x.index_select(0, rows).view(len(segments), length, -1)
-        shrunk = torch.bmm(xs, lora_a.index_select(0, slots).to(x.dtype).transpose(1, 2))
-        expanded = torch.bmm(shrunk, lora_b.index_select(0, slots).to(y.dtype).transpose(1, 2))
+        pooled = lora_a.dtype == x.dtype and lora_b.dtype == y.dtype and len(set(slot_ids)) == len(slot_ids)
+        if pooled and 2 * len(slot_ids) >= lora_a.shape[0]:
+            # Most slots in use: the rows move to their slots' places and the pools are read in
+            # place, instead of copying each segment's adapter out first.
+            by_slot = x.new_zeros((lora_a.shape[0], length, x.shape[1]))
+            by_slot[slots] = xs
+            expanded = torch.bmm(torch.bmm(by_slot, lora_a.transpose(1, 2)), lora_b.transpose(1, 2))[slots]
+        else:
+            shrunk = torch.bmm(xs, lora_a.index_select(0, slots).to(x.dtype).transpose(1, 2))
+            expanded = torch.bmm(shrunk, lora_b.index_select(0, slots).to(y.dtype).transpose(1, 2))
         y.index_add_(0, rows, expanded.view(len(rows), -1))
         return
     for a, b, slot in segments:

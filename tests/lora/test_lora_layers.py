@@ -25,11 +25,19 @@ def test_lora_shrink_expand_adds_each_segments_delta():
     torch.testing.assert_close(y, expected)
 
 
-@pytest.mark.parametrize("length", [1, 3])
-def test_lora_shrink_expand_on_equal_segments_matches_the_per_segment_sum(length):
-    """Decode steps (one row per request, slots all different, a base row between) take the batched path."""
+@pytest.mark.parametrize(
+    "length, slots",
+    [
+        (1, [3, 0, -1, 2, 1, 0]),  # a slot twice: each segment's adapter gathered
+        (3, [3, 0, -1, 2, 1, 0]),
+        (1, [3, 0, -1, 2, 1]),  # every slot once: the pools read in place
+        (2, [1, -1, 3, 0]),
+        (1, [2, 1, 2, -1]),  # two of four slots: gathered
+    ],
+)
+def test_lora_shrink_expand_on_equal_segments_matches_the_per_segment_sum(length, slots):
+    """Decode steps (one row per request, a base row between) take the batched paths."""
     torch.manual_seed(5)
-    slots = [3, 0, -1, 2, 1, 0]
     x, y = torch.randn(len(slots) * length, 16), torch.randn(len(slots) * length, 9)
     lora_a, lora_b = torch.randn(4, 5, 16), torch.randn(4, 9, 5)
     expected = y.clone()
