@@ -3,6 +3,7 @@
 from pagellm import envs
 
 envs.set_openmp_defaults()
+from pagellm.lora.request import LoRARequest  # noqa: E402
 from pagellm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput  # noqa: E402
 from pagellm.pooling_params import PoolingParams  # noqa: E402
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
@@ -10,6 +11,7 @@ from pagellm.sampling_params import SamplingParams, StructuredOutputsParams  # n
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "LoRARequest",
     "SamplingParams",
     "PoolingParams",
     "StructuredOutputsParams",

@@ -101,6 +101,13 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         default=None,
         help='pooling runner, vLLM\'s JSON: \'{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}\' (default LAST, normalized)',
     )
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (docs/lora.md)")
+    parser.add_argument("--max-loras", type=int, default=1, help="adapters in one batch at once (their slots; default 1)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in host memory (default: --max-loras)")
+    parser.add_argument(
+        "--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the adapter slots' type (auto: float32)"
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -131,6 +138,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         runner=getattr(args, "runner", None),
         task=getattr(args, "task", None),
         pooler_config=getattr(args, "pooler_config", None),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
+        lora_dtype=getattr(args, "lora_dtype", "auto"),
     )
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs

@@ -155,6 +155,15 @@ class EngineConfig:
     runner: Optional[str] = None
     task: Optional[str] = None
     pooler_config: Optional[Any] = None
+    # Multi-LoRA serving (vLLM's names; docs/lora.md): adapters in flight at once (slots), their
+    # largest rank, and adapters kept loaded in host memory (default: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+    # The slots' element type (vLLM's --lora-dtype): "auto" is float32; bfloat16 halves what each
+    # step reads of its adapters.
+    lora_dtype: Union[str, torch.dtype] = "auto"
     # Whether dtype / kv_cache_dtype were "auto", so that a GPU engine may refine them.
     auto_dtype: bool = field(default=False, init=False, repr=False)
     auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
@@ -213,6 +222,7 @@ class EngineConfig:
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._resolve_pooling()
+        self._check_lora()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -235,6 +245,23 @@ class EngineConfig:
     @property
     def is_pooling(self) -> bool:
         return self.runner == "pooling"
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        self.lora_dtype = torch.float32 if self.lora_dtype == "auto" else parse_dtype(self.lora_dtype)
+        if self.lora_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype}")
+        if self.enable_lora and self.runner == "pooling":
+            raise ValueError("LoRA adapters serve the generate runner; enable_lora does not apply to runner='pooling'")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA under tensor parallelism is not supported yet; use tensor_parallel_size=1 with enable_lora")
 
     def apply_linear_precision(self, precision: LinearPrecision) -> None:
         """Records the resolved precision. On a CPU the model's tensors are float32 whatever the

@@ -28,6 +28,13 @@ def api_key() -> Optional[str]:
     return os.environ.get("PAGELLM_API_KEY") or None
 
 
+def allow_runtime_lora_updating() -> bool:
+    """PAGELLM_ALLOW_RUNTIME_LORA_UPDATING=1 (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): serve
+    /v1/load_lora_adapter and /v1/unload_lora_adapter, which let a client make the server read a
+    directory it names; off by default."""
+    return os.environ.get("PAGELLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+
+
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: Triton's own switch (read by Triton when a kernel is defined) to run
     kernels in its CPU interpreter; the Triton backend then accepts CPU tensors, for tests."""

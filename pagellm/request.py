@@ -5,6 +5,7 @@ import enum
 import time
 from typing import Callable, Optional
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ class Request:
         cache_salt: Optional[str] = None,
         block_hasher: Optional[Callable[["Request"], list[bytes]]] = None,
         pooling_params: Optional[PoolingParams] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -63,6 +65,7 @@ class Request:
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.num_computed_tokens = 0
@@ -83,6 +86,18 @@ class Request:
         self.spec_token_ids: list[int] = []
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def prefix_cache_key(self) -> Optional[str]:
+        """What is mixed into the first block's hash: the tenant's salt and the adapter, which both change the KV."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return self.lora_request.cache_key if self.cache_salt is None else f"{self.cache_salt}\x00{self.lora_request.cache_key}"
 
     @property
     def num_prompt_tokens(self) -> int:

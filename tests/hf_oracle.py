@@ -42,9 +42,13 @@ def hf_model_and_tokenizer():
 
 
 @torch.inference_mode()
-def hf_greedy(prompt_token_ids: list[int], max_new_tokens: int, eos_token_ids: set[int]) -> HFGreedy:
-    """Greedy decoding by hand (no generation-config surprises), stopping at EOS like the engine."""
-    model, _ = hf_model_and_tokenizer()
+def hf_greedy(
+    prompt_token_ids: list[int], max_new_tokens: int, eos_token_ids: set[int], model: torch.nn.Module | None = None
+) -> HFGreedy:
+    """Greedy decoding by hand (no generation-config surprises), stopping at EOS like the engine;
+    ``model`` defaults to the default GGUF's float32 load."""
+    if model is None:
+        model, _ = hf_model_and_tokenizer()
     input_ids = torch.tensor([prompt_token_ids])
     out = model(input_ids=input_ids, use_cache=True)
     past = out.past_key_values

@@ -7,6 +7,7 @@ from pagellm.core.block_hash import make_block_hasher
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
@@ -70,9 +71,10 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     max_model_len: int = 256,
     enable_caching: bool = True,
+    max_loras: int = 0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, max_loras=max_loras)
 
 
 def make_pooling_request(sched: Scheduler, req_id: str, prompt: list[int]) -> Request:
@@ -81,10 +83,12 @@ def make_pooling_request(sched: Scheduler, req_id: str, prompt: list[int]) -> Re
     return Request(req_id, prompt, SamplingParams(max_tokens=0, temperature=0.0), 0, block_hasher=hasher, pooling_params=PoolingParams())
 
 
-def make_request(sched: Scheduler, req_id: str, prompt: list[int], max_tokens: int = 4, **params) -> Request:
+def make_request(
+    sched: Scheduler, req_id: str, prompt: list[int], max_tokens: int = 4, lora_request: Optional[LoRARequest] = None, **params
+) -> Request:
     hasher = make_block_hasher(sched.block_size) if sched.kv_cache_manager.enable_caching else None
     p = SamplingParams(max_tokens=max_tokens, **params)
-    return Request(req_id, prompt, p, max_tokens, block_hasher=hasher)
+    return Request(req_id, prompt, p, max_tokens, block_hasher=hasher, lora_request=lora_request)
 
 
 def run_to_completion(sched: Scheduler, runner: Optional[FakeRunner] = None, max_steps: int = 10_000) -> dict[str, list[int]]:

@@ -94,3 +94,28 @@ def test_pooling_params_validation():
     assert PoolingParams(dimensions=8, normalize=False).resolved(PoolerConfig(), 576) == PoolingParams(8, False)
     with pytest.raises(ValueError, match="between 1 and"):
         PoolingParams(dimensions=577).resolved(PoolerConfig(), 576)
+
+
+def test_lora_settings_are_checked():
+    config = EngineConfig(enable_lora=True, max_loras=3, device="cpu")
+    assert config.max_cpu_loras == 3 and config.lora_dtype == torch.float32 and config.max_lora_rank == 16
+    assert EngineConfig(lora_dtype="bfloat16", device="cpu").lora_dtype == torch.bfloat16
+    for kwargs, message in [
+        (dict(max_loras=0), "max_loras"),
+        (dict(max_lora_rank=-1), "max_lora_rank"),
+        (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
+        (dict(lora_dtype="float16"), "lora_dtype"),
+        (dict(enable_lora=True, tensor_parallel_size=2), "tensor parallelism is not supported"),
+        (dict(enable_lora=True, runner="pooling"), "generate runner"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(device="cpu", **kwargs)
+
+
+def test_lora_flags_reach_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "8", "--max-cpu-loras", "6", "--lora-dtype", "bfloat16"]
+    config = EngineConfig(**engine_kwargs(parser.parse_args([*flags, "--device", "cpu"])))
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 4, 8, 6)
+    assert config.lora_dtype == torch.bfloat16

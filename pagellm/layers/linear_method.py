@@ -59,6 +59,11 @@ class LinearMethod(ABC):
         activation one of ``ops.FUSED_ACTIVATIONS``."""
         return ops.gated_and_mul(self.apply(x, bias), activation)
 
+    def apply_gate_up(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x @ W.T + bias`` of a gate/up weight, gate columns first, whatever its packing: for a
+        LoRA delta, which must reach gate and up before the activation."""
+        return self.apply(x, bias)
+
     @property
     @abstractmethod
     def nbytes(self) -> int:
@@ -107,6 +112,9 @@ class DenseMethod(LinearMethod):
             return out
         return ops.gated_and_mul(F.linear(x, self.weight, bias), activation)
 
+    def apply_gate_up(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, self.weight, bias) if self.fused_gate_up else self.apply(x, bias)
+
     @property
     def nbytes(self) -> int:
         panels = 0 if self.panels is None else self.panels.numel() * self.panels.element_size()
@@ -145,6 +153,16 @@ class _PanelsMethod(LinearMethod):
         out = torch.empty((x.shape[0], self.out_features // 2), dtype=x.dtype, device=x.device)
         self.product_into(out, x.contiguous(), bias, activation)
         return out
+
+    def apply_gate_up(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.fused_gate_up:
+            return self.apply(x, bias)
+        # Panels packed for the fused activation hold gate and up rows alternately, one vector each.
+        mixed = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        self.product_into(mixed, x.contiguous(), None, None)
+        groups = mixed.view(x.shape[0], -1, 2, GATE_UP_GROUP)
+        out = torch.cat((groups[:, :, 0].reshape(x.shape[0], -1), groups[:, :, 1].reshape(x.shape[0], -1)), dim=1)
+        return out if bias is None else out + bias
 
     @property
     def nbytes(self) -> int:

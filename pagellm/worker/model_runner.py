@@ -16,6 +16,7 @@ from pagellm.attention.backend import AttentionMetadata
 from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.lora.model_manager import LoRAModelManager
 from pagellm.pooling_params import PoolerConfig
 from pagellm.sample.logprobs import compute_prompt_logprobs
 from pagellm.sample.metadata import LogprobsTensors
@@ -57,8 +58,11 @@ class ModelRunner:
         kv_cache_layout: Optional[KVCacheLayout] = None,
         drafter: Optional[object] = None,
         pooler_config: Optional[PoolerConfig] = None,
+        lora_manager: Optional[LoRAModelManager] = None,
     ) -> None:
         self.model = model
+        # Adapters' slots and each request's adapter; the step's segments are published through it.
+        self.lora_manager = lora_manager
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -144,6 +148,8 @@ class ModelRunner:
                 self.drafter.remove_request(req_id)
             if self.pooler is not None:
                 self.pooler.remove_request(req_id)
+            if self.lora_manager is not None:
+                self.lora_manager.remove_request(req_id)
         for new in out.new_reqs:
             batch.add_request(
                 new.req_id,
@@ -155,6 +161,8 @@ class ModelRunner:
                 new.extra_group_block_ids,
                 new.pooling_params,
             )
+            if self.lora_manager is not None:
+                self.lora_manager.add_request(new.req_id, new.lora_request)
             if so is not None and new.sampling_params.structured_outputs is not None:
                 # A resumed request replays the outputs it had, to put its grammar where it was.
                 so.add_request(new.req_id, new.sampling_params.structured_outputs, new.token_ids[new.num_prompt_tokens :])
@@ -221,6 +229,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         graph_size = self.cuda_graphs.graph_size_for(metadata[0]) if self.cuda_graphs is not None else None
         ids_dev, positions_dev = torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(req_ids, num_sched.tolist())
         if graph_size is None:
             hidden = self.model(ids_dev, positions_dev, self.kv_caches, self._layer_metadata(metadata))
         else:

@@ -122,7 +122,7 @@ class FakeEngine:
             raise ValueError(f"prompt + max_tokens exceed max_model_len={self.max_model_len}")
         return ProcessedPrompt(text, ids, max_tokens)
 
-    def add_request(self, request_id, prompt, params, output_kind, arrival_time=None, processed=None):
+    def add_request(self, request_id, prompt, params, output_kind, arrival_time=None, processed=None, lora_request=None):
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = processed or self.process_prompt(prompt, params)

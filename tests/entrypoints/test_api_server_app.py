@@ -261,3 +261,23 @@ def test_dead_engine_stops_the_server():
     assert asyncio.run(server.on_tick(1)) is False  # a moment for errors to reach clients
     server._dead_since = time.monotonic() - 2
     assert asyncio.run(server.on_tick(1)) is True
+
+
+def test_runtime_lora_routes_are_opt_in(monkeypatch):
+    """As vLLM: load/unload (a client naming a directory to read) exist only with the env switch."""
+    engine = FakeEngine(max_model_len=64)
+    metrics = EngineMetrics(engine.model_name)
+    llm = AsyncLLM(engine, stat_logger=metrics)
+    try:
+        app = build_app(llm, metrics, api_key=API_KEY)
+        body = {"lora_name": "x", "lora_path": "/etc"}
+        assert request(app, "POST", "/v1/load_lora_adapter", json=body, headers=AUTH).status_code == 404
+        monkeypatch.setenv("PAGELLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+        app = build_app(llm, metrics, api_key=API_KEY, lora_modules=["a=/adapters/a"])
+        paths = {getattr(route, "path", None) for route in app.routes}
+        assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= paths
+        assert request(app, "POST", "/v1/unload_lora_adapter", json={"lora_name": "nope"}, headers=AUTH).status_code == 404
+        models = request(app, "GET", "/v1/models", headers=AUTH).json()["data"]
+        assert [(m["id"], m["parent"], m["root"]) for m in models][1:] == [("a", engine.model_name, "/adapters/a")]
+    finally:
+        llm.shutdown()

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -37,9 +37,10 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
@@ -49,6 +50,7 @@ from pagellm.entrypoints.openai.serving_base import to_api_error
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagellm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState, authorize
@@ -153,6 +155,7 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    lora_modules: Sequence[str] = (),
 ) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__)
     state = ServerState(api_key=api_key, max_request_body_bytes=max_request_body_bytes)
@@ -165,6 +168,12 @@ def build_app(
     tokenization = OpenAIServingTokenization(async_llm, name, trust_request_chat_template)
     responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
     embedding = OpenAIServingEmbedding(async_llm, name)
+    served = OpenAIServingModels(async_llm, name, model_root)
+    for spec in lora_modules:
+        served.register(*parse_lora_module(spec))
+    for serving in (completions, chat, tokenization, embedding):
+        serving.models = served
+    app.state.models = served
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -211,7 +220,17 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=model_root or name, max_model_len=async_llm.max_model_len)])
+        return served.list_models()
+
+    if envs.allow_runtime_lora_updating():  # as vLLM: a client naming paths to read is opt-in
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            return Response(await served.load_lora_adapter(request.lora_name, request.lora_path), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            return Response(await served.unload_lora_adapter(request.lora_name), media_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
@@ -341,6 +360,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"responses kept in memory for previous_response_id and GET /v1/responses/ID, least recently used dropped first "
         f"(default {DEFAULT_MAX_STORED_RESPONSES}; 0 keeps none)",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help='LoRA adapters served by name (needs --enable-lora): name=path or \'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
 
@@ -356,6 +382,10 @@ def run_server(args: argparse.Namespace) -> int:
     dp = getattr(args, "data_parallel_size", 1) or 1
     if dp < 1:
         raise ValueError(f"data_parallel_size must be positive, got {dp}")
+    if args.lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if dp > 1 and config.enable_lora:
+        raise ValueError("LoRA under data parallelism is not supported yet; use --data-parallel-size 1 with --enable-lora")
     if dp > 1:
         from pagellm.engine.data_parallel import DPAsyncLLM
 
@@ -379,7 +409,10 @@ def run_server(args: argparse.Namespace) -> int:
         max_stored_responses=args.max_stored_responses,
         dashboard=not args.no_dashboard,
         dashboard_show_text=args.dashboard_show_text,
+        lora_modules=args.lora_modules,
     )
+    for lora in app.state.models.loras.values():
+        engine.add_lora(lora)  # a bad adapter stops the server here, not at its first request
     uv_config = uvicorn.Config(
         app,
         host=args.host,

@@ -379,6 +379,16 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: Optional[str] = None
+    lora_path: Optional[str] = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: Optional[str] = None
+    lora_int_id: Optional[int] = None
+
+
 class TokenizeRequest(OpenAIBaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None

@@ -12,6 +12,8 @@ from pydantic import BaseModel
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, LazyPrompt, RequestStream
 from pagellm.entrypoints.errors import APIError, error_body
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptTokensDetails, UsageInfo
+from pagellm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -135,6 +137,8 @@ class OpenAIServing:
         self.async_llm = async_llm
         self.served_model_name = served_model_name
         self.trust_request_chat_template = trust_request_chat_template
+        # The names requests may use; the app shares one instance, which also holds the LoRA adapters.
+        self.models = OpenAIServingModels(async_llm, served_model_name)
 
     def check_chat_template(self, chat_template: Optional[str], chat_template_kwargs: Optional[dict[str, Any]]) -> None:
         """Refuses a template sent with the request unless the operator trusts clients with them.
@@ -156,9 +160,13 @@ class OpenAIServing:
         if (self.async_llm.engine.config.runner == "pooling") != pooling:
             raise APIError(f"The model does not support {api} API")
 
-    def check_model(self, model: Optional[str]) -> None:
-        if model and model != self.served_model_name:
-            raise APIError(f"The model `{model}` does not exist.", 404, param="model")
+    def check_model(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a name not served."""
+        return self.models.resolve(model)
+
+    def response_model(self, model: Optional[str]) -> str:
+        """The name a response reports: the adapter's when the request chose one (as vLLM), else the base model's."""
+        return model if model and model in self.models.loras else self.served_model_name
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """Checks what SamplingParams cannot know alone: token ids against the vocabulary."""
@@ -169,14 +177,19 @@ class OpenAIServing:
         return params
 
     async def add_requests(
-        self, base_request_id: str, prompts: Sequence[LazyPrompt], params: SamplingParams | PoolingParams, arrival_time: float
+        self,
+        base_request_id: str,
+        prompts: Sequence[LazyPrompt],
+        params: SamplingParams | PoolingParams,
+        arrival_time: float,
+        lora_request: Optional[LoRARequest] = None,
     ) -> list[RequestStream]:
         """Adds one engine request per prompt; all are validated or none is left running."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = base_request_id if len(prompts) == 1 else f"{base_request_id}-{i}"
-                streams.append(await self.async_llm.add_request(request_id, prompt, params, arrival_time))
+                streams.append(await self.async_llm.add_request(request_id, prompt, params, arrival_time, lora_request))
         except BaseException as e:
             self.async_llm.abort([s.request_id for s in streams])
             if isinstance(e, asyncio.CancelledError):

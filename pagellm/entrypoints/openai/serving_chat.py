@@ -144,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def start_chat(self, request: ChatCompletionRequest, request_id: str) -> ChatRun:
         """Validates the request, renders its conversation and adds it to the engine (the Responses API's entry too)."""
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_runner("Chat Completions")
         if not request.messages:
             raise APIError("messages must not be empty", param="messages")
@@ -188,7 +188,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.echo and messages[-1]["role"] == role:
             echo = messages[-1]["content"]
         created = int(time.time())
-        streams = await self.add_requests(request_id, [prompt], params, time.monotonic())
+        streams = await self.add_requests(request_id, [prompt], params, time.monotonic(), lora_request)
         return ChatRun(request, request_id, created, streams[0], n, role, echo, tool_mode)
 
     def _logprobs(
@@ -289,7 +289,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=run.request_id,
             created=run.created,
-            model=self.served_model_name,
+            model=self.response_model(run.request.model),
             choices=[
                 ChatCompletionResponseChoice(
                     index=j,
@@ -354,7 +354,7 @@ class OpenAIServingChat(OpenAIServing):
                     if request.include_usage:
                         yield sse(
                             ChatCompletionStreamResponse(
-                                id=run.request_id, created=run.created, model=self.served_model_name, choices=[], usage=d.usage
+                                id=run.request_id, created=run.created, model=self.response_model(request.model), choices=[], usage=d.usage
                             )
                         )
                     continue
@@ -362,7 +362,9 @@ class OpenAIServingChat(OpenAIServing):
                     index=d.index, delta=d.delta, logprobs=d.logprobs, finish_reason=d.finish_reason, stop_reason=d.stop_reason
                 )
                 yield sse(
-                    ChatCompletionStreamResponse(id=run.request_id, created=run.created, model=self.served_model_name, choices=[choice]),
+                    ChatCompletionStreamResponse(
+                        id=run.request_id, created=run.created, model=self.response_model(request.model), choices=[choice]
+                    ),
                     exclude,
                 )
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does

@@ -60,7 +60,7 @@ class _PromptInfo:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_runner("Completions")
         if request.suffix:
             raise APIError("suffix is not supported", param="suffix")
@@ -83,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params.prompt_logprobs = request.logprobs  # echoed prompt tokens carry logprobs too
         request_id = random_id("cmpl")
         created = int(time.time())
-        streams = await self.add_requests(request_id, prompts, params, time.monotonic())
+        streams = await self.add_requests(request_id, prompts, params, time.monotonic(), lora_request)
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, created, streams, n), media_type="text/event-stream"
@@ -192,7 +192,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(
             id=request_id,
             created=created,
-            model=self.served_model_name,
+            model=self.response_model(request.model),
             choices=[
                 CompletionResponseChoice(
                     index=j, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
@@ -224,7 +224,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self.served_model_name,
+                        model=self.response_model(request.model),
                         choices=[
                             CompletionResponseStreamChoice(
                                 index=index,
@@ -238,7 +238,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse(chunk, exclude)
             if request.include_usage:
                 usage = _usage(infos, choices)
-                yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name, choices=[], usage=usage))
+                model = self.response_model(request.model)
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
             yield sse_error(e)
         yield SSE_DONE
