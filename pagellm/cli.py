@@ -106,7 +106,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
     parser.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in host memory (default: --max-loras)")
     parser.add_argument(
-        "--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the adapter slots' type (auto: float32)"
+        "--lora-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the adapter slots' type (auto: bfloat16 under low-precision linear layers, float32 on the exact path)",
     )
 
 

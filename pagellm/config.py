@@ -161,12 +161,13 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
-    # The slots' element type (vLLM's --lora-dtype): "auto" is float32; bfloat16 halves what each
-    # step reads of its adapters.
+    # The slots' element type (vLLM's --lora-dtype): "auto" is bfloat16 under low-precision linear
+    # layers (it halves what each step reads of its adapters) and float32 on the exact path.
     lora_dtype: Union[str, torch.dtype] = "auto"
     # Whether dtype / kv_cache_dtype were "auto", so that a GPU engine may refine them.
     auto_dtype: bool = field(default=False, init=False, repr=False)
     auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
+    auto_lora_dtype: bool = field(default=False, init=False, repr=False)
     # What the linear layers compute in, once resolved for the model and machine
     # (pagellm.models.precision); kept here so that every rank and rebuild uses the same.
     linear_precision: Optional[LinearPrecision] = field(default=None, init=False, repr=False)
@@ -255,7 +256,8 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        self.lora_dtype = torch.float32 if self.lora_dtype == "auto" else parse_dtype(self.lora_dtype)
+        self.auto_lora_dtype = isinstance(self.lora_dtype, str) and self.lora_dtype == "auto"
+        self.lora_dtype = torch.float32 if self.auto_lora_dtype else parse_dtype(self.lora_dtype)
         if self.lora_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype}")
         if self.enable_lora and self.runner == "pooling":
@@ -268,6 +270,8 @@ class EngineConfig:
         linear layers compute in (a requested bfloat16 goes to the products only), and an "auto"
         KV cache is bfloat16 under low-precision products, where decode attention reads half the bytes."""
         self.linear_precision = precision
+        if self.auto_lora_dtype and not precision.exact:
+            self.lora_dtype = torch.bfloat16
         if self.device.type != "cpu":
             return
         if self.dtype == torch.bfloat16:

@@ -1,9 +1,10 @@
 """Output throughput of one batch where every request has its own LoRA adapter, against the same
 batch on the base model, in one engine and one run (docs/lora.md).
 
-    .venv/bin/python scripts/lora_bench.py [--num-loras 32] [--rank 16] [--output-len 64] [--engine-args JSON]
+    .venv/bin/python scripts/lora_bench.py [--num-loras 32] [--rank 16] [--targets q_proj,v_proj] [--output-len 64] [--engine-args JSON]
 
-Adapters are random (rank ``--rank``, all seven targets), written to a temporary directory. The
+Adapters are random (rank ``--rank``, all seven targets unless ``--targets`` names some, e.g. PEFT's
+default for Llama, q_proj,v_proj), written to a temporary directory. The
 runs alternate base / LoRA ``--repeats`` times after a warm-up that puts every adapter in a slot;
 decode steps' median time for each is reported, and their difference is the LoRA part's cost.
 """
@@ -16,7 +17,7 @@ import tempfile
 import time
 
 from pagellm import LLM, LoRARequest, SamplingParams
-from pagellm.bench.lora_adapters import write_random_adapter
+from pagellm.bench.lora_adapters import SUPPORTED_TARGETS, write_random_adapter
 
 
 def timed_run(llm: LLM, prompts: list[dict], params: SamplingParams, loras) -> tuple[float, int, list[float]]:
@@ -41,17 +42,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-loras", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--targets", default=",".join(SUPPORTED_TARGETS), help="comma-separated target modules (default: all seven)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engine-args", default="{}", help='extra LLM keyword arguments as JSON, e.g. \'{"dtype": "float32"}\'')
     args = ap.parse_args()
     n = args.num_loras
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    if not targets or any(t not in SUPPORTED_TARGETS for t in targets):
+        raise SystemExit(f"--targets must name some of {', '.join(SUPPORTED_TARGETS)}")
     llm = LLM(enable_lora=True, max_loras=n, max_lora_rank=args.rank, max_num_seqs=max(n, 1), **json.loads(args.engine_args))
     hf_config = llm.llm_engine.hf_config
     with tempfile.TemporaryDirectory() as root:
         loras = [
-            LoRARequest(f"bench{i}", i + 1, write_random_adapter(f"{root}/{i}", hf_config, args.rank, seed=i)) for i in range(n)
+            LoRARequest(f"bench{i}", i + 1, write_random_adapter(f"{root}/{i}", hf_config, args.rank, targets, seed=i)) for i in range(n)
         ]
         prompts = [{"prompt_token_ids": [1000 + 7 * i + j for j in range(args.prompt_len)]} for i in range(n)]
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -71,6 +76,7 @@ def main() -> int:
     report = {
         "num_loras": n,
         "rank": args.rank,
+        "targets": list(targets),
         "linear_layers": llm.llm_engine.config.linear_precision.describe(),
         **summary,
         "throughput_ratio": summary["lora"]["output_tok_s"] / summary["base"]["output_tok_s"],

@@ -100,6 +100,16 @@ def test_lora_settings_are_checked():
     config = EngineConfig(enable_lora=True, max_loras=3, device="cpu")
     assert config.max_cpu_loras == 3 and config.lora_dtype == torch.float32 and config.max_lora_rank == 16
     assert EngineConfig(lora_dtype="bfloat16", device="cpu").lora_dtype == torch.bfloat16
+    # auto follows the linear layers: bfloat16 slots under int8/bf16 products, float32 on the exact path.
+    from pagellm.config import EXACT_LINEAR, LinearPrecision
+
+    for precision, want in ((LinearPrecision("int8", "bfloat16"), torch.bfloat16), (EXACT_LINEAR, torch.float32)):
+        auto = EngineConfig(enable_lora=True, device="cpu")
+        auto.apply_linear_precision(precision)
+        assert auto.lora_dtype == want
+    chosen = EngineConfig(enable_lora=True, device="cpu", lora_dtype="float32")
+    chosen.apply_linear_precision(LinearPrecision("int8", "bfloat16"))
+    assert chosen.lora_dtype == torch.float32
     for kwargs, message in [
         (dict(max_loras=0), "max_loras"),
         (dict(max_lora_rank=-1), "max_lora_rank"),

@@ -24,8 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "pooling_params": set(),
     "outputs": set(),
     # LoRA: the adapter's identity (request.py) is vocabulary of the engine's layers; the rest of
-    # the package (pools, PEFT loading, the grouped product) sits under the layers it adapts.
-    "lora": set(),
+    # the package (pools, PEFT loading) sits under the layers it adapts, on the kernels' grouped product.
+    "lora": {"kernels", "envs"},
     "request": {"sampling_params", "pooling_params", "lora"},
     "tokenizer": {"models"},
     "kernels": {"envs"},

@@ -392,8 +392,8 @@ def _check_lora_args(
     """The shape and dtype rules the kernel enforces, for the torch path (ValueError)."""
     if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError("lora_shrink_expand: x must be a contiguous float32 [num_tokens, in_features] tensor")
-    if y.dim() != 2 or y.dtype != torch.float32 or not y.is_contiguous() or y.shape[0] != x.shape[0]:
-        raise ValueError("lora_shrink_expand: y must be a contiguous float32 [num_tokens, out_features] tensor with x's rows")
+    if y.dim() != 2 or y.dtype != torch.float32 or y.stride(-1) != 1 or y.stride(0) < y.shape[1] or y.shape[0] != x.shape[0]:
+        raise ValueError("lora_shrink_expand: y must be a float32 [num_tokens, out_features] tensor with contiguous rows and x's rows")
     if lora_a.dtype != lora_b.dtype or lora_a.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError("lora_shrink_expand: lora_a and lora_b must both be float32 or both bfloat16")
     if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1]:
@@ -418,7 +418,8 @@ def lora_shrink_expand(
     """For each segment ``s`` with slot ``k = seg_slots[s] >= 0``, rows ``a, b = seg_starts[s], seg_starts[s + 1]``:
     ``y[a:b] += (x[a:b] @ lora_a[k].T) @ lora_b[k].T``, in place; slot -1 leaves its rows alone.
 
-    ``x`` ``[T, in]`` and ``y`` ``[T, out]`` float32 contiguous; the adapter pool ``lora_a``
+    ``x`` ``[T, in]`` float32 contiguous and ``y`` ``[T, out]`` float32 with contiguous rows (a column
+    slice of a wider product, such as one shard of a fused projection, is updated in place); the adapter pool ``lora_a``
     ``[slots, max_rank, in]`` and ``lora_b`` ``[slots, out, max_rank]`` both float32 or both
     bfloat16 (sums in float32; a smaller rank zero-padded, its scaling folded into ``lora_b``);
     ``seg_starts`` int64 ``[segments + 1]`` ascending, ``seg_slots`` int64 ``[segments]``. The

@@ -1,6 +1,7 @@
 """The layer side of LoRA: each adapted linear layer's pool of adapter weights, the per-step
 segments of the flat batch (vLLM's PunicaWrapper metadata), and the one grouped product that adds
-every segment's delta after the layer's base product.
+every segment's delta after the layer's base product (``ops.lora_shrink_expand``, Punica's
+shrink/expand in the CPU kernels).
 
 A fused projection (q/k/v, gate/up) keeps one pool per shard, so a step reads each adapter's B
 once (a block-diagonal B over all shards would read zeros for the others), and a shard that no
@@ -13,60 +14,7 @@ from typing import Optional
 
 import torch
 
-
-def lora_shrink_expand(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slots: torch.Tensor,
-) -> None:
-    """For each segment ``i`` with slot ``k = seg_slots[i] >= 0``, rows ``a:b`` =
-    ``seg_starts[i]:seg_starts[i + 1]``: ``y[a:b] += (x[a:b] @ lora_a[k].T) @ lora_b[k].T``.
-
-    ``x [T, in]`` and ``y [T, out]`` float32, ``lora_a [num_slots, max_rank, in]``, ``lora_b
-    [num_slots, out, max_rank]`` (scaling folded into B; float32 or bfloat16), ``seg_starts`` int64
-    ``[S + 1]``, ``seg_slots`` int64 ``[S]``. The torch stand-in for the native grouped kernel,
-    which takes exactly this signature."""
-    num_threads = torch.get_num_threads()
-    # Its products are small: on one thread none waits for a busy OpenMP pool (which costs more
-    # than the arithmetic when other processes share the cores).
-    torch.set_num_threads(1)
-    try:
-        _shrink_expand(y, x, lora_a, lora_b, seg_starts.tolist(), seg_slots.tolist())
-    finally:
-        torch.set_num_threads(num_threads)
-
-
-def _shrink_expand(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, starts: list[int], seg_slots: list[int]
-) -> None:
-    segments = [(starts[i], starts[i + 1], slot) for i, slot in enumerate(seg_slots) if slot >= 0 and starts[i + 1] > starts[i]]
-    if not segments:
-        return
-    length = segments[0][1] - segments[0][0]
-    if len(segments) > 1 and all(b - a == length for a, b, _ in segments):
-        # Equal segments (decode steps: one row per request) as two batched products, not two per segment.
-        slot_ids = [slot for _, _, slot in segments]
-        slots = torch.tensor(slot_ids, dtype=torch.int64, device=x.device)
-        rows = torch.tensor([r for a, b, _ in segments for r in range(a, b)], dtype=torch.int64, device=x.device)
-        xs = x.index_select(0, rows).view(len(segments), length, -1)
-        pooled = lora_a.dtype == x.dtype and lora_b.dtype == y.dtype and len(set(slot_ids)) == len(slot_ids)
-        if pooled and 2 * len(slot_ids) >= lora_a.shape[0]:
-            # Most slots in use: the rows move to their slots' places and the pools are read in
-            # place, instead of copying each segment's adapter out first.
-            by_slot = x.new_zeros((lora_a.shape[0], length, x.shape[1]))
-            by_slot[slots] = xs
-            expanded = torch.bmm(torch.bmm(by_slot, lora_a.transpose(1, 2)), lora_b.transpose(1, 2))[slots]
-        else:
-            shrunk = torch.bmm(xs, lora_a.index_select(0, slots).to(x.dtype).transpose(1, 2))
-            expanded = torch.bmm(shrunk, lora_b.index_select(0, slots).to(y.dtype).transpose(1, 2))
-        y.index_add_(0, rows, expanded.view(len(rows), -1))
-        return
-    for a, b, slot in segments:
-        shrunk = x[a:b] @ lora_a[slot].to(x.dtype).T
-        y[a:b].addmm_(shrunk, lora_b[slot].to(y.dtype).T)
+from pagellm.kernels.ops import lora_shrink_expand
 
 
 @dataclass(frozen=True)
@@ -75,6 +23,11 @@ class LoRABatch:
 
     seg_starts: torch.Tensor  # int64 [S + 1]
     seg_slots: torch.Tensor  # int64 [S]
+    slot_set: frozenset[int] = frozenset()  # the slots the segments use (no -1)
+
+    def slots_only(self, keep: set[int]) -> torch.Tensor:
+        """``seg_slots`` with every slot outside ``keep`` turned to -1 (those rows skip a layer)."""
+        return torch.tensor([s if s in keep else -1 for s in self.seg_slots.tolist()], dtype=torch.int64)
 
     @staticmethod
     def from_rows(num_rows: list[int], slots: list[int]) -> Optional["LoRABatch"]:
@@ -89,7 +42,11 @@ class LoRABatch:
                 continue
             seg_slots.append(slot)
             starts.append(starts[-1] + rows)
-        return LoRABatch(torch.tensor(starts, dtype=torch.int64), torch.tensor(seg_slots, dtype=torch.int64))
+        return LoRABatch(
+            torch.tensor(starts, dtype=torch.int64),
+            torch.tensor(seg_slots, dtype=torch.int64),
+            frozenset(s for s in seg_slots if s >= 0),
+        )
 
 
 class LoRAStepContext:
@@ -142,7 +99,10 @@ class LoRALayerWeights:
 
     @property
     def active(self) -> bool:
-        return self.context.batch is not None
+        """Whether this step adds a delta here: some row has an adapter, and some loaded adapter
+        targets this layer (else a gate/up keeps its fused activation)."""
+        batch = self.context.batch
+        return batch is not None and any(batch.slot_set & pool.slots for pool in self.shards.values())
 
     @property
     def nbytes(self) -> int:
@@ -176,13 +136,13 @@ class LoRALayerWeights:
         batch = self.context.batch
         if batch is None:
             return
-        if len(self.shards) == 1:
-            pool = next(iter(self.shards.values()))
-            lora_shrink_expand(y, x, pool.lora_a, pool.lora_b, batch.seg_starts, batch.seg_slots)
-            return
+        used = batch.slot_set
         for pool in self.shards.values():
-            if pool.slots:
-                # The product takes whole rows of y: a shard's delta goes through its own buffer.
-                part = torch.zeros((y.shape[0], pool.rows), dtype=y.dtype, device=y.device)
-                lora_shrink_expand(part, x, pool.lora_a, pool.lora_b, batch.seg_starts, batch.seg_slots)
-                y[:, pool.offset : pool.offset + pool.rows] += part
+            targeted = used & pool.slots
+            if not targeted:
+                continue  # no adapter of this step targets the shard: nothing to read
+            # Segments whose adapter leaves this shard alone skip it (their slots hold zeros here).
+            seg_slots = batch.seg_slots if targeted == used else batch.slots_only(targeted)
+            # Each shard's delta goes straight into its columns of the (fused) product.
+            part = y if len(self.shards) == 1 else y[:, pool.offset : pool.offset + pool.rows]
+            lora_shrink_expand(part, x, pool.lora_a, pool.lora_b, batch.seg_starts, seg_slots)

@@ -183,11 +183,11 @@ inline void expand_scalar(const T* b, int64_t rank, const float* t, int64_t coun
 // chunk of B read from memory for the first row is in cache for the others.
 template <int C, int Rank, typename T>
 void expand_rows(const T* b, int64_t rank, const float* t, int64_t ldt, const int64_t* rows, int64_t num_rows, float* y,
-                 int64_t out, int64_t begin, int64_t end) {
+                 int64_t ldy, int64_t out, int64_t begin, int64_t end) {
   const int64_t vector_end = C == 0 ? begin : begin + (std::min(end, out) - begin) / W * W;
   for (int64_t r = 0; r < num_rows; ++r) {
     const float* tr = t + r * ldt;
-    float* yr = y + rows[r] * out;
+    float* yr = y + rows[r] * ldy;
     if constexpr (C > 0) {
       float tiled[W];
       for (int l = 0; l < W; ++l) tiled[l] = tr[l % rank];
@@ -201,7 +201,7 @@ void expand_rows(const T* b, int64_t rank, const float* t, int64_t ldt, const in
 
 template <typename T>
 using ExpandRows = void (*)(const T*, int64_t, const float*, int64_t, const int64_t*, int64_t, float*, int64_t, int64_t,
-                            int64_t);
+                            int64_t, int64_t);
 
 // A rank below W that divides it; expand_rows<C> is not instantiated where C >= W.
 template <int C, typename T>
@@ -278,6 +278,7 @@ void run_native(at::Tensor& y, const at::Tensor& x, const T* a_pool, const T* b_
   std::vector<float> t(num_rows * ldt);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const int64_t ldy = y.stride(0);  // y may be a column slice of a wider product (a fused layer's shard)
 
   std::vector<Task> tasks;
   for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
@@ -317,9 +318,9 @@ void run_native(at::Tensor& y, const at::Tensor& x, const T* a_pool, const T* b_
       const int64_t* group_rows = rows.data() + group.first;
       if (kWiden && group.count > 1) {
         const float* wide = widened(reinterpret_cast<const uint16_t*>(b), (task.end - task.begin) * rank, scratch);
-        expand_widened(wide, rank, tg, ldt, group_rows, group.count, yp, out, task.begin, task.end);
+        expand_widened(wide, rank, tg, ldt, group_rows, group.count, yp, ldy, out, task.begin, task.end);
       } else {
-        expand(b, rank, tg, ldt, group_rows, group.count, yp, out, task.begin, task.end);
+        expand(b, rank, tg, ldt, group_rows, group.count, yp, ldy, out, task.begin, task.end);
       }
     }
   });
@@ -332,8 +333,9 @@ void check_inputs(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lo
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                     "lora_shrink_expand: x must be a contiguous float32 [num_tokens, in_features] tensor");
   TORCH_CHECK_VALUE(
-      y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == x.size(0),
-      "lora_shrink_expand: y must be a contiguous float32 [num_tokens, out_features] tensor with x's rows");
+      y.dim() == 2 && y.scalar_type() == at::kFloat && y.stride(1) == 1 && y.stride(0) >= y.size(1) &&
+          y.size(0) == x.size(0),
+      "lora_shrink_expand: y must be a float32 [num_tokens, out_features] tensor with contiguous rows and x's rows");
   TORCH_CHECK_VALUE(lora_a.scalar_type() == lora_b.scalar_type() &&
                         (lora_a.scalar_type() == at::kFloat || lora_a.scalar_type() == at::kBFloat16),
                     "lora_shrink_expand: lora_a and lora_b must both be float32 or both bfloat16");
