@@ -35,10 +35,10 @@ class RecordingEngine(FakeEngine):
         self.tokenizer.chat_template = "toy"  # any template: FakeTokenizer renders "<role>content"
         self.seen: list[tuple[str, object]] = []
 
-    def add_request(self, request_id, prompt, params, output_kind, arrival_time=None, processed=None):
+    def add_request(self, request_id, prompt, params, output_kind, arrival_time=None, processed=None, lora_request=None):
         processed = processed or self.process_prompt(prompt, params)
         self.seen.append((processed.prompt, params))
-        super().add_request(request_id, prompt, params, output_kind, arrival_time, processed)
+        super().add_request(request_id, prompt, params, output_kind, arrival_time, processed, lora_request)
 
 
 @pytest.fixture
