@@ -9,10 +9,7 @@ from openai_server_utils import API_KEY, SERVER_ARGS, RemoteServer
 def server():
     srv = RemoteServer(SERVER_ARGS)
     yield srv
-    exit_code = srv.terminate()
-    log = srv.read_log()
-    srv.cleanup()
-    assert exit_code == 0, log
+    srv.stop_and_check()
 
 
 @pytest.fixture(scope="session")

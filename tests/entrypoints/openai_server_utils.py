@@ -84,6 +84,13 @@ class RemoteServer:
             self.kill()
             raise
 
+    def stop_and_check(self) -> None:
+        """Shuts the server down (as SIGTERM does) and asserts it exited cleanly, with its log as the message."""
+        exit_code = self.terminate()
+        log = self.read_log()
+        self.cleanup()
+        assert exit_code == 0, log
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()

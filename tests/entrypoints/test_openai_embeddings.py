@@ -37,10 +37,7 @@ def embed_server(request):
     srv = RemoteServer([*args, *SERVERS[request.param], "--max-num-batched-tokens", "16"], use_cli=True)
     srv.kind = request.param
     yield srv
-    exit_code = srv.terminate()
-    log = srv.read_log()
-    srv.cleanup()
-    assert exit_code == 0, log
+    srv.stop_and_check()
 
 
 def only(*kinds: str):

@@ -33,10 +33,7 @@ def lora_server(adapter_paths):
         env={"PAGELLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
     )
     yield srv
-    exit_code = srv.terminate()
-    log = srv.read_log()
-    srv.cleanup()
-    assert exit_code == 0, log
+    srv.stop_and_check()
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,7 @@ def main_server():
     """Prefix caching off, a small KV pool, unbounded waiting queue, API key required, fault hooks on."""
     server = start_server(MAIN_SERVER_ARGS, faults=True)
     yield server
-    code = server.terminate()
-    log = server.read_log()
-    server.cleanup()
-    assert code == 0, log
+    server.stop_and_check()
 
 
 @pytest.fixture(scope="session")
@@ -29,10 +26,7 @@ def cached_server():
     """Prefix caching on and a bounded waiting queue (16); started without --host (the default bind)."""
     server = start_server(CACHED_SERVER_ARGS, host_args=[])
     yield server
-    code = server.terminate()
-    log = server.read_log()
-    server.cleanup()
-    assert code == 0, log
+    server.stop_and_check()
 
 
 @pytest.fixture(scope="session", autouse=True)

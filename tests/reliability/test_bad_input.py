@@ -40,10 +40,7 @@ FUZZ_SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(He
 def fuzz_server():
     server = start_server(FUZZ_SERVER_ARGS)
     yield server
-    code = server.terminate()
-    log = server.read_log()
-    server.cleanup()
-    assert code == 0, log
+    server.stop_and_check()
 
 
 def check_answer(status: int, headers: Any, content: bytes, server_url: str) -> None:
