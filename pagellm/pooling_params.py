@@ -1,9 +1,10 @@
 """The pooling runner's knobs, named as vLLM's: ``--pooler-config`` (engine) and ``PoolingParams`` (request)."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Optional, Union
+
+from pagellm.json_config import dataclass_from_json
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("generate", "pooling")
@@ -43,18 +44,7 @@ class PoolerConfig:
             return cls()
         if isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown pooler_config keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return dataclass_from_json(cls, value, "pooler_config")
 
 
 def resolve_runner(runner: Optional[str], task: Optional[str]) -> str:

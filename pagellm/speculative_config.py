@@ -1,9 +1,10 @@
 """``--speculative-config``: vLLM's JSON keys, for n-gram prompt lookup and a draft model."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
+
+from pagellm.json_config import dataclass_from_json
 
 METHODS = ("ngram", "draft_model")
 
@@ -67,18 +68,7 @@ class SpeculativeConfig:
         """From the CLI's JSON string, a dict (``LLM(speculative_config=...)``) or a config."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unsupported speculative_config keys {unknown}; pagellm takes {sorted(known)}")
-        return cls(**value)
+        return dataclass_from_json(cls, value, "speculative_config")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

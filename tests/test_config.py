@@ -76,7 +76,7 @@ def test_runner_task_and_pooler_config():
         (dict(task="embed", runner="generate"), "asks for runner"),
         (dict(pooler_config={"pooling_type": "LAST"}), "needs runner='pooling'"),
         (dict(runner="pooling", pooler_config={"pooling_type": "MAX"}), "unsupported pooling_type"),
-        (dict(runner="pooling", pooler_config={"normalise": True}), "unknown pooler_config keys"),
+        (dict(runner="pooling", pooler_config={"normalise": True}), "unsupported pooler_config keys"),
         (dict(runner="pooling", pooler_config="{not json"), "not valid JSON"),
         (dict(runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
     ]:

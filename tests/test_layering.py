@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent / "pagellm"
 SHARED = {"envs", "config", "sampling_params", "pooling_params", "request", "outputs", "speculative_config"}
 ALLOWED: dict[str, set[str]] = {
     "envs": set(),
-    "speculative_config": set(),
+    "speculative_config": {"json_config"},
     "config": {"speculative_config", "pooling_params"},
     "sampling_params": set(),
-    "pooling_params": set(),
+    "json_config": set(),
+    "pooling_params": {"json_config"},
     "outputs": set(),
     # LoRA: the adapter's identity (request.py) is vocabulary of the engine's layers; the rest of
     # the package (pools, PEFT loading) sits under the layers it adapts, on the kernels' grouped product.
