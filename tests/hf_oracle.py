@@ -99,3 +99,9 @@ def cosine(a, b) -> float:
     """Cosine similarity of two vectors given as lists or tensors, in float64."""
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+def logprob_close(ours: float, theirs: float) -> bool:
+    """Equal to a float32 log-probability within 1e-3 plus 1e-4 of its magnitude: logits of ~20 carry
+    summation-order error of that size, and it differs between CPUs (AVX2 against AVX-512)."""
+    return abs(ours - theirs) < 1e-3 + 1e-4 * abs(theirs)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_oracle import hf_model_and_tokenizer
+from hf_oracle import hf_model_and_tokenizer, logprob_close
 
 from pagellm import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-TOL = 1e-3
 PROMPTS = [
     "The capital of France is Paris, and the capital of Germany is Berlin.",
     "def add(a, b):\n    return a + b\n",
@@ -42,7 +41,7 @@ def check(output, k: int) -> None:
         step = plp[pos]
         assert ids[pos] in step
         assert len(step) in (k, k + 1)  # the prompt token, plus the top-k (which may include it)
-        assert abs(step[ids[pos]].logprob - float(ref[pos - 1])) < TOL, (pos, step[ids[pos]].logprob, float(ref[pos - 1]))
+        assert logprob_close(step[ids[pos]].logprob, float(ref[pos - 1])), (pos, step[ids[pos]].logprob, float(ref[pos - 1]))
 
 
 def token_prompts(llm: LLM) -> list[dict]:
