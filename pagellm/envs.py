@@ -15,6 +15,11 @@ def cpu_arch() -> str:
     return os.environ.get("PAGELLM_CPU_ARCH") or "native"
 
 
+def amx() -> bool:
+    """PAGELLM_AMX=0: keep the linear layers off AMX tiles on a CPU that has them (for A/B runs)."""
+    return os.environ.get("PAGELLM_AMX", "1").lower() not in ("0", "false")
+
+
 def cache_dir() -> Path:
     """PAGELLM_CACHE_DIR: where built kernels are kept; else ``$XDG_CACHE_HOME/pagellm`` or ``~/.cache/pagellm``."""
     if os.environ.get("PAGELLM_CACHE_DIR"):

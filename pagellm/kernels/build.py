@@ -37,7 +37,9 @@ SOURCES = tuple(
         "paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_bf16.cpp", "gemm_int8.cpp", "sampling.cpp", "lora_shrink_expand.cpp"
     )
 )
-HEADERS = (CSRC / "vec.h", CSRC / "quant_blocks.h", CSRC / "kv_types.h", CSRC / "weight_layout.h", CSRC / "parallel_panels.h")
+HEADERS = tuple(CSRC / name for name in (
+    "amx.h", "bf16_tiles.h", "vec.h", "quant_blocks.h", "kv_types.h", "weight_layout.h", "parallel_panels.h",
+))
 LIB_NAME = "pagellm_cpu_kernels"
 
 _loaded: bool | None = None  # None: not tried yet; True/False: loaded / failed in this process

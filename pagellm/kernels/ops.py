@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
+from pagellm import envs
 from pagellm.kernels.build import load_error as _build_load_error
 from pagellm.kernels.build import load_kernels
 
@@ -29,9 +30,19 @@ PAGED_ATTENTION_CACHE_DTYPES = frozenset(
 _CONVERTING_CACHE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8})
 
 
+_amx_switch_read = False
+
+
 def available() -> bool:
     """Whether the native library is loaded (built, or loaded from the cache, on the first call)."""
-    return load_kernels()
+    global _amx_switch_read
+    if not load_kernels():
+        return False
+    if not _amx_switch_read:
+        _amx_switch_read = True
+        if not envs.amx():
+            set_amx(False)
+    return True
 
 
 def load_error() -> Optional[str]:
@@ -360,6 +371,18 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 def bf16_matmul_available() -> bool:
     """Whether the library has the bfloat16 dot-product matmul (built for a CPU with AVX512_BF16)."""
     return available() and bool(torch.ops.pagellm_gemm_bf16.bf16_supported())
+
+
+def amx_available() -> bool:
+    """Whether products of a few rows or more run on AMX tiles: built for and running on a CPU with
+    AMX-BF16 (Sapphire Rapids and later), the tile state granted by the kernel."""
+    return available() and bool(torch.ops.pagellm_gemm_bf16.amx_supported())
+
+
+def set_amx(on: bool) -> bool:
+    """Turns the AMX path off (or back on, where available) for the process, for A/B runs and
+    tests; returns whether it was on."""
+    return bool(torch.ops.pagellm_gemm_bf16.set_amx(on))
 
 
 def pack_weight_bf16(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:

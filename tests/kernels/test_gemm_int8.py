@@ -1,4 +1,7 @@
-"""The int8 dot-product matmul on GGUF blocks of every type it takes, against gguf's own dequantization."""
+"""The int8 dot-product matmul on GGUF blocks of every type it takes, against gguf's own dequantization.
+
+On a CPU with AMX, products of 64 rows or more take bfloat16 tiles instead (test_gemm_int8_amx.py);
+these tests keep every product on the int8 kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +14,15 @@ from gguf_blocks import random_blocks
 from pagellm.kernels import ops
 
 pytestmark = pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build")
+
+
+
+@pytest.fixture(autouse=True)
+def int8_kernel_only():
+    was_on = ops.set_amx(False)
+    yield
+    ops.set_amx(was_on)
+
 
 T = GGMLQuantizationType
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)

@@ -22,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
+#include "bf16_tiles.h"
 #include "parallel_panels.h"
 #include "vec.h"
 #include "weight_layout.h"
@@ -36,27 +38,11 @@ namespace {
 
 #if defined(PAGELLM_BF16_DOT)
 
-constexpr int NR_BF16 = 32;  // output columns per panel: two vectors of 16 float32 sums
-constexpr int MR_BF16 = 12;  // 24 accumulators, 2 panel vectors and a broadcast of 32 registers
-
-// Rows [begin, end) of x rounded to bfloat16, each padded with a zero to an even length `kp`:
-// one 32-bit pair per k step of the panels.
-void round_rows(const float* x, int64_t ldx, int64_t k, int64_t kp, int64_t begin, int64_t end, uint16_t* dst) {
-  for (int64_t r = begin; r < end; ++r) {
-    const float* src = x + r * ldx;
-    uint16_t* row = dst + r * kp;
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-    }
-    if (i < k) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (k - i)) - 1);
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i));
-      _mm256_mask_storeu_epi16(row + i, mask, rounded);
-    }
-    if (kp > k) row[k] = 0;
-  }
-}
+constexpr int NR_BF16 = kBf16PanelCols;  // output columns per panel: two vectors of 16 float32 sums
+constexpr int MR_BF16 = 12;              // 24 accumulators, 2 panel vectors and a broadcast of 32 registers
+// From this many rows a product takes AMX tiles where the CPU has them (below, one tile's 16 rows
+// would be mostly zeros and the product streams its weights either way).
+constexpr int64_t kAmxMinRows = 4;
 
 // out[r, 0:ncols) = bias + sum over the k pairs of x[r] . panel, for R rows of x (bfloat16 pairs,
 // `ldx` pairs apart) and one panel of `k2` pairs. With kGated the panel's first 16 columns are
@@ -80,30 +66,7 @@ void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t k2
     }
   }
   for (int r = 0; r < R; ++r) {
-    float* row = out + r * ldo;
-    if constexpr (kGated) {
-      if (bias != nullptr) {
-        acc0[r] = _mm512_add_ps(acc0[r], _mm512_loadu_ps(bias));
-        acc1[r] = _mm512_add_ps(acc1[r], _mm512_loadu_ps(bias + 16));
-      }
-      _mm512_storeu_ps(row, (__m512)gated(act, (vfloat)acc0[r], (vfloat)acc1[r]));
-      continue;
-    }
-    if (bias != nullptr) {
-      const __mmask16 m0 = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
-      const __mmask16 m1 = static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1);
-      acc0[r] = _mm512_add_ps(acc0[r], _mm512_maskz_loadu_ps(m0, bias));
-      acc1[r] = _mm512_add_ps(acc1[r], _mm512_maskz_loadu_ps(m1, bias + 16));
-    }
-    if (ncols == NR_BF16) {
-      _mm512_storeu_ps(row, acc0[r]);
-      _mm512_storeu_ps(row + 16, acc1[r]);
-    } else {
-      const __mmask16 m0 = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
-      const __mmask16 m1 = static_cast<__mmask16>(ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1);
-      _mm512_mask_storeu_ps(row, m0, acc0[r]);
-      _mm512_mask_storeu_ps(row + 16, m1, acc1[r]);
-    }
+    store_row<kGated>(out + r * ldo, acc0[r], acc1[r], ncols, bias, bias == nullptr ? nullptr : bias + 16, act);
   }
 }
 
@@ -118,6 +81,23 @@ constexpr std::array<std::array<TileBf16, MR_BF16>, 2> kBf16Tiles = {
     make_bf16_tiles<false>(std::make_index_sequence<MR_BF16>{}),
     make_bf16_tiles<true>(std::make_index_sequence<MR_BF16>{}),
 };
+
+#if defined(PAGELLM_AMX)
+// Every panel against every row of x on AMX tiles (bf16_tiles.h).
+template <bool kGated>
+void linear_amx(const AmxRows& x, const uint16_t* b, int64_t panels, int64_t n, float* c, int64_t ldc,
+                const float* bias, int64_t act) {
+  const int64_t k2 = x.kp / 2, cols_per_panel = kGated ? NR_BF16 / 2 : NR_BF16;
+  auto panel_of = [&](int64_t p) { return b + p * k2 * NR_BF16 * 2; };
+  auto place = [&](int64_t p, int* ncols, float** dst, const float** b0, const float** b1) {
+    *ncols = static_cast<int>(std::min<int64_t>(cols_per_panel, n - p * cols_per_panel));
+    *dst = c + p * cols_per_panel;
+    if (bias != nullptr) *b0 = bias + p * NR_BF16, *b1 = *b0 + 16;
+  };
+  parallel_panels(panels,
+                  [&](int64_t begin, int64_t end) { amx_panels<kGated>(x, begin, end, c, ldc, act, panel_of, place); });
+}
+#endif  // PAGELLM_AMX
 
 // [N, K] bfloat16 (contiguous) -> [ceil(N / NR), ceil(K / 2), NR, 2], zero-padded past N and K.
 // With `gate_up` (a gate/up weight, N = 2d) panel p holds gate rows [16p, 16p + 16) then the same
@@ -144,6 +124,11 @@ at::Tensor pack_bf16_panels(const at::Tensor& w, bool gate_up) {
 }
 
 #endif  // PAGELLM_BF16_DOT
+
+bool amx_supported() { return amx_permitted(); }
+
+// Turns the AMX path on or off (where supported), returning whether it was on.
+bool set_amx(bool on) { return amx_switch().exchange(on); }
 
 bool bf16_supported() {
 #if defined(PAGELLM_BF16_DOT)
@@ -202,17 +187,25 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                       "linear_bf16: bias must be contiguous float32 of N elements");
     bias_ptr = bias->data_ptr<float>();
   }
-  // x in bfloat16 pairs; a few rows round on this thread, a prefill's rows in parallel.
-  thread_local std::vector<uint16_t> xb;
-  xb.resize(m * kp);
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  uint16_t* xb_data = xb.data();
-  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) { round_rows(xp, ldx, k, kp, begin, end, xb_data); });
-  const uint32_t* x2 = reinterpret_cast<const uint32_t*>(xb_data);
   const uint16_t* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* c = out.data_ptr<float>();
-  const int64_t ldc = out.stride(0), k2 = kp / 2;
+  const int64_t ldc = out.stride(0);
+  thread_local std::vector<uint16_t> xb;
+#if defined(PAGELLM_AMX)
+  if (m >= kAmxMinRows && k % 32 == 0 && amx_enabled()) {
+    const AmxRows rows = amx_rows(xp, ldx, m, k, xb);
+    (gate_up ? linear_amx<true> : linear_amx<false>)(rows, b, panels, n, c, ldc, bias_ptr, activation);
+    return;
+  }
+#endif
+  // x in bfloat16 pairs; a few rows round on this thread, a prefill's rows in parallel.
+  xb.resize(m * kp);
+  uint16_t* xb_data = xb.data();
+  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) { round_rows_bf16(xp, ldx, k, kp, begin, end, xb_data); });
+  const uint32_t* x2 = reinterpret_cast<const uint32_t*>(xb_data);
+  const int64_t k2 = kp / 2;
   const auto& tiles = kBf16Tiles[gate_up];
   const int64_t cols_per_panel = gate_up ? NR_BF16 / 2 : NR_BF16;
   parallel_panels(panels, [&](int64_t begin, int64_t end) {
@@ -238,6 +231,8 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
 
 TORCH_LIBRARY(pagellm_gemm_bf16, m) {
   m.def("bf16_supported() -> bool", &pagellm::bf16_supported);
+  m.def("amx_supported() -> bool", &pagellm::amx_supported);
+  m.def("set_amx(bool on) -> bool", &pagellm::set_amx);
   m.def("pack_weight_bf16(Tensor weight, bool gate_up) -> Tensor");
   m.def("linear_bf16(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int activation) -> ()");
 }

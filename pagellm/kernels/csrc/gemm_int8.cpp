@@ -39,9 +39,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "bf16_tiles.h"
 #include "parallel_panels.h"
 #include "quant_blocks.h"
 #include "vec.h"
@@ -711,6 +713,155 @@ void run_panels(const PanelProduct& pr, int64_t first, int64_t last) {
   }
 }
 
+#if defined(PAGELLM_AMX) && defined(PAGELLM_BF16_ROWS)
+static_assert(NR == kBf16PanelCols, "an int8 panel dequantizes to one bfloat16 panel");
+
+// A wide product (a prefill's rows) is compute-bound, and AMX's bfloat16 tiles do about five times
+// the int8 kernel's multiply-adds here: from this many rows each panel's blocks are dequantized to
+// a bfloat16 panel (weights rounded once: relative error 2^-9, as a bfloat16 checkpoint's) and x
+// rounded to bfloat16, instead of quantized to int8 per 32.
+constexpr int64_t kAmxMinRowsInt8 = 64;
+
+// Panel `panel` (NR columns, num_super file blocks of inputs) as bfloat16 pairs [k / 2, NR, 2]:
+// w = D (u - bias) + M per weight, computed as the kernel's tiles decode it (one rounding: gguf's
+// float32 value) and rounded to bfloat16. A k-quad vector holds 16 columns x 4 inputs; each of its
+// quarters (4 columns) becomes 16 floats, and two permutes split their (k, k + 1) pairs into the
+// panel's two pair rows.
+template <typename T>
+void dequantize_panel_bf16(const uint8_t* panel, int64_t num_super, uint16_t* dst) {
+  using F = typename T::F;
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i lane_column =
+      _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+  const __m512i bias = _mm512_set1_epi32(T::kBias);
+  __m512 dq[2][4], mq[2][4];  // per column vector and quarter: each lane's column's D and M
+  auto weights = [&](__m128i u, __m512 d, __m512 m) {
+    return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(u), bias)), m);
+  };
+  // The 64 quants of column vector cv at inputs [k0, k0 + 4).
+  auto emit = [&](__m512i u, int cv, int64_t k0) {
+    const __m512 f0 = weights(_mm512_extracti32x4_epi32(u, 0), dq[cv][0], mq[cv][0]);
+    const __m512 f1 = weights(_mm512_extracti32x4_epi32(u, 1), dq[cv][1], mq[cv][1]);
+    const __m512 f2 = weights(_mm512_extracti32x4_epi32(u, 2), dq[cv][2], mq[cv][2]);
+    const __m512 f3 = weights(_mm512_extracti32x4_epi32(u, 3), dq[cv][3], mq[cv][3]);
+    const __m512i a = (__m512i)_mm512_cvtne2ps_pbh(f1, f0), b = (__m512i)_mm512_cvtne2ps_pbh(f3, f2);
+    uint32_t* row = pairs + (k0 / 2) * NR + cv * W;
+    _mm512_storeu_si512(row, _mm512_permutex2var_epi32(a, even, b));
+    _mm512_storeu_si512(row + NR, _mm512_permutex2var_epi32(a, odd, b));
+  };
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    const uint8_t* super = panel + sb * F::kSuperBytes;
+    const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
+    const uint8_t* block = super + F::kHeaderBytes;
+    for (int j = 0; j < F::kBlocks; ++j, block += F::kBlockBytes) {
+      const uint8_t* qs = block + F::kScaleBytes;
+      const int64_t kb = (sb * F::kBlocks + j) * QK;
+      for (int g = 0; g < F::kGroups; ++g) {
+        for (int cv = 0; cv < 2; ++cv) {
+          vfloat d = load_half(header + cv * W), m{};
+          if constexpr (F::kHasMin) m = load_half(header + NR + cv * W);
+          if constexpr (F::kScales == Scales::kSuper32) {
+            d *= to_float(widen(block + cv * W));
+            m *= to_float(widen(block + NR + cv * W));
+          } else if constexpr (F::kScales == Scales::kSuper16) {
+            d *= to_float(widen(reinterpret_cast<const int8_t*>(block) + g * NR + cv * W));
+            if constexpr (F::kHasMin) m *= to_float(widen(block + (F::kGroups + g) * NR + cv * W));
+          }
+          for (int q = 0; q < 4; ++q) {
+            const __m512i columns = _mm512_add_epi32(lane_column, _mm512_set1_epi32(4 * q));
+            dq[cv][q] = _mm512_permutexvar_ps(columns, (__m512)d);
+            mq[cv][q] = _mm512_permutexvar_ps(columns, (__m512)m);
+          }
+        }
+        if constexpr (F::kNibbles) {
+          for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
+            const ivec w0 = load_bytes(qs + (2 * i) * kQuadBytes), w1 = load_bytes(qs + (2 * i + 1) * kQuadBytes);
+            ivec lo0 = low_nibbles(w0), hi0 = high_nibbles(w0), lo1 = low_nibbles(w1), hi1 = high_nibbles(w1);
+            if constexpr (F::kHighBits > 0) {
+              const ivec h = load_bytes(qs + F::plane_at(i));
+              constexpr uint8_t kMask = ((1 << F::kHighBits) - 1) << 4;
+              const int s0 = F::plane_shift(i, 0), s1 = F::plane_shift(i, 1);
+              lo0 = or_bytes(lo0, place_high(h, 4 - s0, kMask));
+              hi0 = or_bytes(hi0, place_high(h, 4 - s0 - F::kHighBits, kMask));
+              lo1 = or_bytes(lo1, place_high(h, 4 - s1, kMask));
+              hi1 = or_bytes(hi1, place_high(h, 4 - s1 - F::kHighBits, kMask));
+            }
+            emit(lo0, 0, kb + 8 * i);
+            emit(hi0, 0, kb + 8 * i + 4);
+            emit(lo1, 1, kb + 8 * i);
+            emit(hi1, 1, kb + 8 * i + 4);
+          }
+        } else {
+          for (int q = g * F::kGroup / 4; q < (g + 1) * F::kGroup / 4; ++q) {
+            emit(load_bytes(qs + (2 * q) * kQuadBytes), 0, kb + 4 * q);
+            emit(load_bytes(qs + (2 * q + 1) * kQuadBytes), 1, kb + 4 * q);
+          }
+        }
+      }
+    }
+  }
+}
+
+using PanelToBf16 = void (*)(const uint8_t*, int64_t, uint16_t*);
+constexpr std::array<std::pair<int, PanelToBf16>, 10> kPanelToBf16 = {{
+    {Q4_0::kType, &dequantize_panel_bf16<Q4_0>},
+    {Q4_1::kType, &dequantize_panel_bf16<Q4_1>},
+    {Q5_0::kType, &dequantize_panel_bf16<Q5_0>},
+    {Q5_1::kType, &dequantize_panel_bf16<Q5_1>},
+    {Q8_0::kType, &dequantize_panel_bf16<Q8_0>},
+    {Q2_K::kType, &dequantize_panel_bf16<Q2_K>},
+    {Q3_K::kType, &dequantize_panel_bf16<Q3_K>},
+    {Q4_K::kType, &dequantize_panel_bf16<Q4_K>},
+    {Q5_K::kType, &dequantize_panel_bf16<Q5_K>},
+    {Q6_K::kType, &dequantize_panel_bf16<Q6_K>},
+}};
+
+PanelToBf16 panel_to_bf16(int type) {
+  for (const auto& [t, fn] : kPanelToBf16)
+    if (t == type) return fn;
+  return nullptr;
+}
+
+void linear_int8_amx(const TypeInfo& t, const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* w,
+                     int64_t panels, int64_t panel_bytes, int64_t n, const float* bias, int64_t activation, float* c,
+                     int64_t ldc) {
+  thread_local std::vector<uint16_t> xb;
+  const AmxRows rows = amx_rows(x, ldx, m, k, xb);
+  const bool gate_up = activation != kActNone;
+  const PanelToBf16 to_bf16 = panel_to_bf16(t.type);
+  auto run = [&](auto gated_tag) {
+    constexpr bool kGated = decltype(gated_tag)::value;
+    parallel_panels(panels, [&](int64_t begin, int64_t end) {
+      // Per thread: one panel in bfloat16 (L2-sized at these widths).
+      thread_local std::vector<uint16_t> panel_bf16;
+      panel_bf16.resize(NR * k);
+      auto panel_of = [&](int64_t p) {
+        to_bf16(w + p * panel_bytes, k / t.block, panel_bf16.data());
+        return static_cast<const uint16_t*>(panel_bf16.data());
+      };
+      auto place = [&](int64_t p, int* ncols, float** dst, const float** b0, const float** b1) {
+        if constexpr (kGated) {
+          // Panel p: gate outputs [16p, 16p + 16) in its first 16 columns, their up rows after.
+          *ncols = W, *dst = c + p * W;
+          if (bias != nullptr) *b0 = bias + p * W, *b1 = bias + n + p * W;
+        } else {
+          *ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR)), *dst = c + p * NR;
+          if (bias != nullptr) *b0 = bias + p * NR, *b1 = *b0 + W;
+        }
+      };
+      amx_panels<kGated>(rows, begin, end, c, ldc, activation, panel_of, place);
+    });
+  };
+  if (gate_up) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
+  }
+}
+#endif  // PAGELLM_AMX
+
 #else
 struct TypeInfo {
   int type, block, type_size, bias;
@@ -818,6 +969,13 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
     bias_ptr = bias->data_ptr<float>();
   }
   if (m == 0) return;
+#if defined(PAGELLM_AMX) && defined(PAGELLM_BF16_ROWS)
+  if (m >= kAmxMinRowsInt8 && k % 32 == 0 && amx_enabled()) {
+    linear_int8_amx(t, x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<uint8_t>(), panels, panel_bytes, n,
+                    bias_ptr, activation, out.data_ptr<float>(), out.stride(0));
+    return;
+  }
+#endif
   const RowBlocks row_blocks(m, MR);
   // The worker threads reach these through pointers: their own thread_locals are other buffers.
   thread_local std::vector<int8_t> qa;
