@@ -142,7 +142,12 @@ def allocate_grouped_kv_caches(
 
 # Linux 5.14+: fault a range in writable, as a write to each page would, without touching the data.
 MADV_POPULATE_WRITE = 23
+MADV_NOHUGEPAGE = 15
 PREFAULT_CHUNK_BYTES = 4 * 2**20
+# A slice that faults in slower than this (seconds per MiB) means the kernel is compacting memory
+# to find each 2 MiB page (free memory fragmented by the page cache; 5-15 ms a MiB seen, against
+# ~0.2 for 4 KiB pages and ~0.1 for free huge pages): the rest of the cache then takes small pages.
+SLOW_FAULT_S_PER_MIB = 2e-3
 
 
 class KVCachePrefaulter:
@@ -153,7 +158,8 @@ class KVCachePrefaulter:
     Doing it all at start-up would delay readiness by as much, so the server's engine thread calls
     ``prefault_next`` while no request is in flight: one ``PREFAULT_CHUNK_BYTES`` slice at a time,
     so a request that arrives meanwhile waits at most one slice. ``madvise`` runs through ctypes,
-    which releases the GIL. Measurements: docs/benchmarks.md, "The KV cache's memory".
+    which releases the GIL. A slice that shows 2 MiB pages cost compaction to fault in puts the rest
+    of the cache on 4 KiB pages. Measurements: docs/benchmarks.md, "The KV cache's memory".
     """
 
     def __init__(self, kv_caches: list[torch.Tensor], chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> None:
@@ -172,6 +178,7 @@ class KVCachePrefaulter:
         self.total_bytes = sum(end - start for start, end in self._ranges)
         self.done_bytes = 0
         self._elapsed_s = 0.0
+        self.huge_pages = True  # until a slice shows that 2 MiB pages are costly to fault in
         self._madvise = _libc_madvise() if self._ranges else None
         if self._madvise is None:
             self._ranges = []
@@ -192,15 +199,31 @@ class KVCachePrefaulter:
             logger.debug("madvise(MADV_POPULATE_WRITE) failed: %s", os.strerror(ctypes.get_errno()))
             self._ranges = []
             return False
-        self._elapsed_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self._elapsed_s += elapsed
         self.done_bytes += length
         if start + length < end:
             self._ranges[0] = (start + length, end)
         else:
             self._ranges.pop(0)
+        if self.huge_pages and elapsed > SLOW_FAULT_S_PER_MIB * length / 2**20:
+            self._give_up_huge_pages(elapsed * 1e3 / (length / 2**20))
         if not self._ranges:
             logger.info("KV cache memory faulted in while idle: %.1f MiB in %.2f s", self.done_bytes / 2**20, self._elapsed_s)
         return bool(self._ranges)
+
+    def _give_up_huge_pages(self, ms_per_mib: float) -> None:
+        """The rest of the cache on 4 KiB pages: decode attention loses a few percent to TLB misses,
+        where faulting in 2 MiB pages that need compaction costs seconds inside the first steps."""
+        self.huge_pages = False
+        for start, end in self._ranges:
+            if self._madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_NOHUGEPAGE) != 0:
+                logger.debug("madvise(MADV_NOHUGEPAGE) failed: %s", os.strerror(ctypes.get_errno()))
+                return
+        logger.info(
+            "KV cache: 2 MiB pages fault in at %.1f ms a MiB here (the kernel compacts memory for each); "
+            "the remaining %.1f MiB on 4 KiB pages", ms_per_mib, sum(end - start for start, end in self._ranges) / 2**20
+        )
 
 
 def _libc_madvise() -> Optional[Callable[..., int]]:

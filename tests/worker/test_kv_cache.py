@@ -7,6 +7,7 @@ import mmap
 import pytest
 import torch
 
+from pagellm.worker import kv_cache
 from pagellm.worker.kv_cache import (
     HUGE_PAGE_BYTES,
     KVCachePrefaulter,
@@ -90,6 +91,36 @@ def test_prefaulter_faults_the_cache_in_by_slices_and_keeps_its_contents() -> No
     # ...and what was written before is still there, the rest still zero.
     assert caches[0][0, 0, 0, 0, :4].tolist() == [1.0, 2.0, 3.0, 4.0]
     assert float(caches[0].abs().sum()) == 10.0 and not caches[1].any()
+
+
+def test_prefaulter_moves_the_rest_to_small_pages_when_huge_ones_fault_in_slowly(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = allocate_kv_caches(2, 1024, 16, 2, 64, torch.float32, torch.device("cpu"))  # 2 x 16 MiB
+    caches[1][0, 0, 0, 0, 0] = 5.0
+    prefaulter = KVCachePrefaulter(caches, chunk_bytes=4 * 2**20)
+    if not prefaulter.pending:
+        pytest.skip("MADV_POPULATE_WRITE is not available here (Linux 5.14+)")
+    calls: list[tuple[int, int, int]] = []
+    real = prefaulter._madvise
+
+    def recording(start, length, advice) -> int:
+        calls.append((start.value, length.value, advice))
+        return real(start, length, advice)
+
+    prefaulter._madvise = recording
+    monkeypatch.setattr(kv_cache, "SLOW_FAULT_S_PER_MIB", 0.0)  # every slice counts as slow
+    assert prefaulter.prefault_next() and not prefaulter.huge_pages
+    ranges = [(c.data_ptr(), c.data_ptr() + c.nbytes) for c in caches]
+    # one slice populated, then what remains of layer 0 and all of layer 1 advised off huge pages
+    assert calls == [
+        (ranges[0][0], 4 * 2**20, kv_cache.MADV_POPULATE_WRITE),
+        (ranges[0][0] + 4 * 2**20, 12 * 2**20, kv_cache.MADV_NOHUGEPAGE),
+        (ranges[1][0], 16 * 2**20, kv_cache.MADV_NOHUGEPAGE),
+    ]
+    while prefaulter.prefault_next():
+        pass
+    assert prefaulter.done_bytes == prefaulter.total_bytes
+    assert sum(1 for *_, advice in calls if advice == kv_cache.MADV_NOHUGEPAGE) == 2  # decided once
+    assert float(caches[1].sum()) == 5.0 and not caches[0].any()
 
 
 def test_prefaulter_has_nothing_to_do_for_non_cpu_caches() -> None:
