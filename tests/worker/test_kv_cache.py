@@ -71,7 +71,8 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * mmap.PAGESIZE
 
 
-def test_prefaulter_faults_the_cache_in_by_slices_and_keeps_its_contents() -> None:
+def test_prefaulter_faults_the_cache_in_by_slices_and_keeps_its_contents(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_cache, "SLOW_FAULT_S_PER_MIB", float("inf"))  # huge pages kept, however slow
     caches = allocate_kv_caches(2, 1024, 16, 2, 64, torch.float32, torch.device("cpu"))  # 2 x 16 MiB
     caches[0][0, 0, 0, 0, :4] = torch.tensor([1.0, 2.0, 3.0, 4.0])
     prefaulter = KVCachePrefaulter(caches, chunk_bytes=5 * 2**20)
@@ -118,8 +119,22 @@ def test_prefaulter_moves_the_rest_to_small_pages_when_huge_ones_fault_in_slowly
     ]
     while prefaulter.prefault_next():
         pass
-    assert prefaulter.done_bytes == prefaulter.total_bytes
+    assert prefaulter.done_bytes == prefaulter.total_bytes and not prefaulter.pending
     assert sum(1 for *_, advice in calls if advice == kv_cache.MADV_NOHUGEPAGE) == 2  # decided once
+    # Once all is faulted in, the small-page ranges are advised huge again and gathered slice by
+    # slice (unless this kernel has no MADV_COLLAPSE: then the first attempt ends it).
+    after = calls[calls.index((ranges[1][0], 16 * 2**20, kv_cache.MADV_NOHUGEPAGE)) + 1 :]
+    populate = [c for c in after if c[2] == kv_cache.MADV_POPULATE_WRITE]
+    assert len(populate) == 3 + 4  # layer 0's last 12 MiB, then layer 1, in 4 MiB slices
+    assert [c for c in after if c[2] == kv_cache.MADV_HUGEPAGE] == [
+        (ranges[0][0] + 4 * 2**20, 12 * 2**20, kv_cache.MADV_HUGEPAGE),
+        (ranges[1][0], 16 * 2**20, kv_cache.MADV_HUGEPAGE),
+    ]
+    collapse = [c for c in after if c[2] == kv_cache.MADV_COLLAPSE]
+    if prefaulter.collapsed_bytes:
+        assert prefaulter.collapsed_bytes == 28 * 2**20 and len(collapse) == 7
+    else:
+        assert len(collapse) == 1
     assert float(caches[1].sum()) == 5.0 and not caches[0].any()
 
 
