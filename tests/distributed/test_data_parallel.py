@@ -78,7 +78,8 @@ def run_burst(num_replicas: int) -> tuple[list[list[int]], dict[int, int], float
 
 
 @pytest.mark.slow
-def test_two_real_replicas_route_prefixes_and_keep_the_hit_share_of_one():
+def test_two_real_replicas_route_prefixes_and_keep_the_hit_share_of_one(no_amx):
+    # Equal outputs need a row-invariant kernel whatever each replica batches (conftest.no_amx).
     outputs, owner, share = run_burst(2)
     for p in range(4):
         assert len({owner[i] for i in range(p, 64, 4)}) == 1

@@ -13,15 +13,10 @@ from gguf_blocks import random_blocks
 
 from pagellm.kernels import ops
 
-pytestmark = pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build")
-
-
-
-@pytest.fixture(autouse=True)
-def int8_kernel_only():
-    was_on = ops.set_amx(False)
-    yield
-    ops.set_amx(was_on)
+pytestmark = [
+    pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build"),
+    pytest.mark.usefixtures("no_amx"),  # every product on the int8 kernel, whatever its rows
+]
 
 
 T = GGMLQuantizationType

@@ -13,15 +13,10 @@ from pagellm.kernels import ops
 from pagellm.layers.linear_method import GGUFInt8Method
 from pagellm.layers.moe import FusedMoE
 
-
-@pytest.fixture(autouse=True)
-def int8_kernel_only():
-    # moe_int8 runs every expert on the int8 kernel; linear_int8 takes AMX tiles from 64 rows.
-    was_on = ops.set_amx(False)
-    yield
-    ops.set_amx(was_on)
-
-pytestmark = pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build")
+pytestmark = [
+    pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build"),
+    pytest.mark.usefixtures("no_amx"),  # every product on the int8 kernel, whatever its rows
+]
 
 T = GGMLQuantizationType
 # (gate_up type, down type): Q4_K_M's mix both ways, the legacy types, one type for both.
