@@ -197,62 +197,68 @@ class KVCachePrefaulter:
         small pages into 2 MiB ones); returns whether any work remains."""
         if not self._ranges:
             return self._collapse_next()
-        start, end = self._ranges[0]
-        length = min(self.chunk_bytes, end - start)
-        t0 = time.perf_counter()
-        if self._madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
+        done = self._advise_slice(self._ranges, MADV_POPULATE_WRITE)
+        if done is None:
             # e.g. EINVAL before Linux 5.14: pages are then faulted in when first written, as before
-            logger.debug("madvise(MADV_POPULATE_WRITE) failed: %s", os.strerror(ctypes.get_errno()))
             self._ranges = []
             return False
-        elapsed = time.perf_counter() - t0
+        length, elapsed = done
         self._elapsed_s += elapsed
         self.done_bytes += length
-        if start + length < end:
-            self._ranges[0] = (start + length, end)
-        else:
-            self._ranges.pop(0)
         if self.huge_pages and elapsed > SLOW_FAULT_S_PER_MIB * length / 2**20:
             self._give_up_huge_pages(elapsed * 1e3 / (length / 2**20))
         if not self._ranges:
             logger.info("KV cache memory faulted in while idle: %.1f MiB in %.2f s", self.done_bytes / 2**20, self._elapsed_s)
             # Every page is in: advised huge again (MADV_COLLAPSE takes only eligible regions), no
             # fault is left to take the advice.
-            for start, end in self._collapse:
-                if self._madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) != 0:
-                    self._collapse = []
+            if not self._advise_ranges(self._collapse, MADV_HUGEPAGE):
+                self._collapse = []
         return self.pending
 
     def _collapse_next(self) -> bool:
         if not self._collapse:
             return False
-        start, end = self._collapse[0]
-        length = min(self.chunk_bytes, end - start)
-        t0 = time.perf_counter()
-        if self._madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_COLLAPSE) != 0:
+        done = self._advise_slice(self._collapse, MADV_COLLAPSE)
+        if done is None:
             # e.g. EINVAL before Linux 6.1, or no memory to compact: the rest stays on small pages
-            logger.debug("madvise(MADV_COLLAPSE) failed: %s", os.strerror(ctypes.get_errno()))
             self._collapse = []
             return False
-        self._collapse_s += time.perf_counter() - t0
-        self.collapsed_bytes += length
-        if start + length < end:
-            self._collapse[0] = (start + length, end)
-        else:
-            self._collapse.pop(0)
+        self.collapsed_bytes += done[0]
+        self._collapse_s += done[1]
         if not self._collapse:
             logger.info("KV cache back on 2 MiB pages while idle: %.1f MiB in %.2f s", self.collapsed_bytes / 2**20, self._collapse_s)
         return bool(self._collapse)
+
+    def _advise_slice(self, ranges: list[tuple[int, int]], advice: int) -> Optional[tuple[int, float]]:
+        """madvise on the first chunk_bytes of ranges[0], taken off the list: (bytes, seconds), or
+        None (the list untouched) if the kernel refused."""
+        start, end = ranges[0]
+        length = min(self.chunk_bytes, end - start)
+        t0 = time.perf_counter()
+        if self._madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) != 0:
+            logger.debug("madvise(%d) failed: %s", advice, os.strerror(ctypes.get_errno()))
+            return None
+        elapsed = time.perf_counter() - t0
+        if start + length < end:
+            ranges[0] = (start + length, end)
+        else:
+            ranges.pop(0)
+        return length, elapsed
+
+    def _advise_ranges(self, ranges: list[tuple[int, int]], advice: int) -> bool:
+        for start, end in ranges:
+            if self._madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) != 0:
+                logger.debug("madvise(%d) failed: %s", advice, os.strerror(ctypes.get_errno()))
+                return False
+        return True
 
     def _give_up_huge_pages(self, ms_per_mib: float) -> None:
         """Faults the rest in on 4 KiB pages (fast), then, in later idle time, gathers it back into
         2 MiB pages (MADV_COLLAPSE, slice by slice): decode attention reads scattered blocks with
         fewer TLB misses on huge pages, but faulting them in costs seconds inside the first steps."""
         self.huge_pages = False
-        for start, end in self._ranges:
-            if self._madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_NOHUGEPAGE) != 0:
-                logger.debug("madvise(MADV_NOHUGEPAGE) failed: %s", os.strerror(ctypes.get_errno()))
-                return
+        if not self._advise_ranges(self._ranges, MADV_NOHUGEPAGE):
+            return
         self._collapse = list(self._ranges)
         logger.info(
             "KV cache: 2 MiB pages fault in at %.1f ms a MiB here; the remaining %.1f MiB faulted in on 4 KiB pages, "
