@@ -157,6 +157,28 @@ struct Form {
   static constexpr int plane_shift(int i, int cv) { return ((i % kStepsPerPlane) * 4 + cv * 2) * kHighBits; }
 };
 
+// Nibble step i of a 32-block's quants `qs`: the unsigned quants of k-quads 2i (lo) and 2i + 1 (hi)
+// for column vectors 0 and 1, each plane's high bits moved above its nibble.
+struct NibbleStep {
+  ivec lo0, hi0, lo1, hi1;
+};
+template <typename F>
+__attribute__((always_inline)) inline NibbleStep unpack_step(const uint8_t* qs, int i) {
+  const ivec w0 = load_bytes(qs + (2 * i) * kQuadBytes), w1 = load_bytes(qs + (2 * i + 1) * kQuadBytes);
+  NibbleStep u{low_nibbles(w0), high_nibbles(w0), low_nibbles(w1), high_nibbles(w1)};
+  if constexpr (F::kHighBits > 0) {
+    // The plane's fields for this step: (column vector, k-quad) at plane_shift, moved to bit 4.
+    const ivec h = load_bytes(qs + F::plane_at(i));
+    constexpr uint8_t kMask = ((1 << F::kHighBits) - 1) << 4;
+    const int s0 = F::plane_shift(i, 0), s1 = F::plane_shift(i, 1);
+    u.lo0 = or_bytes(u.lo0, place_high(h, 4 - s0, kMask));
+    u.hi0 = or_bytes(u.hi0, place_high(h, 4 - s0 - F::kHighBits, kMask));
+    u.lo1 = or_bytes(u.lo1, place_high(h, 4 - s1, kMask));
+    u.hi1 = or_bytes(u.hi1, place_high(h, 4 - s1 - F::kHighBits, kMask));
+  }
+  return u;
+}
+
 // One column's superblock of a file's block, decoded: u[] = q + bias per input, d and m as fp16
 // bits (m with the sign that makes w = D (u - bias) + M), sc/mn per group of the superblock.
 struct Decoded {
@@ -536,23 +558,12 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
         if constexpr (F::kNibbles) {
 #pragma GCC unroll 4
           for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
-            const ivec w0 = load_bytes(qs + (2 * i) * kQuadBytes), w1 = load_bytes(qs + (2 * i + 1) * kQuadBytes);
-            ivec lo0 = low_nibbles(w0), hi0 = high_nibbles(w0), lo1 = low_nibbles(w1), hi1 = high_nibbles(w1);
-            if constexpr (F::kHighBits > 0) {
-              // The plane's fields for this step: (column vector, k-quad) at plane_shift, moved to bit 4.
-              const ivec h = load_bytes(qs + F::plane_at(i));
-              constexpr uint8_t kMask = ((1 << F::kHighBits) - 1) << 4;
-              const int s0 = F::plane_shift(i, 0), s1 = F::plane_shift(i, 1);
-              lo0 = or_bytes(lo0, place_high(h, 4 - s0, kMask));
-              hi0 = or_bytes(hi0, place_high(h, 4 - s0 - F::kHighBits, kMask));
-              lo1 = or_bytes(lo1, place_high(h, 4 - s1, kMask));
-              hi1 = or_bytes(hi1, place_high(h, 4 - s1 - F::kHighBits, kMask));
-            }
+            const NibbleStep u = unpack_step<F>(qs, i);
             for (int r = 0; r < R; ++r) {
               const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
               const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
-              i0[r] = dpbusd(dpbusd(i0[r], lo0, a_lo), hi0, a_hi);
-              i1[r] = dpbusd(dpbusd(i1[r], lo1, a_lo), hi1, a_hi);
+              i0[r] = dpbusd(dpbusd(i0[r], u.lo0, a_lo), u.hi0, a_hi);
+              i1[r] = dpbusd(dpbusd(i1[r], u.lo1, a_lo), u.hi1, a_hi);
             }
           }
         } else {
@@ -777,21 +788,11 @@ void dequantize_panel_bf16(const uint8_t* panel, int64_t num_super, uint16_t* ds
         }
         if constexpr (F::kNibbles) {
           for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
-            const ivec w0 = load_bytes(qs + (2 * i) * kQuadBytes), w1 = load_bytes(qs + (2 * i + 1) * kQuadBytes);
-            ivec lo0 = low_nibbles(w0), hi0 = high_nibbles(w0), lo1 = low_nibbles(w1), hi1 = high_nibbles(w1);
-            if constexpr (F::kHighBits > 0) {
-              const ivec h = load_bytes(qs + F::plane_at(i));
-              constexpr uint8_t kMask = ((1 << F::kHighBits) - 1) << 4;
-              const int s0 = F::plane_shift(i, 0), s1 = F::plane_shift(i, 1);
-              lo0 = or_bytes(lo0, place_high(h, 4 - s0, kMask));
-              hi0 = or_bytes(hi0, place_high(h, 4 - s0 - F::kHighBits, kMask));
-              lo1 = or_bytes(lo1, place_high(h, 4 - s1, kMask));
-              hi1 = or_bytes(hi1, place_high(h, 4 - s1 - F::kHighBits, kMask));
-            }
-            emit(lo0, 0, kb + 8 * i);
-            emit(hi0, 0, kb + 8 * i + 4);
-            emit(lo1, 1, kb + 8 * i);
-            emit(hi1, 1, kb + 8 * i + 4);
+            const NibbleStep u = unpack_step<F>(qs, i);
+            emit(u.lo0, 0, kb + 8 * i);
+            emit(u.hi0, 0, kb + 8 * i + 4);
+            emit(u.lo1, 1, kb + 8 * i);
+            emit(u.hi1, 1, kb + 8 * i + 4);
           }
         } else {
           for (int q = g * F::kGroup / 4; q < (g + 1) * F::kGroup / 4; ++q) {
