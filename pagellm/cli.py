@@ -46,7 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "-q",
         choices=["gguf"],
         default=None,
-        help="gguf: a GGUF model's 4/8-bit blocks dotted with int8-quantized inputs (VNNI); "
+        help="gguf: a GGUF model's 4/8-bit blocks dotted with int8-quantized inputs; "
         "the default for a GGUF model unless --dtype is given",
     )
     parser.add_argument(

@@ -120,7 +120,7 @@ class EngineConfig:
     # tensors stay float32 and only the linear layers' products take it (bfloat16 dot products
     # where the CPU has them; pagellm.models.precision); float32 asks for the exact path.
     dtype: Union[str, torch.dtype] = "auto"
-    # "gguf": a GGUF model's 4/8-bit weight blocks dotted with int8-quantized inputs (VNNI). None:
+    # "gguf": a GGUF model's 4/8-bit weight blocks dotted with int8-quantized inputs. None:
     # that for a GGUF model under dtype "auto", else none.
     quantization: Optional[str] = None
     # The KV cache's element type; "auto" is the model's dtype on a GPU, and on a CPU bfloat16

@@ -61,7 +61,9 @@ def random_moe_layer(
     from pagellm.layers.moe import FusedMoE
 
     moe = FusedMoE(hidden, num_experts, top_k, inter)
-    precision = LinearPrecision("int8", "bfloat16")
+    from pagellm.kernels import ops
+
+    precision = LinearPrecision("int8", "bfloat16" if ops.bf16_matmul_available() else "float32")
     moe.gate.load_shard(None, router)
     moe.gate.process_weights_after_loading(precision)
     for e, expert in enumerate(moe.experts):

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print("the C++ kernels are unavailable; nothing to compare")
         return 1
     if args.int8 and not ops.int8_matmul_available():
-        print("this build has no int8 dot products (AVX512-VNNI or AVX-VNNI); nothing to compare")
+        print("this build has no int8 dot products (AVX2 or AVX512-BW); nothing to compare")
         return 1
     if args.bf16 and not ops.bf16_matmul_available():
         print("this build has no bfloat16 dot products (AVX512_BF16); nothing to compare")

@@ -273,13 +273,14 @@ def linear_packed_gated(
 
 
 def int8_matmul_available() -> bool:
-    """Whether :func:`linear_int8` can run: the library is loaded and was built with AVX512-VNNI or AVX-VNNI."""
+    """Whether :func:`linear_int8` can run: the library is loaded and was built with int8 dot
+    products (AVX2 or AVX512-BW; VNNI's where the CPU has them)."""
     return available() and bool(torch.ops.pagellm_gemm_int8.int8_supported())
 
 
 def int8_types() -> frozenset[int]:
     """The GGML type ids (``gguf.GGMLQuantizationType``) whose blocks :func:`pack_weight_int8`
-    takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K ... Q6_K; empty without the library or VNNI."""
+    takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K ... Q6_K; empty without the library or its int8 dot products."""
     if not available():
         return frozenset()
     return frozenset(int(t) for t in torch.ops.pagellm_gemm_int8.int8_types())

@@ -4,7 +4,7 @@ On a CPU the model's tensors (activations, norms, attention, the residual stream
 only the products of the linear layers change. ``bfloat16`` rounds weights and inputs to bfloat16
 and accumulates in float32 (AVX512_BF16's ``vdpbf16ps``); ``int8`` keeps a GGUF model's 4- and
 8-bit weight blocks as they are and quantizes the inputs to int8 per 32-input block on the fly
-(VNNI's ``vpdpbusd``, llama.cpp's approach). Both need their instructions: where the CPU lacks
+(VNNI's ``vpdpbusd``, or AVX2's ``vpmaddubsw``: llama.cpp's approach). Both need their instructions: where the CPU lacks
 them the layers run in float32, which is also what ``--dtype float32`` asks for (exact).
 
 Defaults follow vLLM: ``--dtype auto`` is the checkpoint's own dtype (bfloat16 for most models,
@@ -66,5 +66,5 @@ def _cpu_precision(
         if ops.int8_matmul_available():
             kind = "int8"
         elif quantization == "gguf":
-            logger.warning("this CPU has no VNNI int8 dot products: GGUF blocks are expanded to float32")
+            logger.warning("this CPU has no int8 dot products (AVX2 or AVX512-BW): GGUF blocks are expanded to float32")
     return LinearPrecision(kind=kind, fallback=fallback)

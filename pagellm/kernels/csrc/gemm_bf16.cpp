@@ -1,4 +1,6 @@
-// Matrix multiply in bfloat16 with float32 accumulation: y = x W^T (+ b) on CPUs with AVX512_BF16.
+// Matrix multiply in bfloat16 with float32 accumulation: y = x W^T (+ b) on CPUs with AVX512_BF16,
+// or, without it (AVX2, AVX-512 before Cooper Lake), on the same panels widened to float32 in
+// registers (a shift and a mask per pair of inputs, then FMAs): half float32's bytes to stream.
 //
 // `vdpbf16ps` multiplies 16 pairs of bfloat16 numbers and adds each pair's two products to one
 // float32 lane: twice the multiply-adds of a float32 FMA per instruction, from half the bytes of
@@ -31,15 +33,23 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define PAGELLM_BF16_DOT 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGELLM_BF16_WIDEN 1
 #endif
 
 namespace pagellm {
 namespace {
 
+#if defined(PAGELLM_BF16_DOT) || defined(PAGELLM_BF16_WIDEN)
+
+constexpr int NR_BF16 = 32;  // output columns per panel: pairs [K / 2, 32, 2], as an AMX B tile
+
+#endif
+
 #if defined(PAGELLM_BF16_DOT)
 
-constexpr int NR_BF16 = kBf16PanelCols;  // output columns per panel: two vectors of 16 float32 sums
-constexpr int MR_BF16 = 12;              // 24 accumulators, 2 panel vectors and a broadcast of 32 registers
+static_assert(NR_BF16 == kBf16PanelCols, "the AMX path's panels are these panels");
+constexpr int MR_BF16 = 12;  // 24 accumulators, 2 panel vectors and a broadcast of 32 registers
 // From this many rows a product takes AMX tiles where the CPU has them (below, one tile's 16 rows
 // would be mostly zeros and the product streams its weights either way).
 constexpr int64_t kAmxMinRows = 4;
@@ -99,6 +109,91 @@ void linear_amx(const AmxRows& x, const uint16_t* b, int64_t panels, int64_t n, 
 }
 #endif  // PAGELLM_AMX
 
+#endif  // PAGELLM_BF16_DOT
+
+#if defined(PAGELLM_BF16_WIDEN)
+
+constexpr int kPanelVectors = NR_BF16 / W;  // column vectors of a panel: 4 with AVX2, 2 with AVX-512
+// Accumulators, 3 panel registers (a load, its two widened halves) and 2 broadcasts: 2 rows fill
+// AVX2's 16 registers, 8 rows 21 of AVX-512's 32.
+constexpr int MR_BF16 = W == 8 ? 2 : 8;
+typedef uint32_t vuint __attribute__((vector_size(W * 4)));
+typedef uint32_t vuint_u __attribute__((vector_size(W * 4), aligned(2)));
+
+// Rows [begin, end) of x rounded to bfloat16 (to nearest even, NaN kept a NaN) but kept as float32,
+// each padded with a zero to an even length `kp`, so that a tile broadcasts its inputs as they are.
+void round_rows_widen(const float* x, int64_t ldx, int64_t k, int64_t kp, int64_t begin, int64_t end, float* dst) {
+  for (int64_t r = begin; r < end; ++r) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(x + r * ldx);
+    uint32_t* row = reinterpret_cast<uint32_t*>(dst + r * kp);
+    for (int64_t i = 0; i < k; ++i) {
+      const uint32_t bits = src[i];
+      const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+      row[i] = nan ? (bits | 0x00400000u) & 0xFFFF0000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    }
+    if (kp > k) row[k] = 0;
+  }
+}
+
+// tile_bf16's product on widened panels: per pair of inputs, a panel vector's low halves (input k)
+// shifted up and its high halves (input k + 1) masked are float32, and FMA with x's two values.
+// Vector c holds columns [cW, cW + W); with kGated the first 16 columns are gate, the rest up.
+template <int R, bool kGated>
+void tile_widen(const float* x, int64_t ldx, const uint16_t* panel, int64_t k2, float* out, int64_t ldo, int ncols,
+                const float* bias, int64_t act) {
+  vfloat acc[R][kPanelVectors] = {};
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(panel);
+  for (int64_t i = 0; i < k2; ++i, pairs += NR_BF16) {
+    vfloat x0[R], x1[R];
+    for (int r = 0; r < R; ++r) {
+      x0[r] = vsplat(x[r * ldx + 2 * i]);
+      x1[r] = vsplat(x[r * ldx + 2 * i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < kPanelVectors; ++c) {
+      const vuint w = *reinterpret_cast<const vuint_u*>(pairs + c * W);
+      const vfloat lo = (vfloat)(w << 16), hi = (vfloat)(w & 0xFFFF0000u);
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] += lo * x0[r];
+        acc[r][c] += hi * x1[r];
+      }
+    }
+  }
+  constexpr int kHalf = kPanelVectors / 2;
+  // An edge panel's bias holds only its `ncols` values.
+  const bool whole = kGated || ncols == NR_BF16;
+  for (int r = 0; r < R; ++r) {
+    float* row = out + r * ldo;
+    if (bias != nullptr && whole)
+      for (int c = 0; c < kPanelVectors; ++c) acc[r][c] += vload(bias + c * W);
+    if constexpr (kGated) {
+      for (int c = 0; c < kHalf; ++c) vstore(row + c * W, gated(act, acc[r][c], acc[r][c + kHalf]));
+    } else if (whole) {
+      for (int c = 0; c < kPanelVectors; ++c) vstore(row + c * W, acc[r][c]);
+    } else {
+      float edge[NR_BF16];
+      for (int c = 0; c < kPanelVectors; ++c) vstore(edge + c * W, acc[r][c]);
+      for (int j = 0; j < ncols; ++j) row[j] = edge[j] + (bias != nullptr ? bias[j] : 0.f);
+    }
+  }
+}
+
+using TileWiden = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, int, const float*,
+                           int64_t);
+
+template <bool kGated, size_t... I>
+constexpr auto make_widen_tiles(std::index_sequence<I...>) {
+  return std::array<TileWiden, sizeof...(I)>{&tile_widen<static_cast<int>(I) + 1, kGated>...};
+}
+constexpr std::array<std::array<TileWiden, MR_BF16>, 2> kBf16Tiles = {
+    make_widen_tiles<false>(std::make_index_sequence<MR_BF16>{}),
+    make_widen_tiles<true>(std::make_index_sequence<MR_BF16>{}),
+};
+
+#endif  // PAGELLM_BF16_WIDEN
+
+#if defined(PAGELLM_BF16_DOT) || defined(PAGELLM_BF16_WIDEN)
+
 // [N, K] bfloat16 (contiguous) -> [ceil(N / NR), ceil(K / 2), NR, 2], zero-padded past N and K.
 // With `gate_up` (a gate/up weight, N = 2d) panel p holds gate rows [16p, 16p + 16) then the same
 // outputs' up rows, read in place rather than from a reordered copy of the matrix.
@@ -123,7 +218,7 @@ at::Tensor pack_bf16_panels(const at::Tensor& w, bool gate_up) {
   return packed;
 }
 
-#endif  // PAGELLM_BF16_DOT
+#endif  // PAGELLM_BF16_DOT || PAGELLM_BF16_WIDEN
 
 bool amx_supported() { return amx_permitted(); }
 
@@ -131,7 +226,7 @@ bool amx_supported() { return amx_permitted(); }
 bool set_amx(bool on) { return amx_switch().exchange(on); }
 
 bool bf16_supported() {
-#if defined(PAGELLM_BF16_DOT)
+#if defined(PAGELLM_BF16_DOT) || defined(PAGELLM_BF16_WIDEN)
   return true;
 #else
   return false;
@@ -141,11 +236,11 @@ bool bf16_supported() {
 // A bfloat16 weight is packed from its own bytes; a float32 one is rounded to a bfloat16 copy
 // first (round to nearest even, as the activations are).
 at::Tensor pack_weight_bf16(const at::Tensor& weight, bool gate_up) {
-  TORCH_CHECK_VALUE(bf16_supported(), "pack_weight_bf16: this build has no AVX512_BF16 kernel");
+  TORCH_CHECK_VALUE(bf16_supported(), "pack_weight_bf16: this build has no bfloat16 kernel (needs AVX2 and FMA)");
   TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.dim() == 2 &&
                         (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
                     "pack_weight_bf16: weight must be a 2-D float32 or bfloat16 CPU tensor");
-#if defined(PAGELLM_BF16_DOT)
+#if defined(PAGELLM_BF16_DOT) || defined(PAGELLM_BF16_WIDEN)
   return pack_bf16_panels(weight.to(at::kBFloat16).contiguous(), gate_up);
 #else
   (void)gate_up;
@@ -157,12 +252,12 @@ at::Tensor pack_weight_bf16(const at::Tensor& weight, bool gate_up) {
 // for a gate/up weight packed by pack_weight_bf16 with `gate_up` (bias: gate's then up's, 2d values).
 void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                  int64_t activation) {
-  TORCH_CHECK_VALUE(bf16_supported(), "linear_bf16: this build has no AVX512_BF16 kernel");
+  TORCH_CHECK_VALUE(bf16_supported(), "linear_bf16: this build has no bfloat16 kernel (needs AVX2 and FMA)");
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
                     "linear_bf16: x must be a 2-D float32 CPU tensor with contiguous rows");
   TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
                     "linear_bf16: out must be float32 [rows of x, N] with contiguous rows");
-#if defined(PAGELLM_BF16_DOT)
+#if defined(PAGELLM_BF16_DOT) || defined(PAGELLM_BF16_WIDEN)
   const int64_t m = x.size(0), k = x.size(1), kp = (k + 1) / 2 * 2, n = out.size(1);
   TORCH_CHECK_VALUE(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
                         packed.size(2) == NR_BF16 && packed.size(3) == 2 && packed.size(1) * 2 == kp,
@@ -192,6 +287,16 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   const uint16_t* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* c = out.data_ptr<float>();
   const int64_t ldc = out.stride(0);
+#if defined(PAGELLM_BF16_WIDEN)
+  // x rounded as float32 values; a few rows on this thread, a prefill's rows in parallel.
+  thread_local std::vector<float> xb;
+  xb.resize(m * kp);
+  float* xb_data = xb.data();
+  at::parallel_for(0, m, 64,
+                   [&](int64_t begin, int64_t end) { round_rows_widen(xp, ldx, k, kp, begin, end, xb_data); });
+  const float* x2 = xb_data;
+  const int64_t k2 = kp / 2, ldx2 = kp;
+#else
   thread_local std::vector<uint16_t> xb;
 #if defined(PAGELLM_AMX)
   if (m >= kAmxMinRows && k % 32 == 0 && amx_enabled()) {
@@ -205,7 +310,8 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   uint16_t* xb_data = xb.data();
   at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) { round_rows_bf16(xp, ldx, k, kp, begin, end, xb_data); });
   const uint32_t* x2 = reinterpret_cast<const uint32_t*>(xb_data);
-  const int64_t k2 = kp / 2;
+  const int64_t k2 = kp / 2, ldx2 = k2;
+#endif
   const auto& tiles = kBf16Tiles[gate_up];
   const int64_t cols_per_panel = gate_up ? NR_BF16 / 2 : NR_BF16;
   parallel_panels(panels, [&](int64_t begin, int64_t end) {
@@ -214,7 +320,7 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
       const int ncols = static_cast<int>(std::min<int64_t>(cols_per_panel, n - p * cols_per_panel));
       for (int64_t m0 = 0; m0 < m; m0 += MR_BF16) {
         const int rows = static_cast<int>(std::min<int64_t>(MR_BF16, m - m0));
-        tiles[rows - 1](x2 + m0 * k2, k2, panel, k2, c + m0 * ldc + p * cols_per_panel, ldc, ncols,
+        tiles[rows - 1](x2 + m0 * ldx2, ldx2, panel, k2, c + m0 * ldc + p * cols_per_panel, ldc, ncols,
                         bias_ptr == nullptr ? nullptr : bias_ptr + p * NR_BF16, activation);
       }
     }

@@ -48,12 +48,25 @@
 #include "quant_blocks.h"
 #include "vec.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Without VNNI (AVX2, or AVX-512 before Cascade Lake) a byte dot product is llama.cpp's AVX2 form:
+// vpmaddubsw (pairs into saturating int16), vpmaddwd by ones (pairs into int32), an add.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAGELLM_INT8 1
-#elif defined(__AVXVNNI__)
+#if defined(__AVX512VNNI__)
+#define PAGELLM_VNNI 1
+#else
+#define PAGELLM_VNNI 0
+#endif
+#elif defined(__AVX2__) && !defined(__AVX512F__)
 #define PAGELLM_INT8 1
+#if defined(__AVXVNNI__)
+#define PAGELLM_VNNI 1
+#else
+#define PAGELLM_VNNI 0
+#endif
 #else
 #define PAGELLM_INT8 0
+#define PAGELLM_VNNI 0
 #endif
 
 namespace pagellm {
@@ -64,7 +77,7 @@ namespace {
 constexpr int QUADS = QK / 4;      // k-quads per 32-block
 constexpr int kQuadBytes = 4 * W;  // one k-quad of one column vector: one vector load
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 using ivec = __m512i;
 // Rows per micro-tile: 4 accumulators a row (2 int, 2 float) x 6, 4 weight vectors and a mask use
 // 29 of the 32 registers. A batch of up to 8 rows is one tile even so: reading and unpacking the
@@ -81,7 +94,20 @@ inline ivec place_high(ivec v, int left, uint8_t mask) {
   return _mm512_and_si512(t, _mm512_set1_epi8(static_cast<char>(mask)));
 }
 inline ivec or_bytes(ivec a, ivec b) { return _mm512_or_si512(a, b); }
+inline ivec xor_bytes(ivec a, uint8_t b) { return _mm512_xor_si512(a, _mm512_set1_epi8(static_cast<char>(b))); }
+#if PAGELLM_VNNI
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+#else
+inline ivec pairs16(ivec u8, ivec s8) { return _mm512_maddubs_epi16(u8, s8); }
+inline ivec add16(ivec a, ivec b) { return _mm512_add_epi16(a, b); }
+inline ivec add_pairs32(ivec acc, ivec s16) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, _mm512_set1_epi16(1)));
+}
+inline ivec abs_bytes(ivec q) { return _mm512_abs_epi8(q); }
+inline ivec sign_of(ivec a, ivec q) {
+  return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(q), _mm512_setzero_si512(), a);
+}
+#endif
 inline vint round_to_int(vfloat v) { return (vint)_mm512_cvtps_epi32((__m512)v); }
 inline vfloat load_half(const uint16_t* p) {
   return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -100,13 +126,49 @@ inline ivec place_high(ivec v, int left, uint8_t mask) {
   return _mm256_and_si256(t, _mm256_set1_epi8(static_cast<char>(mask)));
 }
 inline ivec or_bytes(ivec a, ivec b) { return _mm256_or_si256(a, b); }
+inline ivec xor_bytes(ivec a, uint8_t b) { return _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(b))); }
+#if PAGELLM_VNNI
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+#else
+inline ivec pairs16(ivec u8, ivec s8) { return _mm256_maddubs_epi16(u8, s8); }
+inline ivec add16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
+inline ivec add_pairs32(ivec acc, ivec s16) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+}
+inline ivec abs_bytes(ivec q) { return _mm256_sign_epi8(q, q); }
+inline ivec sign_of(ivec a, ivec q) { return _mm256_sign_epi8(a, q); }
+#endif
 inline vint round_to_int(vfloat v) { return (vint)_mm256_cvtps_epi32((__m256)v); }
 inline vfloat load_half(const uint16_t* p) {
   return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
 static_assert(sizeof(ivec) == kQuadBytes, "one k-quad of a column vector is one register");
+
+// acc + the lanes' dot products of two k-quad pairs of unsigned quants (at most 6 bits) with signed
+// activations. Without VNNI the two pairs meet in int16: 2 x 2 x 63 x 127 = 32004 does not saturate.
+inline ivec dot_quads2(ivec acc, ivec u_a, ivec a_a, ivec u_b, ivec a_b) {
+#if PAGELLM_VNNI
+  return dpbusd(dpbusd(acc, u_a, a_a), u_b, a_b);
+#else
+  return add_pairs32(acc, add16(pairs16(u_a, a_a), pairs16(u_b, a_b)));
+#endif
+}
+// Byte quants, stored u = q + 128: VNNI sums u a (the activations' start carries -128 sum a);
+// without it u a could saturate int16, so the sum is q a, as |q| times a with q's sign.
+inline ivec dot_bytes(ivec acc, ivec u, ivec a) {
+#if PAGELLM_VNNI
+  return dpbusd(acc, u, a);
+#else
+  const ivec q = xor_bytes(u, 0x80);
+  return add_pairs32(acc, pairs16(abs_bytes(q), sign_of(a, q)));
+#endif
+}
+// The bias the activations' int32 start carries for a form: byte quants' only with VNNI.
+template <typename F>
+constexpr int activation_bias(int bias) {
+  return F::kNibbles || PAGELLM_VNNI ? bias : 0;
+}
 
 typedef int8_t vbyte __attribute__((vector_size(W)));
 
@@ -562,8 +624,8 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
             for (int r = 0; r < R; ++r) {
               const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
               const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
-              i0[r] = dpbusd(dpbusd(i0[r], u.lo0, a_lo), u.hi0, a_hi);
-              i1[r] = dpbusd(dpbusd(i1[r], u.lo1, a_lo), u.hi1, a_hi);
+              i0[r] = dot_quads2(i0[r], u.lo0, a_lo, u.hi0, a_hi);
+              i1[r] = dot_quads2(i1[r], u.lo1, a_lo, u.hi1, a_hi);
             }
           }
         } else {
@@ -572,8 +634,8 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
             const ivec w0 = load_bytes(qs + (2 * q) * kQuadBytes), w1 = load_bytes(qs + (2 * q + 1) * kQuadBytes);
             for (int r = 0; r < R; ++r) {
               const ivec a = splat_i32(quad_at(qa + (q * MR_MAX + r) * 4));
-              i0[r] = dpbusd(i0[r], w0, a);
-              i1[r] = dpbusd(i1[r], w1, a);
+              i0[r] = dot_bytes(i0[r], w0, a);
+              i1[r] = dot_bytes(i1[r], w1, a);
             }
           }
         }
@@ -654,8 +716,10 @@ struct TypeInfo {
 };
 template <typename T>
 constexpr TypeInfo info_of() {
-  return {T::kType,       T::kBlock,     T::kTypeSize, T::kBias, T::F::kSuperBytes, &kTilesOf<typename T::F>,
-          &pack_panel<T>, &unpack_row<T>};
+  return {T::kType,          T::kBlock,
+          T::kTypeSize,      activation_bias<typename T::F>(T::kBias),
+          T::F::kSuperBytes, &kTilesOf<typename T::F>,
+          &pack_panel<T>,    &unpack_row<T>};
 }
 constexpr std::array<TypeInfo, 10> kTypes = {info_of<Q4_0>(), info_of<Q4_1>(), info_of<Q5_0>(), info_of<Q5_1>(),
                                              info_of<Q8_0>(), info_of<Q2_K>(), info_of<Q3_K>(), info_of<Q4_K>(),
@@ -883,7 +947,7 @@ std::vector<int64_t> int8_types() {
 const TypeInfo& checked_type(int64_t ggml_type, const char* op) {
   const TypeInfo* t = find_type(ggml_type);
   TORCH_CHECK_VALUE(t != nullptr, op, ": GGML type ", ggml_type, " is not one this build's int8 kernel takes",
-                    PAGELLM_INT8 ? "" : " (it has no int8 dot products: needs AVX512-VNNI or AVX-VNNI)");
+                    PAGELLM_INT8 ? "" : " (it has no int8 dot products: needs AVX2 or AVX512-BW)");
   return *t;
 }
 
@@ -1004,7 +1068,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   });
 #else
   (void)m, (void)n, (void)packed, (void)bias, (void)activation;
-  TORCH_CHECK(false, "linear_int8: this build has no int8 dot products (needs AVX512-VNNI or AVX-VNNI)");
+  TORCH_CHECK(false, "linear_int8: this build has no int8 dot products (needs AVX2 or AVX512-BW)");
 #endif
 }
 
@@ -1147,7 +1211,7 @@ void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor
   }
 #else
   (void)out, (void)n, (void)tg, (void)td;
-  TORCH_CHECK(false, "moe_int8: this build has no int8 dot products (needs AVX512-VNNI or AVX-VNNI)");
+  TORCH_CHECK(false, "moe_int8: this build has no int8 dot products (needs AVX2 or AVX512-BW)");
 #endif
 }
 
