@@ -50,6 +50,7 @@ constexpr int NR_BF16 = 32;  // output columns per panel: pairs [K / 2, 32, 2], 
 
 static_assert(NR_BF16 == kBf16PanelCols, "the AMX path's panels are these panels");
 constexpr int MR_BF16 = 12;  // 24 accumulators, 2 panel vectors and a broadcast of 32 registers
+using TileInput = uint32_t;  // x as bfloat16 pairs
 // From this many rows a product takes AMX tiles where the CPU has them (below, one tile's 16 rows
 // would be mostly zeros and the product streams its weights either way).
 constexpr int64_t kAmxMinRows = 4;
@@ -59,7 +60,7 @@ constexpr int64_t kAmxMinRows = 4;
 // gate and the last 16 the matching up columns, `bias` (if any) their 32 biases in that order, and
 // act(gate) * up (vec.h's `gated`, 16 values a row) is stored.
 template <int R, bool kGated>
-void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t k2, float* out, int64_t ldo, int ncols,
+void tile_bf16(const TileInput* x, int64_t ldx, const uint16_t* panel, int64_t k2, float* out, int64_t ldo, int ncols,
                const float* bias, int64_t act) {
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) {
@@ -79,18 +80,6 @@ void tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t k2
     store_row<kGated>(out + r * ldo, acc0[r], acc1[r], ncols, bias, bias == nullptr ? nullptr : bias + 16, act);
   }
 }
-
-using TileBf16 = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int, const float*,
-                          int64_t);
-
-template <bool kGated, size_t... I>
-constexpr auto make_bf16_tiles(std::index_sequence<I...>) {
-  return std::array<TileBf16, sizeof...(I)>{&tile_bf16<static_cast<int>(I) + 1, kGated>...};
-}
-constexpr std::array<std::array<TileBf16, MR_BF16>, 2> kBf16Tiles = {
-    make_bf16_tiles<false>(std::make_index_sequence<MR_BF16>{}),
-    make_bf16_tiles<true>(std::make_index_sequence<MR_BF16>{}),
-};
 
 #if defined(PAGELLM_AMX)
 // Every panel against every row of x on AMX tiles (bf16_tiles.h).
@@ -117,6 +106,7 @@ constexpr int kPanelVectors = NR_BF16 / W;  // column vectors of a panel: 4 with
 // Accumulators, 3 panel registers (a load, its two widened halves) and 2 broadcasts: 2 rows fill
 // AVX2's 16 registers, 8 rows 21 of AVX-512's 32.
 constexpr int MR_BF16 = W == 8 ? 2 : 8;
+using TileInput = float;  // x rounded to bfloat16, kept as float32
 typedef uint32_t vuint __attribute__((vector_size(W * 4)));
 typedef uint32_t vuint_u __attribute__((vector_size(W * 4), aligned(2)));
 
@@ -135,12 +125,12 @@ void round_rows_widen(const float* x, int64_t ldx, int64_t k, int64_t kp, int64_
   }
 }
 
-// tile_bf16's product on widened panels: per pair of inputs, a panel vector's low halves (input k)
+// The DOT tile_bf16's product on widened panels: per pair of inputs, a panel vector's low halves (input k)
 // shifted up and its high halves (input k + 1) masked are float32, and FMA with x's two values.
 // Vector c holds columns [cW, cW + W); with kGated the first 16 columns are gate, the rest up.
 template <int R, bool kGated>
-void tile_widen(const float* x, int64_t ldx, const uint16_t* panel, int64_t k2, float* out, int64_t ldo, int ncols,
-                const float* bias, int64_t act) {
+void tile_bf16(const TileInput* x, int64_t ldx, const uint16_t* panel, int64_t k2, float* out, int64_t ldo, int ncols,
+               const float* bias, int64_t act) {
   vfloat acc[R][kPanelVectors] = {};
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(panel);
   for (int64_t i = 0; i < k2; ++i, pairs += NR_BF16) {
@@ -178,21 +168,21 @@ void tile_widen(const float* x, int64_t ldx, const uint16_t* panel, int64_t k2, 
   }
 }
 
-using TileWiden = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, int, const float*,
-                           int64_t);
-
-template <bool kGated, size_t... I>
-constexpr auto make_widen_tiles(std::index_sequence<I...>) {
-  return std::array<TileWiden, sizeof...(I)>{&tile_widen<static_cast<int>(I) + 1, kGated>...};
-}
-constexpr std::array<std::array<TileWiden, MR_BF16>, 2> kBf16Tiles = {
-    make_widen_tiles<false>(std::make_index_sequence<MR_BF16>{}),
-    make_widen_tiles<true>(std::make_index_sequence<MR_BF16>{}),
-};
-
 #endif  // PAGELLM_BF16_WIDEN
 
 #if defined(PAGELLM_BF16_DOT) || defined(PAGELLM_BF16_WIDEN)
+
+using TileBf16 = void (*)(const TileInput*, int64_t, const uint16_t*, int64_t, float*, int64_t, int, const float*,
+                          int64_t);
+
+template <bool kGated, size_t... I>
+constexpr auto make_bf16_tiles(std::index_sequence<I...>) {
+  return std::array<TileBf16, sizeof...(I)>{&tile_bf16<static_cast<int>(I) + 1, kGated>...};
+}
+constexpr std::array<std::array<TileBf16, MR_BF16>, 2> kBf16Tiles = {
+    make_bf16_tiles<false>(std::make_index_sequence<MR_BF16>{}),
+    make_bf16_tiles<true>(std::make_index_sequence<MR_BF16>{}),
+};
 
 // [N, K] bfloat16 (contiguous) -> [ceil(N / NR), ceil(K / 2), NR, 2], zero-padded past N and K.
 // With `gate_up` (a gate/up weight, N = 2d) panel p holds gate rows [16p, 16p + 16) then the same

@@ -94,10 +94,10 @@ inline ivec place_high(ivec v, int left, uint8_t mask) {
   return _mm512_and_si512(t, _mm512_set1_epi8(static_cast<char>(mask)));
 }
 inline ivec or_bytes(ivec a, ivec b) { return _mm512_or_si512(a, b); }
-inline ivec xor_bytes(ivec a, uint8_t b) { return _mm512_xor_si512(a, _mm512_set1_epi8(static_cast<char>(b))); }
 #if PAGELLM_VNNI
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
 #else
+inline ivec xor_bytes(ivec a, uint8_t b) { return _mm512_xor_si512(a, _mm512_set1_epi8(static_cast<char>(b))); }
 inline ivec pairs16(ivec u8, ivec s8) { return _mm512_maddubs_epi16(u8, s8); }
 inline ivec add16(ivec a, ivec b) { return _mm512_add_epi16(a, b); }
 inline ivec add_pairs32(ivec acc, ivec s16) {
@@ -126,10 +126,10 @@ inline ivec place_high(ivec v, int left, uint8_t mask) {
   return _mm256_and_si256(t, _mm256_set1_epi8(static_cast<char>(mask)));
 }
 inline ivec or_bytes(ivec a, ivec b) { return _mm256_or_si256(a, b); }
-inline ivec xor_bytes(ivec a, uint8_t b) { return _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(b))); }
 #if PAGELLM_VNNI
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
 #else
+inline ivec xor_bytes(ivec a, uint8_t b) { return _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(b))); }
 inline ivec pairs16(ivec u8, ivec s8) { return _mm256_maddubs_epi16(u8, s8); }
 inline ivec add16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
 inline ivec add_pairs32(ivec acc, ivec s16) {
