@@ -407,7 +407,7 @@ def linear_bf16(
 
 # A run of at least this many rows of one adapter goes to ATen's matmul inside the kernel rather
 # than its own loops (docs/kernels.md has the measurement).
-LORA_ATEN_MIN_ROWS = 32
+LORA_ATEN_MIN_ROWS = 128
 
 
 def _check_lora_args(
