@@ -74,6 +74,7 @@ def test_strided_rows_and_bad_inputs() -> None:
     out = torch.empty(6, 40)
     ops.linear_bf16(out, x, packed, None)
     torch.testing.assert_close(out.double(), _reference(x, weight), rtol=1e-5, atol=1e-5)
+    ops.linear_bf16(torch.empty(0, 40), torch.empty(0, 64), packed, None)  # no rows: nothing to do
     with pytest.raises(ValueError, match="input width"):
         ops.linear_bf16(out, torch.randn(6, 66), packed, None)
     with pytest.raises(ValueError, match="columns"):

@@ -319,6 +319,7 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   const uint32_t* x2 = reinterpret_cast<const uint32_t*>(xb_data);
   const int64_t k2 = kp / 2, ldx2 = k2;
 #endif
+  if (m == 0) return;
   const auto& tiles = kBf16Tiles[gate_up];
   const int64_t cols_per_panel = gate_up ? NR_BF16 / 2 : NR_BF16;
   // Row tiles of equal size (16 rows: 8 + 8, not 12 + 4). The first tile of a panel requests the
