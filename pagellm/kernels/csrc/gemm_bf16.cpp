@@ -46,18 +46,6 @@ constexpr int NR_BF16 = 32;  // output columns per panel: pairs [K / 2, 32, 2], 
 
 // How far ahead a panel's first row tile requests its weights, in k-pair steps (8 KiB).
 constexpr int64_t kPrefetchSteps = 64;
-#if defined(PAGELLM_BF16_DOT)
-constexpr bool kPrefetchAhead = true;
-#else
-constexpr bool kPrefetchAhead = false;  // not measured on the widening build
-#endif
-
-// One k-pair step of a panel (NR_BF16 pairs: two cache lines) requested into L2; past the end of
-// the weights a prefetch is a harmless no-op.
-inline void prefetch_pair_step(const uint16_t* step) {
-  __builtin_prefetch(step, 0, 2);
-  __builtin_prefetch(step + 32, 0, 2);
-}
 
 #endif
 
@@ -83,7 +71,10 @@ void tile_bf16(const TileInput* x, int64_t ldx, const uint16_t* panel, int64_t k
     acc1[r] = _mm512_setzero_ps();
   }
   for (int64_t i = 0; i < k2; ++i) {
-    if (prefetch != nullptr) prefetch_pair_step(prefetch + i * NR_BF16 * 2);
+    if (prefetch != nullptr) {  // this step's two cache lines, into L2; past the weights' end a no-op
+      __builtin_prefetch(prefetch + i * NR_BF16 * 2, 0, 2);
+      __builtin_prefetch(prefetch + i * NR_BF16 * 2 + 32, 0, 2);
+    }
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + i * NR_BF16 * 2);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + i * NR_BF16 * 2 + 32);
     for (int r = 0; r < R; ++r) {
@@ -146,11 +137,11 @@ void round_rows_widen(const float* x, int64_t ldx, int64_t k, int64_t kp, int64_
 // Vector c holds columns [cW, cW + W); with kGated the first 16 columns are gate, the rest up.
 template <int R, bool kGated>
 void tile_bf16(const TileInput* x, int64_t ldx, const uint16_t* panel, int64_t k2, float* out, int64_t ldo, int ncols,
-               const float* bias, int64_t act, const uint16_t* prefetch) {
+               const float* bias, int64_t act,
+               const uint16_t* /*prefetch: not measured on this build, left to the hardware*/) {
   vfloat acc[R][kPanelVectors] = {};
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(panel);
   for (int64_t i = 0; i < k2; ++i, pairs += NR_BF16) {
-    if (prefetch != nullptr) prefetch_pair_step(prefetch + i * NR_BF16 * 2);
     vfloat x0[R], x1[R];
     for (int r = 0; r < R; ++r) {
       x0[r] = vsplat(x[r * ldx + 2 * i]);
@@ -325,19 +316,18 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   // Row tiles of equal size (16 rows: 8 + 8, not 12 + 4). The first tile of a panel requests the
   // weights kPrefetchSteps k-pair steps ahead into L2 (into the next panel near its end): the
   // hardware prefetcher alone left a decode step's weights streaming at 60-85% of the machine's
-  // read rate (docs/kernels.md). Measured on the AVX512_BF16 build only.
-  const int64_t num_tiles = (m + MR_BF16 - 1) / MR_BF16, tile_rows = m / num_tiles, longer = m % num_tiles;
+  // read rate (docs/kernels.md). The widening build's tiles leave it to the hardware (not measured).
+  const RowBlocks row_tiles(m, MR_BF16, MR_BF16);
   const int64_t panel_elems = k2 * NR_BF16 * 2;
   parallel_panels(panels, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const uint16_t* panel = b + p * panel_elems;
       const int ncols = static_cast<int>(std::min<int64_t>(cols_per_panel, n - p * cols_per_panel));
-      for (int64_t t = 0, m0 = 0; t < num_tiles; ++t) {
-        const int rows = static_cast<int>(tile_rows + (t < longer ? 1 : 0));
-        const uint16_t* ahead = kPrefetchAhead && t == 0 ? panel + kPrefetchSteps * NR_BF16 * 2 : nullptr;
-        tiles[rows - 1](x2 + m0 * ldx2, ldx2, panel, k2, c + m0 * ldc + p * cols_per_panel, ldc, ncols,
-                        bias_ptr == nullptr ? nullptr : bias_ptr + p * NR_BF16, activation, ahead);
-        m0 += rows;
+      for (int64_t t = 0; t < row_tiles.count; ++t) {
+        const int64_t m0 = row_tiles.start(t);
+        const uint16_t* ahead = t == 0 ? panel + kPrefetchSteps * NR_BF16 * 2 : nullptr;
+        tiles[row_tiles.rows(t) - 1](x2 + m0 * ldx2, ldx2, panel, k2, c + m0 * ldc + p * cols_per_panel, ldc, ncols,
+                                     bias_ptr == nullptr ? nullptr : bias_ptr + p * NR_BF16, activation, ahead);
       }
     }
   });

@@ -516,20 +516,6 @@ struct Activations {
   int64_t k, num_blocks;
 };
 
-// m rows split into one row block (up to MR_MAX rows) or ceil(m / mr) of as even sizes as can be
-// (32 rows: 6, 6, 5, 5, 5, 5 rather than 5 x 6 and 2): a tile of few rows spends more per row on
-// unpacking the weights.
-struct RowBlocks {
-  int64_t count, base, extra;  // the first `extra` blocks have base + 1 rows, the others base
-  RowBlocks(int64_t m, int mr) : count(m <= MR_MAX ? 1 : (m + mr - 1) / mr), base(m / count), extra(m % count) {}
-  int64_t start(int64_t j) const { return j * base + std::min(j, extra); }
-  int rows(int64_t j) const { return static_cast<int>(base + (j < extra ? 1 : 0)); }
-  int64_t block_of(int64_t r) const {
-    const int64_t split = extra * (base + 1);
-    return r < split ? r / (base + 1) : extra + (r - split) / base;
-  }
-};
-
 // Rows [r0, r1) of x into the layout above, for weights stored with `bias`.
 void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, const RowBlocks& blocks,
                    int32_t bias, int8_t* qa, ActBlock* act) {
@@ -1041,7 +1027,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
     return;
   }
 #endif
-  const RowBlocks row_blocks(m, MR);
+  const RowBlocks row_blocks(m, MR, MR_MAX);
   // The worker threads reach these through pointers: their own thread_locals are other buffers.
   thread_local std::vector<int8_t> qa;
   thread_local std::vector<ActBlock> act_blocks;
@@ -1138,7 +1124,7 @@ void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor
   int64_t row_block_total = 0;
   for (int64_t e = 0, start = 0; e < num_experts; start += count[e], ++e) {
     if (count[e] == 0) continue;
-    blocks.emplace_back(count[e], MR);
+    blocks.emplace_back(count[e], MR, MR_MAX);
     used.push_back({e, start, count[e], row_block_total});
     row_block_total += blocks.back().count;
   }

@@ -4,6 +4,7 @@
 // server's event loop, its client and other tenants, one thread of a product is often preempted
 // for a while; with fixed shares the whole product waits for it, with chunks the others take over
 // its work. About 8 chunks a thread keep the hand-over fine and its cost (one atomic per chunk) nil.
+// Within a panel, the rows of x go through micro-tiles of sizes RowBlocks gives.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -29,5 +30,20 @@ inline void parallel_panels(int64_t count, const F& fn) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t c = 0; c < chunks; ++c) fn(c * per_chunk, std::min(count, (c + 1) * per_chunk));
 }
+
+// m rows split into one row block (up to mr_max rows) or ceil(m / mr) of as even sizes as can be
+// (32 rows in tiles of 6: 6, 6, 5, 5, 5, 5 rather than 5 x 6 and 2): a tile of few rows spends
+// more per row on reading or unpacking the weights.
+struct RowBlocks {
+  int64_t count, base, extra;  // the first `extra` blocks have base + 1 rows, the others base
+  RowBlocks(int64_t m, int mr, int mr_max)
+      : count(m <= mr_max ? 1 : (m + mr - 1) / mr), base(m / count), extra(m % count) {}
+  int64_t start(int64_t j) const { return j * base + std::min(j, extra); }
+  int rows(int64_t j) const { return static_cast<int>(base + (j < extra ? 1 : 0)); }
+  int64_t block_of(int64_t r) const {
+    const int64_t split = extra * (base + 1);
+    return r < split ? r / (base + 1) : extra + (r - split) / base;
+  }
+};
 
 }  // namespace pagellm
