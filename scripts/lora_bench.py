@@ -1,7 +1,8 @@
 """Output throughput of one batch where every request has its own LoRA adapter, against the same
 batch on the base model, in one engine and one run (docs/lora.md).
 
-    .venv/bin/python scripts/lora_bench.py [--num-loras 32] [--rank 16] [--targets q_proj,v_proj] [--output-len 64] [--engine-args JSON]
+    .venv/bin/python scripts/lora_bench.py [--num-loras 32] [--rank 16] [--targets q_proj,v_proj] [--output-len 64]
+        [--aten-min-rows N] [--engine-args JSON]
 
 Adapters are random (rank ``--rank``, all seven targets unless ``--targets`` names some, e.g. PEFT's
 default for Llama, q_proj,v_proj), written to a temporary directory. The
@@ -18,6 +19,7 @@ import time
 
 from pagellm import LLM, LoRARequest, SamplingParams
 from pagellm.bench.lora_adapters import SUPPORTED_TARGETS, write_random_adapter
+from pagellm.kernels import ops
 
 
 def timed_run(llm: LLM, prompts: list[dict], params: SamplingParams, loras) -> tuple[float, int, list[float]]:
@@ -46,8 +48,11 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--aten-min-rows", type=int, default=None, help="rows of one adapter from which a run goes to ATen's matmul")
     ap.add_argument("--engine-args", default="{}", help='extra LLM keyword arguments as JSON, e.g. \'{"dtype": "float32"}\'')
     args = ap.parse_args()
+    if args.aten_min_rows is not None:
+        ops.LORA_ATEN_MIN_ROWS = args.aten_min_rows
     n = args.num_loras
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     if not targets or any(t not in SUPPORTED_TARGETS for t in targets):
@@ -76,6 +81,7 @@ def main() -> int:
     report = {
         "num_loras": n,
         "rank": args.rank,
+        "aten_min_rows": ops.LORA_ATEN_MIN_ROWS,
         "targets": list(targets),
         "linear_layers": llm.llm_engine.config.linear_precision.describe(),
         **summary,

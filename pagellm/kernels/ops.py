@@ -437,7 +437,7 @@ def lora_shrink_expand(
     lora_b: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_slots: torch.Tensor,
-    aten_min_rows: int = LORA_ATEN_MIN_ROWS,
+    aten_min_rows: Optional[int] = None,
 ) -> None:
     """For each segment ``s`` with slot ``k = seg_slots[s] >= 0``, rows ``a, b = seg_starts[s], seg_starts[s + 1]``:
     ``y[a:b] += (x[a:b] @ lora_a[k].T) @ lora_b[k].T``, in place; slot -1 leaves its rows alone.
@@ -448,12 +448,14 @@ def lora_shrink_expand(
     bfloat16 (sums in float32; a smaller rank zero-padded, its scaling folded into ``lora_b``);
     ``seg_starts`` int64 ``[segments + 1]`` ascending, ``seg_slots`` int64 ``[segments]``. The
     kernel reads each used slot's weights once per call (its rows grouped) and hands runs of at
-    least ``aten_min_rows`` rows of one slot to ATen's matmul. ValueError for inputs that do not fit.
+    least ``aten_min_rows`` rows of one slot (default: ``LORA_ATEN_MIN_ROWS`` when called) to ATen's
+    matmul. ValueError for inputs that do not fit.
     On another device or without the library: :func:`lora_shrink_expand_reference`.
     """
     tensors = (y, x, lora_a, lora_b, seg_starts, seg_slots)
     if all(t.device.type == "cpu" for t in tensors) and available():
-        torch.ops.pagellm_lora.lora_shrink_expand(y, x, lora_a, lora_b, seg_starts, seg_slots, int(aten_min_rows))
+        min_rows = LORA_ATEN_MIN_ROWS if aten_min_rows is None else int(aten_min_rows)
+        torch.ops.pagellm_lora.lora_shrink_expand(y, x, lora_a, lora_b, seg_starts, seg_slots, min_rows)
         return
     lora_shrink_expand_reference(y, x, lora_a, lora_b, seg_starts, seg_slots)
 
