@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from pagellm.kernels import ops
 from pagellm.sample.logprobs import gather_logprobs
 from pagellm.sample.metadata import LogprobsTensors, SamplingMetadata
 from pagellm.sample.sampler import Sampler
@@ -70,14 +71,16 @@ class RejectionSampler:
         if logits.dim() != 2 or logits.shape[0] != spec.num_rows:
             raise ValueError(f"{spec.num_rows} verification rows expected, got logits of shape {tuple(logits.shape)}")
         device = logits.device
-        logits, raw_logprobs = self.sampler.prepare_logits(logits, metadata)
+        # Only probs() edits the logits in place, so an all-greedy step reads the caller's rows.
+        logits, raw_logprobs = self.sampler.prepare_logits(logits, metadata, copy=not metadata.all_greedy)
         greedy_mask = metadata.greedy_mask.tolist()
-        target_argmax = logits.argmax(dim=-1).tolist()
+        target_argmax = ops.argmax_rows(logits).tolist()
         probs: Optional[torch.Tensor] = None
+        u: Optional[torch.Tensor] = None
         if not metadata.all_greedy:
             probs = self.sampler.probs(logits, metadata)
-        # Two draws a row: the acceptance test, then the residual (or bonus) sample.
-        u = self.sampler.uniforms(logits.shape[0], metadata.seeds, device, num_draws=2)
+            # Two draws a row: the acceptance test, then the residual (or bonus) sample.
+            u = self.sampler.uniforms(logits.shape[0], metadata.seeds, device, num_draws=2)
         starts = spec.row_starts
         # Every draft's acceptance test at once: draft rows are all rows but each request's last.
         draft_rows = [start + j for start, drafts in zip(starts, spec.draft_token_ids) for j in range(len(drafts))]
