@@ -45,6 +45,10 @@ CASES: dict[str, list[tuple[int, int]]] = {
     "mixed": [(1, 256 + 24 * i) for i in range(31)] + [(512, 1024)],
     # Workload P's decode: 4 system prompts of 512 tokens, each the prefix of 8 sequences.
     "decode_prefix": [(1, 608)] * 32,
+    # One stream's speculative verification: 8 drafts and the last token, after a 600-token context.
+    "verify": [(9, 609)],
+    # The same stream's plain decode step, for what verification adds.
+    "decode_one": [(1, 609)],
 }
 # case -> (number of prefixes, prefix tokens) shared through the block tables, as prefix caching does.
 SHARED_PREFIXES: dict[str, tuple[int, int]] = {"decode_prefix": (4, 512)}

@@ -77,6 +77,23 @@ def test_long_decode_few_sequences(name, num_threads, seqs, reference) -> None:
 
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("seqs", [[(9, 609)], [(9, 700), (1, 40)], [(3, 2000)], [(2, 513), (1, 900)]])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+def test_few_short_prefills_of_long_contexts(name, num_threads, seqs, cache_dtype, reference) -> None:
+    # A verification's few tokens after a long context: with two threads the C++ kernel splits
+    # each tile's keys into parts and merges their partials (the value scale applied there).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        batch = make_batch(seqs, 9, 3, 64, 16, seed=17, cache_dtype=cache_dtype, kv_scales=KVScales(1.0, 0.7))
+        got, expected, _, _ = run_both(batch, name, reference)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("seqs", [[(1, 100)] * 12, [(1, 90), (1, 300), (20, 120), (1, 40)] * 3, [(1, 1500), (1, 1600)]])
 def test_sequences_sharing_prefix_blocks(name, num_threads, seqs, reference) -> None:
     # Prefix caching: sequences' tables point at the same physical blocks for their common prefix

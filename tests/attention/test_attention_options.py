@@ -204,6 +204,23 @@ def test_long_decodes(name: str, case: str, num_threads: int) -> None:
     assert_matches(got, dense_reference(batch, written_cache(batch), options))
 
 
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("case", LONG_DECODE_CASES)
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_short_prefills_of_long_contexts(name: str, case: str, num_threads: int) -> None:
+    # A verification's 9 tokens after 700: with two threads the C++ kernel splits the tiles' keys
+    # (a window of 600 is still 608 keys) and merges them, the sink joining at the merge.
+    options = make_options(LONG_DECODE_CASES[case], 9)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        batch = build([(9, 700), (1, 60)], 9, 3, 64, block_size=16, seed=6)
+        got = run(name, batch, options)
+    finally:
+        torch.set_num_threads(previous)
+    assert_matches(got, dense_reference(batch, written_cache(batch), options))
+
+
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("case", ["all", "window_5_sinks"])
 @pytest.mark.parametrize("name", CPU_BACKENDS)

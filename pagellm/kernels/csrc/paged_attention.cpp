@@ -10,7 +10,8 @@
 //   * prefill (a sequence with several new tokens): work item = (sequence, kv head, head chunk,
 //     query tile).  A tile holds ~64 (token, head) query rows, stored transposed so that
 //     scores, masking and the softmax update are vectorised across rows; keys stream in
-//     chunks of kKeyChunk.
+//     chunks of kKeyChunk. Too few tiles of long contexts (a verification) are split along
+//     the keys and merged, as decode is.
 // The cache holds float32, float16, bfloat16, fp8 (e4m3 / e5m2, one scale per layer) or int8
 // (a float16 scale per head row, stored after the row's values) (kv_types.h); every kernel is a
 // template over that element type and widens rows to float32 as it reads them. Scales are folded
@@ -186,9 +187,12 @@ struct Item {
   int num_group;   // query heads in this item (<= kMaxGroup)
   int begin;       // decode: first key position; prefill: first new-token index in the sequence
   int end;         // decode: last key position (exclusive); prefill: end new-token index
-  int partial;     // decode: index into the split partials, or -1 when the item writes output directly
+  int partial;     // index into the split partials, or -1 when the item writes output directly
   double cost;
   int num_kv = 1;  // decode: consecutive kv heads from kv_head, num_group query heads each
+  // prefill, when split: the keys [key_begin, key_end) this part reads; -1: all the tile sees
+  int key_begin = -1;
+  int key_end = -1;
 };
 
 // Whether sequence `seq` adds one token this step (decode) rather than several (prefill).
@@ -532,8 +536,21 @@ inline void widen_row(float* dst, const T* row) {
   }
 }
 
+// A split prefill tile's partial softmax state: per row m, l, then the unnormalised output.
+constexpr int64_t prefill_partial_floats(int head_dim) { return static_cast<int64_t>(kTileRows) * (2 + head_dim); }
+
+// The keys a prefill tile sees: [first, end), from its first row's window start to its last row.
+inline std::pair<int, int> tile_keys(const Problem& p, const Item& item) {
+  const int q_len = p.query_start_loc[item.seq + 1] - p.query_start_loc[item.seq];
+  const int first_pos = p.seq_lens[item.seq] - q_len;
+  const int first = p.window > 0 ? std::max(0, first_pos + item.begin - p.window + 1) : 0;
+  return {first, first_pos + item.end};
+}
+
+// Writes the tile's normalised output, or, for a part of a split tile (item.partial >= 0), its
+// (m, l, o) partials, with no sink: the merge adds it once.
 template <int D, typename T>
-void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
+void prefill_item(const Problem& p, const Item& item, TileScratch& s, float* partials) {
   constexpr int NV = D / W;
   const int g = item.num_group;
   const int context_len = p.seq_lens[item.seq];
@@ -571,7 +588,7 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
     const int t = r / g;
     s.m[r] = kNegInf;
     s.l[r] = 0.f;
-    if (used && p.sinks_log2 != nullptr) {  // the sink: a first score with no value
+    if (used && p.sinks_log2 != nullptr && item.partial < 0) {  // the sink: a first score with no value
       s.m[r] = p.sinks_log2[item.head_begin + r % g];
       s.l[r] = 1.f;
     }
@@ -581,19 +598,36 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
   }
   const int first_row_pos = first_pos + item.begin;
   const int last_row_pos = first_pos + item.end - 1;
-  const int key_end = first_pos + item.end;  // the tile's last row sees keys < key_end
-  // Keys before the first row's window are outside every row's: never read.
-  const int key_begin = p.window > 0 ? std::max(0, first_row_pos - p.window + 1) : 0;
+  // The tile's last row sees keys < key_end; keys before the first row's window are outside
+  // every row's: never read.
+  auto [key_begin, key_end] = tile_keys(p, item);
+  if (item.key_end >= 0) {
+    key_begin = item.key_begin;
+    key_end = item.key_end;
+  }
   const bool capped = p.cap_log2 > 0.f;
   const float inv_cap = capped ? 1.f / p.cap_log2 : 0.f;
   const T* key_rows[kKeyChunk];
   const T* value_rows[kKeyChunk];
+  const T* ahead_keys[kKeyChunk];
+  const T* ahead_values[kKeyChunk];
   const T* zero_row = reinterpret_cast<const T*>(s.zero_row.data());  // all-zero bytes: 0 in every type
+  // A tile that is its sequence's only one (a verification's few tokens) reads each key once,
+  // from memory rather than from a tile before it: the next chunk's rows are fetched ahead.
+  const bool stream = item.begin == 0 && item.end == q_len;
   for (int k0 = key_begin; k0 < key_end; k0 += kKeyChunk) {
     const int n_keys = std::min(kKeyChunk, key_end - k0);
     // Round up to the QK block; the extra keys are zero rows and get masked below.
     const int n_keys_qk = (n_keys + kQkKeys - 1) / kQkKeys * kQkKeys;
     locate_rows(p, item.seq, item.kv_head, k0, n_keys_qk, key_end, zero_row, key_rows, value_rows);
+    if (stream && k0 + kKeyChunk < key_end) {
+      const int n_ahead = std::min(kKeyChunk, key_end - k0 - kKeyChunk);
+      locate_rows(p, item.seq, item.kv_head, k0 + kKeyChunk, n_ahead, key_end, zero_row, ahead_keys, ahead_values);
+      for (int n = 0; n < n_ahead; ++n) {
+        prefetch_head_row<D, T>(ahead_keys[n], false);
+        prefetch_head_row<D, T>(ahead_values[n], false);
+      }
+    }
     for (int n = 0; n < n_keys_qk; ++n) widen_row<D>(kc + n * D, key_rows[n]);
     const float* values[kKeyChunk];  // the chunk's values as float32 rows
     for (int n = 0; n < n_keys; ++n) {
@@ -651,6 +685,13 @@ void prefill_item(const Problem& p, const Item& item, TileScratch& s) {
     }
     pv_chunk<D>(values, n_keys, st, rows, s.corr.data(), o);
   }
+  if (item.partial >= 0) {
+    float* part = partials + item.partial * prefill_partial_floats(D);
+    std::copy(s.m.begin(), s.m.begin() + used_rows, part);
+    std::copy(s.l.begin(), s.l.begin() + used_rows, part + kTileRows);
+    std::copy(o, o + used_rows * D, part + 2 * kTileRows);
+    return;
+  }
   for (int r = 0; r < used_rows; ++r) {
     const int t = r / g, j = r % g;
     float* dst = p.out + static_cast<int64_t>(token0 + item.begin + t) * p.num_heads * D +
@@ -677,10 +718,7 @@ inline std::vector<Run> shared_block_runs(const Problem& p, std::vector<Item>& i
   auto first_block = [&](const Item& it) {
     // A prefill tile reads the whole prefix, or from its first row's window start.
     int first_key = it.begin;
-    if (!is_decode(p, it.seq)) {
-      const int first_pos = p.seq_lens[it.seq] - (p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq]);
-      first_key = p.window > 0 ? std::max(0, first_pos + it.begin - p.window + 1) : 0;
-    }
+    if (!is_decode(p, it.seq)) first_key = it.key_begin >= 0 ? it.key_begin : tile_keys(p, it).first;
     return p.block_table[static_cast<int64_t>(it.seq) * p.block_table_stride + first_key / p.block_size];
   };
   std::vector<std::pair<int64_t, int>> keyed(items.size());  // (shared-block key, item index)
@@ -731,7 +769,7 @@ void run(const Problem& p, int num_seqs, int num_threads) {
   const int group = p.num_heads / p.num_kv_heads;
   const int num_chunks = (group + kMaxGroup - 1) / kMaxGroup;
   std::vector<Item> items;
-  int max_decode_context = 0;
+  int max_context = 0;  // keys of the longest decode context or prefill tile
   for (int s = 0; s < num_seqs; ++s) {
     const int q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
     const int context_len = p.seq_lens[s];
@@ -756,43 +794,63 @@ void run(const Problem& p, int num_seqs, int num_threads) {
         }
       }
     }
-    if (q_len == 1) max_decode_context = std::max(max_decode_context, context_len - decode_begin);
+    if (q_len == 1) max_context = std::max(max_context, context_len - decode_begin);
   }
-  // Too few items to keep every thread busy: split long decode contexts into partitions whose
-  // partial softmax states are merged afterwards.
-  std::vector<Item> split_items;
-  std::vector<std::pair<int, int>> split_ranges;  // per original split item: [first partial, count)
-  std::vector<Item> originals;
+  // Too few items to keep every thread busy: split long decode contexts, and the keys of short
+  // prefill tiles (a verification's few tokens after a long context), into partitions whose
+  // partial softmax states are merged afterwards. Splitting a tile's rows instead would read
+  // every key once per part, and per-key work dominates a tile of a few rows.
+  std::vector<Item> split_items, prefill_parts;
+  // per original split item: [first partial, count)
+  std::vector<std::pair<int, int>> split_ranges, prefill_ranges;
+  std::vector<Item> originals, prefill_originals;
   const int min_items = 4 * num_threads;
-  if (num_threads > 1 && static_cast<int>(items.size()) < min_items && max_decode_context >= 512) {
+  for (const Item& it : items)
+    if (!is_decode(p, it.seq)) {
+      const auto [first, end] = tile_keys(p, it);
+      max_context = std::max(max_context, end - first);
+    }
+  if (num_threads > 1 && static_cast<int>(items.size()) < min_items && max_context >= 512) {
     const int parts_wanted = (min_items + static_cast<int>(items.size()) - 1) / static_cast<int>(items.size());
     std::vector<Item> kept;
     for (const Item& it : items) {
-      const int len = it.end - it.begin;
+      const bool decode = is_decode(p, it.seq);
+      const auto [first_key, end_key] = decode ? std::pair<int, int>{it.begin, it.end} : tile_keys(p, it);
+      const int len = end_key - first_key;
+      const int unit = decode ? kDecodeChunk : kKeyChunk;
       int part_len = (len + parts_wanted - 1) / parts_wanted;
-      part_len = std::max(256, (part_len + kDecodeChunk - 1) / kDecodeChunk * kDecodeChunk);
-      if (!is_decode(p, it.seq) || part_len >= len) {
+      part_len = std::max(decode ? 256 : 128, (part_len + unit - 1) / unit * unit);
+      if (part_len >= len) {
         kept.push_back(it);
         continue;
       }
-      const int first = static_cast<int>(split_items.size());
-      for (int b = it.begin; b < it.end; b += part_len) {
+      std::vector<Item>& parts = decode ? split_items : prefill_parts;
+      const int first = static_cast<int>(parts.size());
+      for (int b = first_key; b < end_key; b += part_len) {
         Item part = it;
-        part.begin = b;
-        part.end = std::min(it.end, b + part_len);
-        part.partial = static_cast<int>(split_items.size());
-        part.cost = static_cast<double>(part.end - part.begin) * it.num_group;
-        split_items.push_back(part);
+        const int e = std::min(end_key, b + part_len);
+        if (decode) {
+          part.begin = b;
+          part.end = e;
+        } else {
+          part.key_begin = b;
+          part.key_end = e;
+        }
+        part.partial = static_cast<int>(parts.size());
+        part.cost = it.cost * (e - b) / len;
+        parts.push_back(part);
       }
-      split_ranges.push_back({first, static_cast<int>(split_items.size()) - first});
-      originals.push_back(it);
+      (decode ? split_ranges : prefill_ranges).push_back({first, static_cast<int>(parts.size()) - first});
+      (decode ? originals : prefill_originals).push_back(it);
     }
     items.swap(kept);
     items.insert(items.end(), split_items.begin(), split_items.end());
+    items.insert(items.end(), prefill_parts.begin(), prefill_parts.end());
   }
   if (num_chunks == 1) group_kv_heads(p, items);
   const std::vector<Run> runs = shared_block_runs(p, items, num_threads);
   std::vector<float> partials(split_items.size() * (2 + D) * kMaxGroup);
+  std::vector<float> tile_partials(prefill_parts.size() * prefill_partial_floats(D));
   const int num_runs = static_cast<int>(runs.size());
   const int threads = std::max(1, std::min(num_threads, num_runs));
 #pragma omp parallel num_threads(threads)
@@ -805,7 +863,7 @@ void run(const Problem& p, int num_seqs, int num_threads) {
         if (is_decode(p, it.seq))
           decode_dispatch<D, T>(p, it, reinterpret_cast<const T*>(scratch.zero_row.data()), partials.data());
         else
-          prefill_item<D, T>(p, it, scratch);
+          prefill_item<D, T>(p, it, scratch, tile_partials.data());
       }
     }
   }
@@ -838,6 +896,34 @@ void run(const Problem& p, int num_seqs, int num_threads) {
       }
     }
   });
+  // The same for split prefill tiles, row by row; their partials leave the value scale to here.
+  constexpr int64_t kPart = prefill_partial_floats(D);
+  for (size_t i = 0; i < prefill_originals.size(); ++i) {
+    const Item& it = prefill_originals[i];
+    const auto [first, count] = prefill_ranges[i];
+    const int g = it.num_group;
+    const int token0 = p.query_start_loc[it.seq];
+    for (int r = 0, used_rows = (it.end - it.begin) * g; r < used_rows; ++r) {
+      const int t = r / g, j = r % g;
+      const float sink = p.sinks_log2 != nullptr ? p.sinks_log2[it.head_begin + j] : kNegInf;
+      float m_all = sink;
+      for (int k = 0; k < count; ++k) m_all = std::max(m_all, tile_partials[(first + k) * kPart + r]);
+      float l_all = p.sinks_log2 != nullptr ? std::exp2(sink - m_all) : 0.f;
+      float acc[kMaxHeadDim] = {};
+      for (int k = 0; k < count; ++k) {
+        const float* part = tile_partials.data() + (first + k) * kPart;
+        if (part[r] == kNegInf) continue;
+        const float w = std::exp2(part[r] - m_all);
+        l_all += w * part[kTileRows + r];
+        const float* a = part + 2 * kTileRows + r * D;
+        for (int d = 0; d < D; ++d) acc[d] += w * a[d];
+      }
+      const float inv = l_all > 0.f ? p.value_scale / l_all : 0.f;
+      float* dst = p.out + static_cast<int64_t>(token0 + it.begin + t) * p.num_heads * D +
+                   static_cast<int64_t>(it.head_begin + j) * D;
+      for (int d = 0; d < D; ++d) dst[d] = acc[d] * inv;
+    }
+  }
 }
 
 bool supported_head_dim(int64_t d) { return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
