@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding: each engine in its own process (two engines in
-one process would each keep an OpenMP pool spinning on the same cores), runs interleaved
-(plain, spec, plain, spec).
+one process would each keep an OpenMP pool spinning on the same cores), both loaded at once and
+run group by group in turn (plain, spec; then spec, plain; ...).
 
     .venv/bin/python scripts/spec_decode_bench.py --out docs/benchmarks/spec_decode/default.json
     .venv/bin/python scripts/spec_decode_bench.py --model M.gguf --speculative-config '{"model": D, ...}'
@@ -53,8 +53,8 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def run_role(args: argparse.Namespace) -> dict:
-    """One engine through every workload; the figures as a dict (printed as JSON by the child)."""
+def serve_role(args: argparse.Namespace) -> None:
+    """One engine, loaded once, running the groups the parent names on stdin, one at a time."""
     extra = json.loads(args.engine_args)
     spec = json.loads(args.speculative_config) if args.role == "spec" else None
     llm = LLM(model=args.model, speculative_config=spec, **extra)
@@ -71,44 +71,81 @@ def run_role(args: argparse.Namespace) -> dict:
     if not args.skip_batch:
         workloads["batch"] = ([batch], sampled)
     scheduler = llm.llm_engine.core.scheduler
-    out = {}
-    for name, (groups, params) in workloads.items():
+    print("READY " + json.dumps({name: len(groups) for name, (groups, _) in workloads.items()}), flush=True)
+    for line in sys.stdin:
+        name, index = line.split()
+        groups, params = workloads[name]
         before = scheduler.stats().spec_decoding
-        seconds = tokens = 0
-        for i, group in enumerate(groups):
-            dt, n = timed(llm, group, params)
-            seconds += dt
-            tokens += n
-            if name == "grounded":  # also per task: prompt i asks for TASKS[i % len(TASKS)]
-                task = out.setdefault(f"grounded:{TASK_NAMES[i % len(TASK_NAMES)]}", {"seconds": 0.0, "tokens": 0, "spec_decoding": None})
-                task["seconds"] += dt
-                task["tokens"] += n
+        seconds, tokens = timed(llm, groups[int(index)], params)
         after = scheduler.stats().spec_decoding
-        out[name] = {"seconds": seconds, "tokens": tokens, "spec_decoding": after.since(before).to_dict() if after else None}
-    return out
+        stats = after.since(before).to_dict() if after else None
+        print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens, "spec_decoding": stats}), flush=True)
+
+
+class Engine:
+    """A child process serving one role."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.proc = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--role", role], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.groups = json.loads(self._reply("READY "))
+
+    def _reply(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        raise SystemExit(f"{self.role} engine exited (code {self.proc.wait()})")
+
+    def run(self, name: str, index: int) -> dict:
+        self.proc.stdin.write(f"{name} {index}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._reply("RESULT "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
 def main() -> int:
     args = parse_args()
     if args.role is not None:
-        print("RESULT " + json.dumps(run_role(args)), flush=True)
+        serve_role(args)
         return 0
+    # Both engines stay loaded (the idle one blocks on its pipe, its threads asleep) and run each
+    # group in turn, the first of each pair alternating: the two timings of a pair are seconds
+    # apart, so the machine's drift cancels in their ratio.
+    engines = {role: Engine(role) for role in ("plain", "spec")}
     totals: dict = {}
+    pairs: dict[str, list[float]] = {}
+    turn = 0
     for _ in range(args.rounds):
-        for role in ("plain", "spec"):
-            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--role", role], capture_output=True, text=True, check=False)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                raise SystemExit(f"{role} run failed:\n{proc.stderr[-3000:]}")
-            for name, r in json.loads(lines[-1][7:]).items():
-                t = totals.setdefault(name, {}).setdefault(role, {"seconds": 0.0, "tokens": 0, "spec": []})
-                t["seconds"] += r["seconds"]
-                t["tokens"] += r["tokens"]
-                if r["spec_decoding"]:
-                    t["spec"].append(r["spec_decoding"])
+        for name, num_groups in engines["plain"].groups.items():
+            for i in range(num_groups):
+                order = ("plain", "spec") if turn % 2 == 0 else ("spec", "plain")
+                turn += 1
+                got = {role: engines[role].run(name, i) for role in order}
+                keys = [name] + ([f"grounded:{TASK_NAMES[i % len(TASK_NAMES)]}"] if name == "grounded" else [])
+                for key in keys:
+                    for role, r in got.items():
+                        t = totals.setdefault(key, {}).setdefault(role, {"seconds": 0.0, "tokens": 0, "spec": []})
+                        t["seconds"] += r["seconds"]
+                        t["tokens"] += r["tokens"]
+                        if r["spec_decoding"] and key == name:
+                            t["spec"].append(r["spec_decoding"])
+                    tps = {role: r["tokens"] / r["seconds"] for role, r in got.items()}
+                    pairs.setdefault(key, []).append(tps["spec"] / tps["plain"])
+    for engine in engines.values():
+        engine.close()
     result = {"model": args.model or "SmolLM2-135M-Instruct (default)", "speculative_config": json.loads(args.speculative_config),
               "engine_args": json.loads(args.engine_args), "rounds": args.rounds, "workloads": {}}
-    print(f"{'workload':10s} {'plain tok/s':>12s} {'spec tok/s':>11s} {'ratio':>7s} {'accepted':>9s} {'tokens/verif.':>14s} {'verifs':>7s}")
+    print(f"{'workload':18s} {'plain tok/s':>11s} {'spec tok/s':>10s} {'ratio':>6s} {'median pair':>11s} {'pairs':>5s}"
+          f" {'accepted':>8s} {'tokens/verif.':>13s} {'verifs':>6s}")
     for name, t in totals.items():
         tps = {role: t[role]["tokens"] / t[role]["seconds"] for role in ("plain", "spec")}
         runs = t["spec"]["spec"]  # per task: no acceptance of its own (the counters are per workload)
@@ -117,14 +154,14 @@ def main() -> int:
         verifs = sum(r["num_drafts"] for r in runs)
         rate = accepted / drafts if drafts else 0.0
         per_verif = 1 + accepted / verifs if verifs else 1.0
-        result["workloads"][name] = {"output_tokens_per_s": tps, "ratio": tps["spec"] / tps["plain"],
-                                     "tokens": {r: t[r]["tokens"] for r in tps}, "acceptance_rate": rate,
-                                     "tokens_per_verification": per_verif, "num_verifications": verifs}
         ratio = tps["spec"] / tps["plain"]
-        if not runs:  # a grounded task: its acceptance is counted with the whole workload
-            print(f"{name:10s} {tps['plain']:12.1f} {tps['spec']:11.1f} {ratio:6.2f}x")
-            continue
-        print(f"{name:10s} {tps['plain']:12.1f} {tps['spec']:11.1f} {ratio:6.2f}x {rate:8.1%} {per_verif:14.2f} {verifs:7d}")
+        result["workloads"][name] = {"output_tokens_per_s": tps, "ratio": ratio, "median_pair_ratio": median(pairs[name]),
+                                     "pair_ratios": pairs[name], "tokens": {r: t[r]["tokens"] for r in tps}}
+        line = f"{name:18s} {tps['plain']:11.1f} {tps['spec']:10.1f} {ratio:5.2f}x {median(pairs[name]):10.2f}x {len(pairs[name]):5d}"
+        if runs:  # a grounded task's acceptance is counted with the whole workload
+            result["workloads"][name].update(acceptance_rate=rate, tokens_per_verification=per_verif, num_verifications=verifs)
+            line += f" {rate:8.1%} {per_verif:13.2f} {verifs:6d}"
+        print(line)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
