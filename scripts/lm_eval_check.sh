@@ -13,7 +13,9 @@
 #    differences, and per-item agreement; exits 1 when acc or acc_norm differ by more than 0.5 points.
 # Env: LMEVAL_VENV, LMEVAL_WORK (default /tmp/lmeval), PORT (default 18231), SERVE_ARGS (
 #      `pagellm serve` flags; default "--dtype float32", the exact path the 0.5-point check is for;
-#      SERVE_ARGS="" scores the default int8 path), SKIP_HF=1 (reuse the last HF result in $WORK/out_hf), LIMIT (items, for a smoke run).
+#      SERVE_ARGS="" scores the default int8 path), SKIP_HF=1 (reuse the last HF result in $WORK/out_hf), LIMIT (items, for a smoke run),
+#      OUT_API (default $WORK/out_api: where pagellm's samples go; scripts/lm_eval_compare.py compares two such runs),
+#      NUM_ITEMS (default 300: the committed items; more writes the same 300 and further ones under $WORK, for finer comparisons).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -24,6 +26,10 @@ HF_DIR=$WORK/smollm2-135m-instruct-hf
 CONVERTER=${CONVERTER:-/work/shared/peers/convert_gguf_to_hf.py}
 PAGELLM=$REPO/.venv/bin/pagellm
 TASK=pagellm_mc
+NUM_ITEMS=${NUM_ITEMS:-300}
+TASK_DIR=scripts/lm_eval_task
+OUT_HF=$WORK/out_hf
+OUT_API=${OUT_API:-$WORK/out_api}
 LIMIT_ARGS=()
 [[ -n "${LIMIT:-}" ]] && LIMIT_ARGS=(--limit "$LIMIT")
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -50,15 +56,22 @@ fi
 
 # 3. task items (deterministic; rewrites the committed JSONL with identical bytes)
 "$VENV/bin/python" scripts/lm_eval_task/make_items.py
+if [[ "$NUM_ITEMS" != 300 ]]; then
+  TASK_DIR=$WORK/task_$NUM_ITEMS
+  OUT_HF=$WORK/out_hf_$NUM_ITEMS
+  mkdir -p "$TASK_DIR"
+  "$VENV/bin/python" scripts/lm_eval_task/make_items.py "$TASK_DIR/items.jsonl" --num-items "$NUM_ITEMS"
+  sed "s#scripts/lm_eval_task/items.jsonl#$TASK_DIR/items.jsonl#" scripts/lm_eval_task/pagellm_mc.yaml > "$TASK_DIR/pagellm_mc.yaml"
+fi
 
 # 4a. lm-eval's HF backend
-if [[ "${SKIP_HF:-0}" != 1 || ! -d "$WORK/out_hf" ]]; then
+if [[ "${SKIP_HF:-0}" != 1 || ! -d "$OUT_HF" ]]; then
   echo "== lm_eval --model hf"
-  rm -rf "$WORK/out_hf"
+  rm -rf "$OUT_HF"
   T=$(date +%s)
   "$VENV/bin/lm_eval" --model hf --model_args "pretrained=$HF_DIR,dtype=float32" --tasks $TASK \
-    --include_path scripts/lm_eval_task --device cpu --batch_size 8 "${LIMIT_ARGS[@]}" \
-    --output_path "$WORK/out_hf" --log_samples > "$WORK/hf.log" 2>&1 || { tail -30 "$WORK/hf.log"; exit 1; }
+    --include_path "$TASK_DIR" --device cpu --batch_size 8 "${LIMIT_ARGS[@]}" \
+    --output_path "$OUT_HF" --log_samples > "$WORK/hf.log" 2>&1 || { tail -30 "$WORK/hf.log"; exit 1; }
   echo "hf: $(( $(date +%s) - T )) s"
 fi
 
@@ -75,18 +88,18 @@ for _ in $(seq 1 300); do
 done
 MODEL=$(curl -sf "http://127.0.0.1:$PORT/v1/models" | "$VENV/bin/python" -c "import json,sys; print(json.load(sys.stdin)['data'][0]['id'])")
 echo "== lm_eval --model local-completions (model $MODEL)"
-rm -rf "$WORK/out_api"
+rm -rf "$OUT_API"
 T=$(date +%s)
 "$VENV/bin/lm_eval" --model local-completions \
   --model_args "model=$MODEL,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer=$HF_DIR,tokenizer_backend=huggingface,num_concurrent=8,max_retries=3" \
-  --tasks $TASK --include_path scripts/lm_eval_task "${LIMIT_ARGS[@]}" \
-  --output_path "$WORK/out_api" --log_samples > "$WORK/api.log" 2>&1 || { tail -30 "$WORK/api.log"; exit 1; }
+  --tasks $TASK --include_path "$TASK_DIR" "${LIMIT_ARGS[@]}" \
+  --output_path "$OUT_API" --log_samples > "$WORK/api.log" 2>&1 || { tail -30 "$WORK/api.log"; exit 1; }
 echo "local-completions: $(( $(date +%s) - T )) s"
 kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true
 trap - EXIT
 
 # compare
-"$VENV/bin/python" - "$WORK/out_hf" "$WORK/out_api" $TASK <<'PY'
+"$VENV/bin/python" - "$OUT_HF" "$OUT_API" $TASK <<'PY'
 import glob, json, os, sys
 hf_dir, api_dir, task = sys.argv[1:4]
 def load(d):

@@ -3,12 +3,14 @@
 300 four-way multiple-choice questions that a 135M model gets partly right: small additions,
 capital cities, opposites, plural forms. No download: the JSONL is written next to this file
 (items.jsonl) and read by pagellm_mc.yaml through lm-eval's `json` dataset builder.
-Usage: python make_items.py [OUT.jsonl]
+With --num-items N > 300 the same 300 come first, then N - 300 more (reverse capitals, times
+tables, two-digit sums and differences), for a finer comparison between two engines or caches.
+Usage: python make_items.py [OUT.jsonl] [--num-items N]
 """
+import argparse
 import json
 import os
 import random
-import sys
 
 SEED = 1234
 
@@ -84,8 +86,42 @@ def make(rng):
         ans = a + b
         wrong = sorted({ans + d for d in rng.sample([-11, -10, -2, -1, 1, 2, 9, 10], 3)})
         items.append(("arithmetic", f"What is {a} plus {b}?", str(ans), [str(w) for w in wrong]))
+    return shuffled(items, rng)
+
+
+def near_misses(ans, rng, steps=(-11, -10, -2, -1, 1, 2, 9, 10)):
+    return sorted({ans + d for d in rng.sample(steps, 3)} - {ans})
+
+
+def extra(num_items, rng):
+    """Items past the first 300, from their own generator so that those stay byte for byte."""
+    items = []
+    capitals = sorted(CAPITALS)
+    for c in capitals:
+        others = [o for o in capitals if o != c]
+        items.append(("capital", f"Which country has {CAPITALS[c]} as its capital?", c, rng.sample(others, 3)))
+    while len(items) < num_items:
+        kind = len(items) % 3
+        if kind == 0:
+            a, b = rng.randint(2, 12), rng.randint(2, 12)
+            q, ans = f"What is {a} times {b}?", a * b
+            wrong = sorted({ans + d for d in rng.sample([-a, -b, -2, -1, 1, 2, a, b], 3)} - {ans})
+        elif kind == 1:
+            a, b = rng.randint(10, 80), rng.randint(10, 80)
+            q, ans = f"What is {a} plus {b}?", a + b
+            wrong = near_misses(ans, rng)
+        else:
+            a, b = rng.randint(30, 99), rng.randint(10, 29)
+            q, ans = f"What is {a} minus {b}?", a - b
+            wrong = near_misses(ans, rng)
+        if len(wrong) == 3 and min(wrong) >= 0:
+            items.append(("arithmetic", q, str(ans), [str(w) for w in wrong]))
+    return items[:num_items]
+
+
+def shuffled(items, rng, first_id=0):
     out = []
-    for i, (kind, q, right, wrong) in enumerate(items):
+    for i, (kind, q, right, wrong) in enumerate(items, start=first_id):
         assert right not in wrong and len(set(wrong)) == 3, (q, right, wrong)
         choices = [right] + list(wrong)
         rng.shuffle(choices)
@@ -94,8 +130,15 @@ def make(rng):
 
 
 def main():
-    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "items.jsonl")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "items.jsonl"))
+    ap.add_argument("--num-items", type=int, default=300)
+    args = ap.parse_args()
+    path = args.out
     items = make(random.Random(SEED))
+    if args.num_items > len(items):
+        rng = random.Random(SEED + 1)
+        items += shuffled(extra(args.num_items - len(items), rng), rng, first_id=len(items))
     with open(path, "w") as f:
         for it in items:
             f.write(json.dumps(it) + "\n")
