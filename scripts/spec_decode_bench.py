@@ -47,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved runs of each engine")
     ap.add_argument("--skip-batch", action="store_true")
+    ap.add_argument("--workloads", default="grounded,random,batch", help="comma-separated: which workloads to run")
     ap.add_argument("--engine-args", default="{}", help="JSON of further LLM() keyword arguments, for both engines")
     ap.add_argument("--out", default=None)
     ap.add_argument("--role", choices=["plain", "spec"], default=None, help=argparse.SUPPRESS)
@@ -68,8 +69,11 @@ def serve_role(args: argparse.Namespace) -> None:
     sampled = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(grounded[:1] + random_prompts[:1], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
     workloads = {"grounded": ([[p] for p in grounded], greedy), "random": ([[p] for p in random_prompts], sampled)}
-    if not args.skip_batch:
-        workloads["batch"] = ([batch], sampled)
+    workloads["batch"] = ([batch], sampled)
+    wanted = set(args.workloads.split(",")) - ({"batch"} if args.skip_batch else set())
+    if wanted - workloads.keys():
+        raise SystemExit(f"unknown workloads {sorted(wanted - workloads.keys())}; choose from {sorted(workloads)}")
+    workloads = {name: w for name, w in workloads.items() if name in wanted}
     scheduler = llm.llm_engine.core.scheduler
     print("READY " + json.dumps({name: len(groups) for name, (groups, _) in workloads.items()}), flush=True)
     for line in sys.stdin:
