@@ -187,34 +187,24 @@ LONG_DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("num_threads", [1, 2])
-@pytest.mark.parametrize("case", LONG_DECODE_CASES)
-@pytest.mark.parametrize("name", CPU_BACKENDS)
-def test_long_decodes(name: str, case: str, num_threads: int) -> None:
-    # Few long decodes: with two threads the C++ kernel splits a window of 600 (or a whole context)
-    # across partitions and merges them, the sink joining at the merge.
-    options = make_options(LONG_DECODE_CASES[case], 9)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        batch = build([(1, 3000), (1, 700)], 9, 3, 64, block_size=16, seed=2)
-        got = run(name, batch, options)
-    finally:
-        torch.set_num_threads(previous)
-    assert_matches(got, dense_reference(batch, written_cache(batch), options))
+# (q_len, seq_len) per sequence, and the batch's seed. Few long decodes: with two threads the C++
+# kernel splits a window of 600 (or a whole context) across partitions and merges them. A
+# verification's 9 tokens after 700: it splits the tiles' keys (a window of 600 is still 608 keys).
+# The sink joins at the merge in both.
+FEW_LONG_CONTEXTS = {"decodes": ([(1, 3000), (1, 700)], 2), "short_prefill": ([(9, 700), (1, 60)], 6)}
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("case", LONG_DECODE_CASES)
+@pytest.mark.parametrize("seqs", FEW_LONG_CONTEXTS)
 @pytest.mark.parametrize("name", CPU_BACKENDS)
-def test_short_prefills_of_long_contexts(name: str, case: str, num_threads: int) -> None:
-    # A verification's 9 tokens after 700: with two threads the C++ kernel splits the tiles' keys
-    # (a window of 600 is still 608 keys) and merges them, the sink joining at the merge.
+def test_few_long_contexts(name: str, seqs: str, case: str, num_threads: int) -> None:
     options = make_options(LONG_DECODE_CASES[case], 9)
+    batch_seqs, seed = FEW_LONG_CONTEXTS[seqs]
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        batch = build([(9, 700), (1, 60)], 9, 3, 64, block_size=16, seed=6)
+        batch = build(batch_seqs, 9, 3, 64, block_size=16, seed=seed)
         got = run(name, batch, options)
     finally:
         torch.set_num_threads(previous)
