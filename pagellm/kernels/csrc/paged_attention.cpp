@@ -539,6 +539,29 @@ inline void widen_row(float* dst, const T* row) {
 // A split prefill tile's partial softmax state: per row m, l, then the unnormalised output.
 constexpr int64_t prefill_partial_floats(int head_dim) { return static_cast<int64_t>(kTileRows) * (2 + head_dim); }
 
+// The sink's log2 score of a query head, or -inf when the model has none.
+inline float head_sink(const Problem& p, int head) { return p.sinks_log2 != nullptr ? p.sinks_log2[head] : kNegInf; }
+
+// One output row from `count` partial softmax states `stride` floats apart, each laid out as
+// m[rows], l[rows], acc[rows][D]: out = scale * sum_k 2^(m_k - M) acc_k / (2^(sink - M) + sum_k 2^(m_k - M) l_k).
+template <int D>
+void merge_row(const float* parts, int count, int64_t stride, int rows, int row, float sink, float scale, float* dst) {
+  float m_all = sink;
+  for (int k = 0; k < count; ++k) m_all = std::max(m_all, parts[k * stride + row]);
+  float l_all = sink == kNegInf ? 0.f : std::exp2(sink - m_all);
+  float acc[kMaxHeadDim] = {};
+  for (int k = 0; k < count; ++k) {
+    const float* part = parts + k * stride;
+    if (part[row] == kNegInf) continue;
+    const float w = std::exp2(part[row] - m_all);
+    l_all += w * part[rows + row];
+    const float* a = part + 2 * rows + static_cast<int64_t>(row) * D;
+    for (int d = 0; d < D; ++d) acc[d] += w * a[d];
+  }
+  const float inv = l_all > 0.f ? scale / l_all : 0.f;
+  for (int d = 0; d < D; ++d) dst[d] = acc[d] * inv;
+}
+
 // The keys a prefill tile sees: [first, end), from its first row's window start to its last row.
 inline std::pair<int, int> tile_keys(const Problem& p, const Item& item) {
   const int q_len = p.query_start_loc[item.seq + 1] - p.query_start_loc[item.seq];
@@ -867,7 +890,8 @@ void run(const Problem& p, int num_seqs, int num_threads) {
       }
     }
   }
-  // Merge split decode partials: out = sum_k 2^(m_k - M) acc_k / sum_k 2^(m_k - M) l_k.
+  // Split decode items cover one kv head: their partials have kMaxGroup rows and the value scale applied.
+  constexpr int64_t kDecodePart = (2 + D) * kMaxGroup;
   const int num_merges = static_cast<int>(originals.size());
   at::parallel_for(0, num_merges, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -875,28 +899,12 @@ void run(const Problem& p, int num_seqs, int num_threads) {
       const auto [first, count] = split_ranges[i];
       const int token = p.query_start_loc[it.seq];
       float* dst = p.out + static_cast<int64_t>(token) * p.num_heads * D + static_cast<int64_t>(it.head_begin) * D;
-      for (int j = 0; j < it.num_group; ++j) {
-        // The sink, left out of the split items, joins here once.
-        const float sink = p.sinks_log2 != nullptr ? p.sinks_log2[it.head_begin + j] : kNegInf;
-        float m_all = sink;
-        for (int k = 0; k < count; ++k)
-          m_all = std::max(m_all, partials[static_cast<int64_t>(first + k) * (2 + D) * kMaxGroup + j]);
-        float l_all = p.sinks_log2 != nullptr ? std::exp2(sink - m_all) : 0.f;
-        float acc[kMaxHeadDim] = {};
-        for (int k = 0; k < count; ++k) {
-          const float* part = partials.data() + static_cast<int64_t>(first + k) * (2 + D) * kMaxGroup;
-          if (part[j] == kNegInf) continue;
-          const float w = std::exp2(part[j] - m_all);
-          l_all += w * part[kMaxGroup + j];
-          const float* a = part + 2 * kMaxGroup + j * D;
-          for (int d = 0; d < D; ++d) acc[d] += w * a[d];
-        }
-        const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
-        for (int d = 0; d < D; ++d) dst[j * D + d] = acc[d] * inv;
-      }
+      for (int j = 0; j < it.num_group; ++j)
+        merge_row<D>(partials.data() + first * kDecodePart, count, kDecodePart, kMaxGroup, j,
+                     head_sink(p, it.head_begin + j), 1.f, dst + j * D);
     }
   });
-  // The same for split prefill tiles, row by row; their partials leave the value scale to here.
+  // Split prefill tiles: kTileRows rows a part, the value scale left to the merge.
   constexpr int64_t kPart = prefill_partial_floats(D);
   for (size_t i = 0; i < prefill_originals.size(); ++i) {
     const Item& it = prefill_originals[i];
@@ -905,23 +913,10 @@ void run(const Problem& p, int num_seqs, int num_threads) {
     const int token0 = p.query_start_loc[it.seq];
     for (int r = 0, used_rows = (it.end - it.begin) * g; r < used_rows; ++r) {
       const int t = r / g, j = r % g;
-      const float sink = p.sinks_log2 != nullptr ? p.sinks_log2[it.head_begin + j] : kNegInf;
-      float m_all = sink;
-      for (int k = 0; k < count; ++k) m_all = std::max(m_all, tile_partials[(first + k) * kPart + r]);
-      float l_all = p.sinks_log2 != nullptr ? std::exp2(sink - m_all) : 0.f;
-      float acc[kMaxHeadDim] = {};
-      for (int k = 0; k < count; ++k) {
-        const float* part = tile_partials.data() + (first + k) * kPart;
-        if (part[r] == kNegInf) continue;
-        const float w = std::exp2(part[r] - m_all);
-        l_all += w * part[kTileRows + r];
-        const float* a = part + 2 * kTileRows + r * D;
-        for (int d = 0; d < D; ++d) acc[d] += w * a[d];
-      }
-      const float inv = l_all > 0.f ? p.value_scale / l_all : 0.f;
       float* dst = p.out + static_cast<int64_t>(token0 + it.begin + t) * p.num_heads * D +
                    static_cast<int64_t>(it.head_begin + j) * D;
-      for (int d = 0; d < D; ++d) dst[d] = acc[d] * inv;
+      merge_row<D>(tile_partials.data() + first * kPart, count, kPart, kTileRows, r, head_sink(p, it.head_begin + j),
+                   p.value_scale, dst);
     }
   }
 }
