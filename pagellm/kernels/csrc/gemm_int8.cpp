@@ -424,18 +424,22 @@ void pack_panel(const uint8_t* const* rows, int64_t n, int64_t p, int64_t num_su
         uint8_t* lane = block + F::kScaleBytes + (j / W) * kQuadBytes + (j % W) * 4;
         const uint8_t* u = dec.u + b * QK;
         if constexpr (F::kNibbles) {
-          // k-quads 2i (low nibbles) and 2i + 1 (high) share the vector of 8i..8i + 7.
-          for (int i = 0; i < QUADS / 2; ++i)
-            for (int r = 0; r < 4; ++r)
-              lane[i * 2 * kQuadBytes + r] = static_cast<uint8_t>((u[8 * i + r] & 15) | (u[8 * i + 4 + r] & 15) << 4);
-          if constexpr (F::kHighBits > 0) {
-            for (int i = 0; i < QUADS / 2; ++i) {
+          // k-quads 2i (low nibbles) and 2i + 1 (high) share the vector of 8i..8i + 7. Four bytes
+          // at a time in one 32-bit word: no field crosses a byte (shift + 2 kHighBits <= 8).
+          constexpr uint32_t kNibble = 0x0F0F0F0Fu, kHigh = 0x01010101u * ((1u << F::kHighBits) - 1);
+          for (int i = 0; i < QUADS / 2; ++i) {
+            uint32_t lo, hi;
+            std::memcpy(&lo, u + 8 * i, 4);
+            std::memcpy(&hi, u + 8 * i + 4, 4);
+            const uint32_t nibbles = (lo & kNibble) | (hi & kNibble) << 4;
+            std::memcpy(lane + i * 2 * kQuadBytes, &nibbles, 4);
+            if constexpr (F::kHighBits > 0) {
               uint8_t* plane = block + F::kScaleBytes + F::plane_at(i) + (j % W) * 4;
               const int shift = F::plane_shift(i, static_cast<int>(j / W));
-              for (int r = 0; r < 4; ++r) {
-                const int low_quad = u[8 * i + r] >> 4, high_quad = u[8 * i + 4 + r] >> 4;
-                plane[r] |= static_cast<uint8_t>(low_quad << shift | high_quad << (shift + F::kHighBits));
-              }
+              uint32_t bits;
+              std::memcpy(&bits, plane, 4);
+              bits |= ((lo >> 4) & kHigh) << shift | ((hi >> 4) & kHigh) << (shift + F::kHighBits);
+              std::memcpy(plane, &bits, 4);
             }
           }
         } else {
