@@ -2,7 +2,8 @@
 
 For GGUF we go through ``PreTrainedTokenizerFast.from_pretrained(gguf_file=...)`` directly:
 ``AutoTokenizer`` would first rebuild the whole model config with ``gguf.GGUFReader`` (seconds on
-a 49k vocabulary) just to pick the tokenizer class, while the tokenizer it builds is the same.
+a 49k vocabulary) just to pick the tokenizer class, while the tokenizer it builds is the same; and
+importing it costs half a second of every start, so only Hugging Face directories do.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagellm.models.loader import is_gguf, resolve_model_path
 
@@ -23,6 +24,8 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
             os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
         )
     else:
+        from transformers import AutoTokenizer  # its registry of every model's classes: HF directories only
+
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return tokenizer
 

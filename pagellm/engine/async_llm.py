@@ -107,9 +107,11 @@ class AsyncLLM:
         engine: Union[LLMEngine, Callable[[], LLMEngine]],
         max_waiting_requests: Optional[int] = None,
         stat_logger: Optional[StatLogger] = None,
+        wait: bool = True,
     ) -> None:
         """``engine`` is an engine, or a factory the engine thread calls to build one (its errors
-        are raised here)."""
+        are raised here, or with ``wait=False`` by :meth:`wait_until_built`, which must come
+        before anything else is asked of it)."""
         self.stat_logger = stat_logger
         self._cond = threading.Condition()
         self._commands: list[_Command] = []
@@ -124,17 +126,28 @@ class AsyncLLM:
         built: Future[LLMEngine] = Future()
         self._thread = threading.Thread(target=self._run, args=(factory, built), name="pagellm-engine", daemon=True)
         self._thread.start()
-        self.engine = built.result()  # raises what building it raised
-        self.max_waiting_requests = (
-            max_waiting_requests
-            if max_waiting_requests is not None
-            else getattr(self.engine.config, "max_waiting_requests", None)
-        )
+        self._built = built
+        self._max_waiting_requests = max_waiting_requests
+        self.engine: Optional[LLMEngine] = None
+        self.max_waiting_requests: Optional[int] = None
+        if wait:
+            self.wait_until_built()
+
+    def wait_until_built(self) -> LLMEngine:
+        """The engine once its thread has built it; raises what building it raised."""
+        if self.engine is None:
+            self.engine = self._built.result()
+            self.max_waiting_requests = (
+                self._max_waiting_requests
+                if self._max_waiting_requests is not None
+                else getattr(self.engine.config, "max_waiting_requests", None)
+            )
+        return self.engine
 
     @classmethod
-    def from_config(cls, config: EngineConfig, stat_logger: Optional[StatLogger] = None) -> "AsyncLLM":
+    def from_config(cls, config: EngineConfig, stat_logger: Optional[StatLogger] = None, wait: bool = True) -> "AsyncLLM":
         """Builds the engine on the engine thread, which then steps it."""
-        return cls(lambda: LLMEngine(config), config.max_waiting_requests, stat_logger)
+        return cls(lambda: LLMEngine(config), config.max_waiting_requests, stat_logger, wait)
 
     # -- properties the server reads ---------------------------------------------------------------
 

@@ -120,6 +120,10 @@ class DPAsyncLLM:
         self._replica_gauges = [(0, 0, 0.0)] * self.num_replicas
         self._stat_logger = None
 
+    def wait_until_built(self) -> Any:
+        """The first replica's engine: the replicas are built by :meth:`from_config`."""
+        return self.engine
+
     @classmethod
     def from_config(cls, config: EngineConfig, data_parallel_size: int) -> "DPAsyncLLM":
         from pagellm.tokenizer import load_tokenizer

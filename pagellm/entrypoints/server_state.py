@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# Responses kept for previous_response_id and GET /v1/responses/ID (the response store).
+DEFAULT_MAX_STORED_RESPONSES = 1000
 
 
 @dataclass

@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import struct
+import warnings
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -153,19 +154,34 @@ class GGUFFile:
         return str(self.metadata["general.architecture"])
 
     def read(self, name: str) -> GGUFWeight | torch.Tensor:
-        """The tensor as stored, read into memory of its own (not a view of the map, whose pages
-        would otherwise stay resident beside the packed copy): a float tensor for F32/F16/BF16,
-        a :class:`GGUFWeight` of its blocks otherwise."""
+        """The tensor as stored, a read-only view of the map: a float tensor for F32/F16/BF16, a
+        :class:`GGUFWeight` of its blocks otherwise. Packing reads it in place; a form that keeps
+        the view keeps file pages, which :meth:`release` drops from this process between uses."""
         info = self.tensors[name]
-        data = torch.empty(info.num_bytes, dtype=torch.uint8)
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(info.offset)
-            if f.readinto(data.numpy()) != info.num_bytes:
-                raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file")
+        if info.offset + info.num_bytes > len(self._buf):
+            raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file")
+        with warnings.catch_warnings():
+            # The map is read-only on purpose: a write into a checkpoint view is a bug, and faults.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            data = torch.frombuffer(self._buf, dtype=torch.uint8, count=info.num_bytes, offset=info.offset)
         if info.ggml_type in _FLOAT_DTYPES:
             return data.view(_FLOAT_DTYPES[info.ggml_type]).reshape(info.shape)
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         return GGUFWeight(info.ggml_type, data.view(rows, -1), info.shape[-1])
+
+    def release(self, name: str | None = None) -> None:
+        """Drops the file pages of one tensor (or of the whole file) from this process's resident
+        set: a packed weight's source then costs nothing, and a kept view faults its pages back
+        from the page cache when read. The data is the file's, so nothing is lost."""
+        if name is None:
+            start, end = 0, len(self._buf)
+        else:
+            info = self.tensors[name]
+            start, end = info.offset, info.offset + info.num_bytes
+        start -= start % mmap.PAGESIZE
+        end = min(len(self._buf), end)
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._buf.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def dequantized(self, name: str) -> torch.Tensor:
         """The tensor as float32, exactly as ``gguf.quants.dequantize`` computes it."""
@@ -312,22 +328,34 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
     permute = gguf_file.architecture in _PERMUTED_QK_ARCHITECTURES
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    for gguf_name, info in gguf_file.tensors.items():
-        expert_name = _expert_name(gguf_name, arch)
-        if expert_name is not None:
-            yield from _split_experts(expert_name, info.shape, gguf_file.read(gguf_name))
-            continue
-        hf_name = _hf_name(gguf_name, arch)
-        if hf_name is None:
-            continue
-        tensor = gguf_file.read(gguf_name)
-        if arch.norm_shift and hf_name.endswith("norm.weight"):
-            tensor = tensor.float() - arch.norm_shift
-        if permute and ".attn_q." in gguf_name:
-            tensor = _unpermute_qk(tensor, num_heads)
-        elif permute and ".attn_k." in gguf_name:
-            tensor = _unpermute_qk(tensor, num_kv_heads)
-        yield hf_name, tensor
+    # A layer is packed once its last shard is in, so a block's file pages are dropped when the
+    # next block begins; they stay mapped while its fused shards wait for one another.
+    block, block_names = None, []
+    try:
+        for gguf_name, info in gguf_file.tensors.items():
+            match = _BLOCK_TENSOR.match(gguf_name)
+            if (match.group(1) if match else gguf_name) != block:
+                for name in block_names:
+                    gguf_file.release(name)
+                block, block_names = match.group(1) if match else gguf_name, []
+            block_names.append(gguf_name)
+            expert_name = _expert_name(gguf_name, arch)
+            if expert_name is not None:
+                yield from _split_experts(expert_name, info.shape, gguf_file.read(gguf_name))
+                continue
+            hf_name = _hf_name(gguf_name, arch)
+            if hf_name is None:
+                continue
+            tensor = gguf_file.read(gguf_name)
+            if arch.norm_shift and hf_name.endswith("norm.weight"):
+                tensor = tensor.float() - arch.norm_shift
+            if permute and ".attn_q." in gguf_name:
+                tensor = _unpermute_qk(tensor, num_heads)
+            elif permute and ".attn_k." in gguf_name:
+                tensor = _unpermute_qk(tensor, num_kv_heads)
+            yield hf_name, tensor
+    finally:
+        gguf_file.release()
 
 
 def iter_dequantized_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -155,9 +155,12 @@ def load_model(
     with torch.device("meta"):
         model = model_cls(hf_config, attn_backend)
     materialize(model, dtype, device)
-    weights = iter_gguf_weights(path, hf_config) if is_gguf(path) else iter_safetensors_weights(path)
+    gguf = is_gguf(path)
+    weights = iter_gguf_weights(path, hf_config) if gguf else iter_safetensors_weights(path)
     with torch.no_grad():
         model.load_weights(weights, precision, device, dtype)
+    if gguf:  # packing read the map; what a form keeps of it faults back in when used
+        GGUFFile.cached(path).release()
     logger.info("weights: %.0f MiB resident (%s linear layers)", model.weight_bytes() / 2**20, precision.describe())
     return model.eval()
 

@@ -110,3 +110,25 @@ def test_eos_token_ids_from_gguf(gguf_path: str) -> None:
     assert eos_token_ids(gguf_path, load_hf_config(gguf_path)) == {2}  # <|im_end|>
     metadata = GGUFFile(gguf_path).metadata
     assert metadata["tokenizer.ggml.eos_token_id"] == 2
+
+
+def _resident_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+def test_tensors_are_read_in_place_and_their_pages_released(gguf_path: str) -> None:
+    # Blocks are views of the map (packing reads them where they lie, no copy to fault in), and
+    # release() drops the pages from this process while a view still reads the same bytes.
+    gguf_file = GGUFFile(gguf_path)
+    name = "blk.3.ffn_down.weight"
+    first, second = gguf_file.read(name), gguf_file.read(name)
+    assert first.data.data_ptr() == second.data.data_ptr()
+    want = first.data.clone()
+    touched = int(first.data.sum(dtype=torch.int64))  # faults every page of the tensor in
+    before = _resident_file_kib()
+    gguf_file.release(name)
+    assert _resident_file_kib() <= before - first.data.numel() // 1024 // 2
+    assert int(first.data.sum(dtype=torch.int64)) == touched and torch.equal(first.data, want)
+    gguf_file.release()
+    assert torch.equal(gguf_file.read(name).data, want)

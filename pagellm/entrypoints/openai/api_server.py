@@ -45,7 +45,8 @@ from pagellm.entrypoints.openai.protocol import (
 )
 from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagellm.entrypoints.openai.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from pagellm.entrypoints.openai.response_store import ResponseStore
+from pagellm.entrypoints.openai.server_args import make_arg_parser, start_engine
 from pagellm.entrypoints.openai.serving_base import to_api_error
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -53,7 +54,7 @@ from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerState
+from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STORED_RESPONSES, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -239,73 +240,15 @@ class GracefulServer(uvicorn.Server):
         return False
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGELLM_API_KEY)"
-    )
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
-    parser.add_argument(
-        "--max-waiting-requests", type=int, default=None, help="answer 503 once this many requests wait (default: unbounded)"
-    )
-    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
-    parser.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="accept a chat_template sent with a request (it runs on the engine thread; off by default)",
-    )
-    parser.add_argument("--no-dashboard", action="store_true", help="do not serve the live KV cache view at /dashboard")
-    parser.add_argument(
-        "--dashboard-show-text",
-        action="store_true",
-        help="show prompt and block text on /dashboard (off by default: prompts are users' data)",
-    )
-    parser.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
-    )
-    parser.add_argument("--tool-call-parser", default=None, choices=["hermes"], help="how to read tool calls out of the model's text")
-    parser.add_argument(
-        "--max-stored-responses",
-        type=int,
-        default=DEFAULT_MAX_STORED_RESPONSES,
-        help=f"responses kept in memory for previous_response_id and GET /v1/responses/ID, least recently used dropped first "
-        f"(default {DEFAULT_MAX_STORED_RESPONSES}; 0 keeps none)",
-    )
-    parser.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help='LoRA adapters served by name (needs --enable-lora): name=path or \'{"name": ..., "path": ..., "base_model_name": ...}\'',
-    )
-    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
-    parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Loads the engine, serves until drained or the engine dies; returns the exit code."""
-    from pagellm.cli import engine_kwargs
-    from pagellm.config import EngineConfig
-
+def run_server(args: argparse.Namespace, async_llm: Optional[AsyncLLM] = None) -> int:
+    """Serves until drained or the engine dies; returns the exit code. ``async_llm``: an engine
+    already loading on its thread (``pagellm serve`` starts it before importing this module, so
+    the two overlap); built here from ``args`` otherwise."""
     t0 = time.perf_counter()
     api_key = args.api_key if args.api_key is not None else envs.api_key()
-    config = EngineConfig(**engine_kwargs(args), max_waiting_requests=args.max_waiting_requests)
-    dp = getattr(args, "data_parallel_size", 1) or 1
-    if dp < 1:
-        raise ValueError(f"data_parallel_size must be positive, got {dp}")
-    if args.lora_modules and not config.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
-    if dp > 1 and config.enable_lora:
-        raise ValueError("LoRA under data parallelism is not supported yet; use --data-parallel-size 1 with --enable-lora")
-    if dp > 1:
-        from pagellm.engine.data_parallel import DPAsyncLLM
-
-        async_llm = DPAsyncLLM.from_config(config, dp)
-    else:
-        async_llm = AsyncLLM.from_config(config)
+    if async_llm is None:
+        async_llm = start_engine(args)
+    async_llm.wait_until_built()
     engine = async_llm.engine
     metrics = EngineMetrics(engine.model_name)
     if getattr(engine, "memory_plan", None) is not None:
@@ -339,10 +282,11 @@ def run_server(args: argparse.Namespace) -> int:
     )
     server = GracefulServer(uv_config, app.state.server, async_llm, args.shutdown_timeout)
     logger.info(
-        "serving %s on http://%s:%d (engine loaded in %.1f s)%s",
+        "serving %s on http://%s:%d (engine loaded in %.1f s, the server %.1f s after)%s",
         engine.model_name,
         args.host,
         args.port,
+        getattr(engine, "load_time_s", 0.0),
         time.perf_counter() - t0,
         "; API key required" if api_key else "",
     )
@@ -363,15 +307,6 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    from pagellm.cli import add_engine_args
-
-    parser = parser or argparse.ArgumentParser(prog="pagellm serve", description="OpenAI-compatible HTTP server.")
-    add_engine_args(parser, positional_model=True)
-    add_server_args(parser)
-    return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:

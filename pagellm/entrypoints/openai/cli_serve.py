@@ -5,7 +5,7 @@ import argparse
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from pagellm.entrypoints.openai.api_server import make_arg_parser
+    from pagellm.entrypoints.openai.server_args import make_arg_parser
 
     parser = subparsers.add_parser(
         "serve",
@@ -18,6 +18,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from pagellm.entrypoints.openai.server_args import start_engine
+
+    async_llm = start_engine(args)  # loads on its thread while the server's modules import
     from pagellm.entrypoints.openai.api_server import exit_now, run_server
 
-    exit_now(run_server(args))
+    exit_now(run_server(args, async_llm))

@@ -7,8 +7,7 @@ from typing import Any, Optional
 
 from pagellm.entrypoints.errors import APIError
 from pagellm.entrypoints.openai.protocol_responses import ResponseObject
-
-DEFAULT_MAX_STORED_RESPONSES = 1000
+from pagellm.entrypoints.server_state import DEFAULT_MAX_STORED_RESPONSES
 
 
 @dataclass
