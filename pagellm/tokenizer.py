@@ -2,8 +2,9 @@
 
 For GGUF we go through ``PreTrainedTokenizerFast.from_pretrained(gguf_file=...)`` directly:
 ``AutoTokenizer`` would first rebuild the whole model config with ``gguf.GGUFReader`` (seconds on
-a 49k vocabulary) just to pick the tokenizer class, while the tokenizer it builds is the same; and
-importing it costs half a second of every start, so only Hugging Face directories do.
+a 49k vocabulary) just to pick the tokenizer class, while the tokenizer it builds is the same.
+Only Hugging Face directories import it (its registry of every model's classes); the GGUF
+conversion still imports that registry itself, so a GGUF start does not save the time.
 """
 from __future__ import annotations
 
