@@ -3,8 +3,9 @@
 For GGUF we go through ``PreTrainedTokenizerFast.from_pretrained(gguf_file=...)`` directly:
 ``AutoTokenizer`` would first rebuild the whole model config with ``gguf.GGUFReader`` (seconds on
 a 49k vocabulary) just to pick the tokenizer class, while the tokenizer it builds is the same.
-Only Hugging Face directories import it (its registry of every model's classes); the GGUF
-conversion still imports that registry itself, so a GGUF start does not save the time.
+Only Hugging Face directories import it here: its registry of every model's classes takes half a
+second, and for GGUF the conversion imports that registry itself, on the tokenizer's thread
+beside the weights' packing rather than on the engine's thread before loading begins.
 """
 from __future__ import annotations
 

@@ -37,7 +37,9 @@ def dump(out_path: str) -> None:
 
 
 def verdict(ours: list[int], our_tops: list[set[int]], ref_ids: list[int], ref_tops: list[list[int]]) -> str:
-    """'identical', 'close' (vLLM's rule met at the first difference) or why it fails."""
+    """'identical', 'close' (vLLM's rule met at the first difference) or why it fails: the rule of
+    tests/hf_oracle.py's check_close, restated on plain lists because this side runs in vLLM's
+    environment, which has no pagellm to import."""
     for i, (a, b) in enumerate(zip(ours, ref_ids)):
         if a != b:
             if a not in ref_tops[i]:
