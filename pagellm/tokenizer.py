@@ -1,11 +1,12 @@
 """Loading the tokenizer of a Hugging Face directory or a GGUF file, offline.
 
-For GGUF we go through ``PreTrainedTokenizerFast.from_pretrained(gguf_file=...)`` directly:
-``AutoTokenizer`` would first rebuild the whole model config with ``gguf.GGUFReader`` (seconds on
-a 49k vocabulary) just to pick the tokenizer class, while the tokenizer it builds is the same.
-Only Hugging Face directories import it here: its registry of every model's classes takes half a
-second, and for GGUF the conversion imports that registry itself, on the tokenizer's thread
-beside the weights' packing rather than on the engine's thread before loading begins.
+A GGUF file's byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3,
+Qwen2) is built here with ``tokenizers`` from pagellm's own read of the file, as transformers'
+GGUF conversion builds it (tests compare the two byte for byte). That conversion would read the
+file's metadata a second time and import transformers' registry of every model (its tokenizer
+classes), over a second of interpreter time that a server's start would spend beside the
+weights' packing. Other GGUF vocabularies go through ``PreTrainedTokenizerFast.from_pretrained(
+gguf_file=...)``; only Hugging Face directories import ``AutoTokenizer``.
 """
 from __future__ import annotations
 
@@ -13,15 +14,45 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from pagellm.models.gguf_loader import GGUFFile
 from pagellm.models.loader import is_gguf, resolve_model_path
+
+# How text is split before byte-level BPE, by the file's `tokenizer.ggml.pre`: the pre-tokenizer
+# types whose split transformers' GGUF conversion knows (its GGUF_PRE_TOKENIZER_SPLITS, checked by
+# the tests), and those it splits with GPT-2's own regular expression. Any other type is built by
+# transformers.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+BYTE_LEVEL_SPLITS: dict[str, str] = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+GPT2_SPLIT_TYPES = frozenset({"default", "gpt-2", "smollm"})
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+# GPT2Tokenizer's default unknown/BOS/EOS token, which transformers' conversion adds as special.
+_GPT2_DEFAULT_SPECIAL = "<|endoftext|>"
 
 
 def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     """The model's tokenizer with its special tokens and chat template; never touches the network."""
     path = resolve_model_path(model_path)
     if is_gguf(path):
+        tokenizer = byte_level_gguf_tokenizer(path)
+        if tokenizer is not None:
+            return tokenizer
         tokenizer = PreTrainedTokenizerFast.from_pretrained(
             os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
         )
@@ -30,6 +61,90 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
 
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return tokenizer
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's spelling of bytes as printable characters, in which byte-level vocabularies are written."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    spelling = {byte: chr(byte) for byte in printable}
+    others = [byte for byte in range(256) if byte not in spelling]
+    spelling.update({byte: chr(256 + i) for i, byte in enumerate(others)})
+    return spelling
+
+
+def byte_level_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast | None:
+    """The byte-level BPE tokenizer a GGUF file describes, as transformers' GGUF conversion builds
+    it; None where the file's vocabulary is of another kind, or splits text in a way not known here."""
+    gguf_file = GGUFFile(path, string_arrays=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    metadata = gguf_file.metadata
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    tokens: list[str] | None = metadata.get("tokenizer.ggml.tokens")
+    merges: list[str] | None = metadata.get("tokenizer.ggml.merges")
+    if metadata.get("tokenizer.ggml.model") != "gpt2" or not tokens or merges is None:
+        return None
+    if pre not in BYTE_LEVEL_SPLITS and pre not in GPT2_SPLIT_TYPES:
+        return None
+    spelling = _byte_to_char()
+    alphabet = set(spelling.values())
+    # Tokens outside the byte alphabet (a special token's plain text) are looked up by their bytes' spelling.
+    vocab = {
+        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+        for index, token in enumerate(tokens)
+    }
+    if _GPT2_DEFAULT_SPECIAL not in vocab:
+        return None  # transformers would add it as a new token; it builds that tokenizer itself
+    backend = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=[tuple(merge.split(" ")) for merge in merges],
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in BYTE_LEVEL_SPLITS)
+    if pre in BYTE_LEVEL_SPLITS:
+        split = pre_tokenizers.Split(Regex(BYTE_LEVEL_SPLITS[pre]), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens stay whole and special; a control token spelled outside the byte alphabet is a
+    # llama.cpp mislabel that transformers skips (adding it would grow the vocabulary), and so do we.
+    token_types = metadata.get("tokenizer.ggml.token_type") or ()
+    backend.add_special_tokens(
+        [
+            AddedToken(token, normalized=False, special=True)
+            for token, kind in zip(tokens, token_types)
+            if kind == _CONTROL and set(token) <= alphabet
+        ]
+    )
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types)
+        if kind == _USER_DEFINED and token in vocab
+    ]
+    if user_defined:
+        backend.add_tokens(user_defined)
+
+    def token_at(key: str) -> str | None:
+        index = metadata.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None else None
+
+    kwargs: dict[str, Any] = {
+        "name_or_path": path,
+        "bos_token": token_at("bos_token_id"),
+        "eos_token": token_at("eos_token_id"),
+        "unk_token": token_at("unknown_token_id"),
+        "pad_token": token_at("padding_token_id"),
+    }
+    if "tokenizer.chat_template" in metadata:
+        kwargs["chat_template"] = metadata["tokenizer.chat_template"]
+    for flag in ("add_bos_token", "add_eos_token"):
+        if f"tokenizer.ggml.{flag}" in metadata:
+            kwargs[flag] = bool(metadata[f"tokenizer.ggml.{flag}"])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
 
 
 def render_chat(

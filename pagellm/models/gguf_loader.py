@@ -35,6 +35,7 @@ _FLOAT_DTYPES = {
 }
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
+_U64 = struct.Struct("<Q")
 _SCALAR_FORMATS: dict[int, str] = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -139,14 +140,16 @@ class GGUFFile:
             return pos + count * struct.calcsize(fmt)
         if item_type != GGUFValueType.STRING:
             raise ValueError(f"{self.path}: metadata {key!r} is an array of unsupported type {item_type}.")
-        strings = []
+        # A vocabulary is ~50-150k strings: the loop is kept to a length read and a slice each.
+        buf, read_length = self._buf, _U64.unpack_from
+        starts = []
         for _ in range(count):
-            (length,) = struct.unpack_from("<Q", self._buf, pos)
-            if keep_strings:
-                strings.append(self._buf[pos + 8 : pos + 8 + length].decode("utf-8", errors="replace"))
+            (length,) = read_length(buf, pos)
+            starts.append(pos + 8)
             pos += 8 + length
         if keep_strings:
-            self.metadata[key] = strings
+            ends = [start - 8 for start in starts[1:]] + [pos]
+            self.metadata[key] = [buf[start:end].decode("utf-8", errors="replace") for start, end in zip(starts, ends)]
         return pos
 
     @property

@@ -95,3 +95,71 @@ def test_hf_directory_tokenizer_round_trips(ours: PreTrainedTokenizerBase, tmp_p
 def test_directory_holding_only_the_gguf_resolves_to_it(tmp_path: Path) -> None:
     os.symlink(default_model_path(), tmp_path / "model.gguf")
     assert load_tokenizer(str(tmp_path)).encode("hi there") == load_tokenizer(default_model_path()).encode("hi there")
+
+
+def test_byte_level_splits_are_transformers_own() -> None:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from pagellm.tokenizer import BYTE_LEVEL_SPLITS, GPT2_SPLIT_TYPES
+
+    assert {name: GGUF_PRE_TOKENIZER_SPLITS[name] for name in BYTE_LEVEL_SPLITS} == BYTE_LEVEL_SPLITS
+    assert not GPT2_SPLIT_TYPES & set(GGUF_PRE_TOKENIZER_SPLITS)  # transformers splits these as GPT-2 does
+
+
+def _write_vocabulary_gguf(path: Path, pre: str, user_defined: tuple[int, ...] = (), drop_endoftext: bool = False) -> Path:
+    """A GGUF holding only the default model's vocabulary, with another pre-tokenizer type."""
+    import gguf
+
+    source = GGUFFile(default_model_path(), string_arrays=("tokenizer.ggml.tokens", "tokenizer.ggml.merges")).metadata
+    tokens = list(source["tokenizer.ggml.tokens"])
+    token_types = list(source["tokenizer.ggml.token_type"])
+    for index in user_defined:
+        token_types[index] = 4
+    if drop_endoftext:
+        tokens[0] = "<|end_of_text|>"  # Llama 3's spelling: GPT-2's default special token is absent
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(source["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(source["tokenizer.chat_template"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "pre, user_defined, drop_endoftext, built_here",
+    [
+        ("llama-bpe", (), False, True),
+        ("qwen2", (4, 7), False, True),
+        ("smollm", (5,), False, True),
+        ("llama-bpe", (), True, False),  # transformers would add <|endoftext|> as a new token
+        ("tekken", (), False, False),  # a split not known here
+    ],
+)
+def test_byte_level_gguf_tokenizer_is_transformers_conversion(
+    tmp_path: Path, pre: str, user_defined: tuple[int, ...], drop_endoftext: bool, built_here: bool
+) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from pagellm.tokenizer import byte_level_gguf_tokenizer
+
+    path = _write_vocabulary_gguf(tmp_path / "vocab.gguf", pre, user_defined, drop_endoftext)
+    assert (byte_level_gguf_tokenizer(str(path)) is not None) == built_here
+    ours = load_tokenizer(str(path))
+    theirs = PreTrainedTokenizerFast.from_pretrained(str(tmp_path), gguf_file="vocab.gguf", local_files_only=True)
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        assert getattr(ours, name) == getattr(theirs, name)
+    assert ours.chat_template == theirs.chat_template
+    for text in [*TEXTS, "digits 1234567890 split by the pre-tokenizer's rule"]:
+        assert ours.encode(text) == theirs.encode(text)
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+    assert apply_chat_template(ours, MESSAGES) == apply_chat_template(theirs, MESSAGES)
