@@ -3,7 +3,8 @@
 # 50 ms (scale_bench.sh polls once a second), for pagellm and llama.cpp's server in turns.
 #   scripts/ready_time.sh MODEL [ROUNDS]      e.g. scripts/ready_time.sh /tmp/models/rand-smollm2-1.7b-Q4_K_M.gguf 3
 # OLD_TREE=DIR also times another source tree of pagellm (run with this checkout's .venv) in each
-# round. llama.cpp needs ../shared/peers (PEERS_DIR) and its build-llama-cpp.sh.
+# round. llama.cpp needs ../shared/peers (PEERS_DIR) and its build-llama-cpp.sh; it serves one slot
+# of 2,048 tokens unless PARALLEL and CTX_PER_SLOT say otherwise (16 and 1024: scale_bench.sh's load).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:?usage: ready_time.sh MODEL [ROUNDS]}
@@ -30,7 +31,7 @@ serve_tree() {  # tree: `python -m` puts the working directory first on sys.path
   cd "$1" && PYTHONPATH="$1" exec "$py" -m pagellm.cli serve "$model" --host 127.0.0.1 --port $port --max-model-len 2048
 }
 for _ in $(seq 1 "$rounds"); do
-  time_one llamacpp env MODEL="$model" PARALLEL=1 CTX_PER_SLOT=2048 "$peers/llama-server-serve.sh" $port
+  time_one llamacpp env MODEL="$model" PARALLEL="${PARALLEL:-1}" CTX_PER_SLOT="${CTX_PER_SLOT:-2048}" "$peers/llama-server-serve.sh" $port
   [ -z "${OLD_TREE:-}" ] || time_one pagellm-old serve_tree "$(cd "$OLD_TREE" && pwd)"
   time_one pagellm serve_tree "$PWD"
 done
