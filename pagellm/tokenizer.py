@@ -112,9 +112,11 @@ def byte_level_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast | None:
     backend.decoder = decoders.ByteLevel()
     # Control tokens stay whole and special; a control token spelled outside the byte alphabet is a
     # llama.cpp mislabel that transformers skips (adding it would grow the vocabulary), and so do we.
+    # GPT2Tokenizer's default special token is special whatever the file calls it.
     token_types = metadata.get("tokenizer.ggml.token_type") or ()
     backend.add_special_tokens(
-        [
+        [AddedToken(_GPT2_DEFAULT_SPECIAL, normalized=False, special=True)]
+        + [
             AddedToken(token, normalized=False, special=True)
             for token, kind in zip(tokens, token_types)
             if kind == _CONTROL and set(token) <= alphabet

@@ -106,8 +106,11 @@ def test_byte_level_splits_are_transformers_own() -> None:
     assert not GPT2_SPLIT_TYPES & set(GGUF_PRE_TOKENIZER_SPLITS)  # transformers splits these as GPT-2 does
 
 
-def _write_vocabulary_gguf(path: Path, pre: str, user_defined: tuple[int, ...] = (), drop_endoftext: bool = False) -> Path:
-    """A GGUF holding only the default model's vocabulary, with another pre-tokenizer type."""
+def _write_vocabulary_gguf(
+    path: Path, pre: str, user_defined: tuple[int, ...] = (), drop_endoftext: bool = False, plain: tuple[int, ...] = ()
+) -> Path:
+    """A GGUF holding only the default model's vocabulary, with another pre-tokenizer type and the
+    tokens at ``user_defined`` and ``plain`` typed as user-defined and normal."""
     import gguf
 
     source = GGUFFile(default_model_path(), string_arrays=("tokenizer.ggml.tokens", "tokenizer.ggml.merges")).metadata
@@ -115,6 +118,8 @@ def _write_vocabulary_gguf(path: Path, pre: str, user_defined: tuple[int, ...] =
     token_types = list(source["tokenizer.ggml.token_type"])
     for index in user_defined:
         token_types[index] = 4
+    for index in plain:
+        token_types[index] = 1
     if drop_endoftext:
         tokens[0] = "<|end_of_text|>"  # Llama 3's spelling: GPT-2's default special token is absent
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -135,23 +140,23 @@ def _write_vocabulary_gguf(path: Path, pre: str, user_defined: tuple[int, ...] =
 
 
 @pytest.mark.parametrize(
-    "pre, user_defined, drop_endoftext, built_here",
+    "pre, user_defined, drop_endoftext, plain, built_here",
     [
-        ("llama-bpe", (), False, True),
-        ("qwen2", (4, 7), False, True),
-        ("smollm", (5,), False, True),
-        ("llama-bpe", (), True, False),  # transformers would add <|endoftext|> as a new token
-        ("tekken", (), False, False),  # a split not known here
+        ("llama-bpe", (), False, (), True),
+        ("qwen2", (4, 7), False, (), True),
+        ("smollm", (5,), False, (0, 3), True),  # <|endoftext|> typed normal: special all the same
+        ("llama-bpe", (), True, (), False),  # transformers would add <|endoftext|> as a new token
+        ("tekken", (), False, (), False),  # a split not known here
     ],
 )
 def test_byte_level_gguf_tokenizer_is_transformers_conversion(
-    tmp_path: Path, pre: str, user_defined: tuple[int, ...], drop_endoftext: bool, built_here: bool
+    tmp_path: Path, pre: str, user_defined: tuple[int, ...], drop_endoftext: bool, plain: tuple[int, ...], built_here: bool
 ) -> None:
     from transformers import PreTrainedTokenizerFast
 
     from pagellm.tokenizer import byte_level_gguf_tokenizer
 
-    path = _write_vocabulary_gguf(tmp_path / "vocab.gguf", pre, user_defined, drop_endoftext)
+    path = _write_vocabulary_gguf(tmp_path / "vocab.gguf", pre, user_defined, drop_endoftext, plain)
     assert (byte_level_gguf_tokenizer(str(path)) is not None) == built_here
     ours = load_tokenizer(str(path))
     theirs = PreTrainedTokenizerFast.from_pretrained(str(tmp_path), gguf_file="vocab.gguf", local_files_only=True)
