@@ -3,9 +3,10 @@
 The fuzzing runs against a live server: schemathesis generates schema-valid and schema-violating
 requests for every operation of its ``/openapi.json``; hypothesis then mutates valid bodies field
 by field with arbitrary JSON, and sends raw byte strings. Every answer must be a non-5xx status,
-every error must be in OpenAI's shape, every stream must end with ``[DONE]``, and the server must
-stay healthy with its block pool whole. Examples are bounded in number (and each request by a
-short context), so the whole module takes about a minute.
+every error must be in OpenAI's shape, every stream must end with ``[DONE]`` (a Responses API
+stream with its completed or incomplete event), and the server must stay healthy with its block
+pool whole. Examples are bounded in number (and each request by a short context), so the whole
+module takes about a minute.
 """
 from __future__ import annotations
 
@@ -55,10 +56,16 @@ def check_answer(status: int, headers: Any, content: bytes, server_url: str) -> 
         assert isinstance(err["message"], str) and err["message"]
     elif "text/event-stream" in content_type:
         events = [line[len("data: ") :] for line in content.decode().splitlines() if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", content[-300:]
-        for event in events[:-1]:
-            parsed = json.loads(event)
-            assert "error" not in parsed, parsed  # a valid request does not fail mid-stream
+        assert events, content[-300:]
+        if events[-1] == "[DONE]":
+            for event in events[:-1]:
+                parsed = json.loads(event)
+                assert "error" not in parsed, parsed  # a valid request does not fail mid-stream
+        else:
+            # The Responses API ends on its own terminal event, as OpenAI's does: no [DONE].
+            types = [json.loads(event)["type"] for event in events]
+            assert types[-1] in ("response.completed", "response.incomplete"), content[-300:]
+            assert "error" not in types and "response.failed" not in types, types
     elif "application/json" in content_type:
         json.loads(content)
     assert httpx.get(f"{server_url}/health", timeout=30).status_code == 200
