@@ -17,6 +17,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagellm.models.gguf_loader import GGUFFile
 from pagellm.models.loader import is_gguf, resolve_model_path
@@ -63,28 +64,23 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's spelling of bytes as printable characters, in which byte-level vocabularies are written."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    spelling = {byte: chr(byte) for byte in printable}
-    others = [byte for byte in range(256) if byte not in spelling]
-    spelling.update({byte: chr(256 + i) for i, byte in enumerate(others)})
-    return spelling
-
-
 def byte_level_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast | None:
     """The byte-level BPE tokenizer a GGUF file describes, as transformers' GGUF conversion builds
     it; None where the file's vocabulary is of another kind, or splits text in a way not known here."""
-    gguf_file = GGUFFile(path, string_arrays=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
-    metadata = gguf_file.metadata
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    tokens: list[str] | None = metadata.get("tokenizer.ggml.tokens")
-    merges: list[str] | None = metadata.get("tokenizer.ggml.merges")
-    if metadata.get("tokenizer.ggml.model") != "gpt2" or not tokens or merges is None:
+    # The kind is known from the table parsed once at start-up; only then are the strings read.
+    described = GGUFFile.cached(path)
+    pre = described.metadata.get("tokenizer.ggml.pre", "default")
+    lengths = described.array_lengths
+    if described.metadata.get("tokenizer.ggml.model") != "gpt2" or not lengths.get("tokenizer.ggml.tokens"):
+        return None
+    if "tokenizer.ggml.merges" not in lengths:
         return None
     if pre not in BYTE_LEVEL_SPLITS and pre not in GPT2_SPLIT_TYPES:
         return None
-    spelling = _byte_to_char()
+    metadata = GGUFFile(path, string_arrays=("tokenizer.ggml.tokens", "tokenizer.ggml.merges")).metadata
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    merges: list[str] = metadata["tokenizer.ggml.merges"]
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     # Tokens outside the byte alphabet (a special token's plain text) are looked up by their bytes' spelling.
     vocab = {

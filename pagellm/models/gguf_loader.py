@@ -142,14 +142,14 @@ class GGUFFile:
             raise ValueError(f"{self.path}: metadata {key!r} is an array of unsupported type {item_type}.")
         # A vocabulary is ~50-150k strings: the loop is kept to a length read and a slice each.
         buf, read_length = self._buf, _U64.unpack_from
-        starts = []
+        spans = []
         for _ in range(count):
             (length,) = read_length(buf, pos)
-            starts.append(pos + 8)
+            if keep_strings:
+                spans.append((pos + 8, pos + 8 + length))
             pos += 8 + length
         if keep_strings:
-            ends = [start - 8 for start in starts[1:]] + [pos]
-            self.metadata[key] = [buf[start:end].decode("utf-8", errors="replace") for start, end in zip(starts, ends)]
+            self.metadata[key] = [buf[start:end].decode("utf-8", errors="replace") for start, end in spans]
         return pos
 
     @property
