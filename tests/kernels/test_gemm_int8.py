@@ -38,21 +38,26 @@ def reference(raw: np.ndarray, qtype: T) -> torch.Tensor:
     return torch.from_numpy(dequantize(raw, qtype)).double()
 
 
-def exact_x(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """x whose every 32-block is 2^e q with integer q in [-127, 127] and max |q| = 127: the kernel's
-    quantization of it is lossless, so it computes x @ W.T up to float32 rounding."""
+def act_span(qtype: T) -> int:
+    """Inputs of a row sharing one activation scale: 256 for the K-quants (llama.cpp's Q8_K), 32 otherwise."""
+    return 256 if qtype in K_QUANTS else 32
+
+
+def exact_x(rows: int, cols: int, seed: int, span: int = 32) -> torch.Tensor:
+    """x whose every span of inputs is 2^e q with integer q in [-127, 127] and max |q| = 127: the
+    kernel's quantization of it is lossless, so it computes x @ W.T up to float32 rounding."""
     rng = np.random.default_rng(seed)
-    q = rng.integers(-127, 128, size=(rows, cols // 32, 32))
-    top = rng.integers(0, 32, size=(rows, cols // 32))
-    np.put_along_axis(q, top[..., None], np.where(rng.random((rows, cols // 32, 1)) < 0.5, 127, -127), axis=-1)
-    scale = 2.0 ** rng.integers(-9, -2, size=(rows, cols // 32, 1))
+    q = rng.integers(-127, 128, size=(rows, cols // span, span))
+    top = rng.integers(0, span, size=(rows, cols // span))
+    np.put_along_axis(q, top[..., None], np.where(rng.random((rows, cols // span, 1)) < 0.5, 127, -127), axis=-1)
+    scale = 2.0 ** rng.integers(-9, -2, size=(rows, cols // span, 1))
     return torch.from_numpy((q * scale).reshape(rows, cols)).float()
 
 
-def quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it, in float64: per 32 inputs, round(x / d) * d with d = amax / 127
+def quantized_x(x: torch.Tensor, span: int = 32) -> torch.Tensor:
+    """x as the kernel sees it, in float64: per span of inputs, round(x / d) * d with d = amax / 127
     (through the inverse 1 / d, in float32, as the kernel and llama.cpp compute it)."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+    blocks = x.reshape(x.shape[0], -1, span)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
     return (torch.round(blocks * inverse).double() * d.double()).reshape(x.shape)
@@ -86,7 +91,7 @@ def test_linear_int8_is_the_product_with_the_dequantized_blocks(qtype: T) -> Non
         for rows in ROWS:
             for b in (None, bias):
                 # Exact activations: every packed weight is gguf's float32 value.
-                x = exact_x(rows, in_features, seed + rows)
+                x = exact_x(rows, in_features, seed + rows, act_span(qtype))
                 wide = torch.full((rows, out_features + 9), float("nan"))
                 out = wide[:, 4 : 4 + out_features]  # a column slice of a wider output
                 ops.linear_int8(out, x, packed, int(qtype), b)
@@ -96,7 +101,7 @@ def test_linear_int8_is_the_product_with_the_dequantized_blocks(qtype: T) -> Non
                 x = torch.randn(rows, in_features, generator=gen)
                 out = torch.empty(rows, out_features)
                 ops.linear_int8(out, x, packed, int(qtype), b)
-                assert_float32_close(out, quantized_x(x), weight, b)
+                assert_float32_close(out, quantized_x(x, act_span(qtype)), weight, b)
                 full = x.double() @ weight.T + (0 if b is None else b.double())
                 errors.append((out.double() - full).norm() ** 2)
                 norms.append(full.norm() ** 2)
@@ -112,8 +117,8 @@ def test_rows_may_be_strided(qtype: T) -> None:
     wider[:, 8 : 8 + raw.shape[1]] = torch.from_numpy(raw)
     packed = ops.pack_weight_int8(wider[:, 8 : 8 + raw.shape[1]], int(qtype), in_features)
     assert torch.equal(packed, ops.pack_weight_int8(torch.from_numpy(raw), int(qtype), in_features))
-    x_wide = exact_x(5, in_features + 64, 3)
-    x = x_wide[:, 32 : 32 + in_features]  # rows 576 floats apart
+    x_wide = exact_x(5, in_features + 512, 3, act_span(qtype))
+    x = x_wide[:, 256 : 256 + in_features]  # rows 1024 floats apart
     out = torch.empty(5, out_features)
     ops.linear_int8(out, x, packed, int(qtype), None)
     assert_float32_close(out, x.double(), reference(raw, qtype), None)
@@ -160,12 +165,12 @@ def test_gate_up_mode_fuses_the_activation(qtype: T, activation: str) -> None:
     bias = torch.randn(2 * half, generator=gen)
     for rows in ROWS:
         for b in (None, bias):
-            for x in (exact_x(rows, in_features, rows), torch.randn(rows, in_features, generator=gen)):
+            for x in (exact_x(rows, in_features, rows, act_span(qtype)), torch.randn(rows, in_features, generator=gen)):
                 wide = torch.full((rows, half + 3), float("nan"))
                 out = wide[:, 1 : 1 + half]
                 ops.linear_int8(out, x, packed, int(qtype), b, activation)
                 assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, 1 + half :]).all()
-                product = quantized_x(x) @ weight.T + (0 if b is None else b.double())
+                product = quantized_x(x, act_span(qtype)) @ weight.T + (0 if b is None else b.double())
                 expected = ops.gated_and_mul_torch(product, activation)
                 torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
                 full = x.double() @ weight.T + (0 if b is None else b.double())

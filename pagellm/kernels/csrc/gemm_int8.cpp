@@ -103,6 +103,9 @@ inline ivec add16(ivec a, ivec b) { return _mm512_add_epi16(a, b); }
 inline ivec add_pairs32(ivec acc, ivec s16) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, _mm512_set1_epi16(1)));
 }
+inline ivec scaled_pairs32(ivec acc, ivec s16, ivec scale16) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, scale16));
+}
 inline ivec abs_bytes(ivec q) { return _mm512_abs_epi8(q); }
 inline ivec sign_of(ivec a, ivec q) {
   return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(q), _mm512_setzero_si512(), a);
@@ -134,6 +137,9 @@ inline ivec pairs16(ivec u8, ivec s8) { return _mm256_maddubs_epi16(u8, s8); }
 inline ivec add16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
 inline ivec add_pairs32(ivec acc, ivec s16) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+}
+inline ivec scaled_pairs32(ivec acc, ivec s16, ivec scale16) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, scale16));
 }
 inline ivec abs_bytes(ivec q) { return _mm256_sign_epi8(q, q); }
 inline ivec sign_of(ivec a, ivec q) { return _mm256_sign_epi8(a, q); }
@@ -205,6 +211,13 @@ struct Form {
   static constexpr int kBlocks = S == Scales::kHalf ? 1 : 8;      // 32-blocks per superblock
   static constexpr int kGroup = S == Scales::kSuper16 ? 16 : 32;  // inputs per scale
   static constexpr int kGroups = QK / kGroup;
+  // Without VNNI a K-quant's products meet its integer group scales in vpmaddwd (which widens them
+  // to int32 anyway): a superblock sums in int32 under one activation scale, as llama.cpp's Q8_K,
+  // and its float epilogue runs once per 256 inputs instead of per group. VNNI keeps the per-group form.
+  static constexpr bool kFused = S != Scales::kHalf && !PAGELLM_VNNI;
+  // 32-blocks of a row sharing one activation scale: a superblock for every K-quant, so that each
+  // machine quantizes x alike.
+  static constexpr int kActSpan = S == Scales::kHalf ? 1 : 8;
   static_assert((kGroup / 8) % kStepsPerPlane == 0, "a plane vector does not straddle two groups");
   static constexpr int64_t kHeaderBytes = NR * 2 * (HasMin ? 2 : 1);
   static constexpr int64_t kScaleBytes = S == Scales::kHalf      ? 0
@@ -504,12 +517,13 @@ void unpack_row(const uint8_t* panel, int64_t j, int64_t num_super, float* out) 
 // ---- Activations ------------------------------------------------------------------------------
 
 // Per row and 32-block of x: da, and for the block, its first and its last 16 inputs (the groups
-// of super16 types) the int32 sum's start -bias sum(qa) and da sum(qa) (the offsets' factor).
+// of super16 types) the int32 sum's start -bias sum(qa), da sum(qa) (the offsets' factor) and da
+// times that start (the bias term of a superblock summed from zero).
 struct ActBlock {
   float da;
   int32_t init[3];
   float da_sum[3];
-  float unused;
+  float da_init[3];
 };
 
 // x quantized per 32 inputs, by row block of up to MR_MAX rows: qa [row blocks][K / 4][MR_MAX][4]
@@ -520,29 +534,31 @@ struct Activations {
   int64_t k, num_blocks;
 };
 
-// Rows [r0, r1) of x into the layout above, for weights stored with `bias`.
+// Rows [r0, r1) of x into the layout above, for weights stored with `bias`; `span` 32-blocks share
+// one scale (8 for the K-quants whose kernel sums a superblock in int32: llama.cpp's Q8_K).
 void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, const RowBlocks& blocks,
-                   int32_t bias, int8_t* qa, ActBlock* act) {
+                   int32_t bias, int span, int8_t* qa, ActBlock* act) {
   const int64_t num_blocks = k / QK;
   constexpr int kVectors = QK / W;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t rb = blocks.block_of(r), lane = r - blocks.start(rb);
     const float* row = x + r * ldx;
+    float d = 0.f, id = 0.f;
     for (int64_t b = 0; b < num_blocks; ++b) {
-      vfloat v[kVectors];
-      vfloat amax{};
-      for (int i = 0; i < kVectors; ++i) {
-        v[i] = vload(row + b * QK + i * W);
-        const vfloat a = v[i] < vfloat{} ? -v[i] : v[i];
-        amax = vmax(amax, a);
+      if (b % span == 0) {
+        vfloat amax{};
+        for (int i = 0; i < span * kVectors; ++i) {
+          const vfloat v = vload(row + b * QK + i * W);
+          amax = vmax(amax, v < vfloat{} ? -v : v);
+        }
+        // As llama.cpp's quantize_row_q8_1: the scale, then its inverse, so that |qa| <= 127.
+        d = hmax(amax) / 127.f;
+        id = d != 0.f ? 1.f / d : 0.f;
       }
-      // As llama.cpp's quantize_row_q8_1: the scale, then its inverse, so that |qa| <= 127.
-      const float d = hmax(amax) / 127.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
       int8_t q[QK];
       vint sum[2] = {};
       for (int i = 0; i < kVectors; ++i) {
-        const vint t = round_to_int(v[i] * id);
+        const vint t = round_to_int(vload(row + b * QK + i * W) * id);
         sum[i >= kVectors / 2] += t;
         const vbyte bytes = __builtin_convertvector(t, vbyte);
         std::memcpy(q + i * W, &bytes, sizeof(bytes));
@@ -558,8 +574,8 @@ void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t 
       for (int i = 0; i < 3; ++i) {
         a.init[i] = -bias * sums[i];
         a.da_sum[i] = d * static_cast<float>(sums[i]);
+        a.da_init[i] = d * static_cast<float>(a.init[i]);
       }
-      a.unused = 0.f;
     }
   }
 }
@@ -590,6 +606,83 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
   // The next panel's superblock, spread over this one's blocks: a fixed count per block, unrolled
   // (a loop to the superblock's exact end cost as many instructions as the block's arithmetic).
   constexpr int kLinesPerBlock = static_cast<int>((F::kSuperBytes / 64 + F::kBlocks - 1) / F::kBlocks);
+#if !PAGELLM_VNNI
+  if constexpr (F::kFused) {
+    for (int64_t sb = 0; sb < num_super; ++sb) {
+      const uint8_t* super = panel + sb * F::kSuperBytes;
+      const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
+      const uint8_t* block = super + F::kHeaderBytes;
+      const ActBlock* ab_super = ab;
+      // |sum| per lane: 32 steps x (2 x 2 x 63 x 127) x 128 < 2^29.
+      ivec s0[R], s1[R];
+      for (int r = 0; r < R; ++r) s0[r] = s1[r] = splat_i32(0);
+      for (int j = 0; j < F::kBlocks; ++j, block += F::kBlockBytes, qa += QK * MR_MAX, ab += MR_MAX) {
+        if (ahead != nullptr) {
+          const uint8_t* next = ahead + sb * F::kSuperBytes + j * kLinesPerBlock * 64;
+#pragma GCC unroll 32
+          for (int line = 0; line < kLinesPerBlock; ++line) __builtin_prefetch(next + line * 64, 0, 2);
+        }
+        const uint8_t* qs = block + F::kScaleBytes;
+#pragma GCC unroll 2
+        for (int g = 0; g < F::kGroups; ++g) {
+          // A column's group scale in both int16 halves of its lanes: vpmaddwd scales the pair sums.
+          vint w0, w1;
+          if constexpr (F::kScales == Scales::kSuper32) {
+            w0 = widen(block), w1 = widen(block + W);
+          } else {
+            const int8_t* sc = reinterpret_cast<const int8_t*>(block) + g * NR;
+            w0 = widen(sc), w1 = widen(sc + W);
+          }
+          const ivec sc0 = (ivec)((w0 & 0xFFFF) | w0 * 0x10000), sc1 = (ivec)((w1 & 0xFFFF) | w1 * 0x10000);
+#pragma GCC unroll 4
+          for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
+            const NibbleStep u = unpack_step<F>(qs, i);
+            for (int r = 0; r < R; ++r) {
+              const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
+              const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
+              s0[r] = scaled_pairs32(s0[r], add16(pairs16(u.lo0, a_lo), pairs16(u.hi0, a_hi)), sc0);
+              s1[r] = scaled_pairs32(s1[r], add16(pairs16(u.lo1, a_lo), pairs16(u.hi1, a_hi)), sc1);
+            }
+          }
+        }
+      }
+      // Once per superblock: d da times the scaled sums; then per group the terms of its offset,
+      // M sum(x) with M = m mn (mins) or -bias D sum(qa) da (quants stored with a bias).
+      const vfloat d0 = load_half(header), d1 = load_half(header + W);
+      for (int r = 0; r < R; ++r) {
+        const vfloat da = vsplat(ab_super[r].da);
+        acc0[r] += to_float((vint)s0[r]) * (d0 * da);
+        acc1[r] += to_float((vint)s1[r]) * (d1 * da);
+      }
+      vfloat m0{}, m1{};
+      if constexpr (F::kHasMin) m0 = load_half(header + NR), m1 = load_half(header + NR + W);
+      const uint8_t* scales = super + F::kHeaderBytes;
+      for (int j = 0; j < F::kBlocks; ++j, scales += F::kBlockBytes) {
+#pragma GCC unroll 2
+        for (int g = 0; g < F::kGroups; ++g) {
+          const int sum_index = F::kGroups == 1 ? 0 : 1 + g;
+          if constexpr (F::kHasMin) {
+            const uint8_t* mn = scales + (F::kGroups + g) * NR;
+            const vfloat mn0 = m0 * to_float(widen(mn)), mn1 = m1 * to_float(widen(mn + W));
+            for (int r = 0; r < R; ++r) {
+              const vfloat da_sum = vsplat(ab_super[j * MR_MAX + r].da_sum[sum_index]);
+              acc0[r] += mn0 * da_sum;
+              acc1[r] += mn1 * da_sum;
+            }
+          } else {
+            const int8_t* sc = reinterpret_cast<const int8_t*>(scales) + g * NR;
+            const vfloat dsc0 = d0 * to_float(widen(sc)), dsc1 = d1 * to_float(widen(sc + W));
+            for (int r = 0; r < R; ++r) {
+              const vfloat da_init = vsplat(ab_super[j * MR_MAX + r].da_init[sum_index]);
+              acc0[r] += dsc0 * da_init;
+              acc1[r] += dsc1 * da_init;
+            }
+          }
+        }
+      }
+    }
+  } else
+#endif
   for (int64_t sb = 0; sb < num_super; ++sb) {
     const uint8_t* super = panel + sb * F::kSuperBytes;
     const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
@@ -698,7 +791,7 @@ constexpr TileTable kTilesOf = {make_tiles<F, kStore>(std::make_index_sequence<M
 
 // What the ops need of a type at run time.
 struct TypeInfo {
-  int type, block, type_size, bias;
+  int type, block, type_size, bias, act_span;
   int64_t super_bytes;  // per panel and file block (superblock)
   const TileTable* tiles;
   void (*pack)(const uint8_t* const*, int64_t, int64_t, int64_t, uint8_t*);
@@ -706,8 +799,9 @@ struct TypeInfo {
 };
 template <typename T>
 constexpr TypeInfo info_of() {
+  static_assert(!T::F::kFused || T::kBias == 0 || !T::F::kHasMin, "a fused superblock has a bias or mins, not both");
   return {T::kType,          T::kBlock,
-          T::kTypeSize,      activation_bias<typename T::F>(T::kBias),
+          T::kTypeSize,      activation_bias<typename T::F>(T::kBias), T::F::kActSpan,
           T::F::kSuperBytes, &kTilesOf<typename T::F>,
           &pack_panel<T>,    &unpack_row<T>};
 }
@@ -1042,7 +1136,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   int8_t* qa_ptr = qa.data();
   ActBlock* act_ptr = act_blocks.data();
   auto quantize = [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp, ldx, r0, r1, k, row_blocks, t.bias, qa_ptr, act_ptr);
+    quantize_rows(xp, ldx, r0, r1, k, row_blocks, t.bias, t.act_span, qa_ptr, act_ptr);
   };
   if (m >= kQuantizeParallelRows) {
     at::parallel_for(0, m, 8, quantize);
@@ -1184,7 +1278,7 @@ void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       const Used& u = used[row_owner[r]];
-      quantize_rows(xp + u.start * ldx, ldx, r - u.start, r - u.start + 1, k, blocks[row_owner[r]], tg.bias,
+      quantize_rows(xp + u.start * ldx, ldx, r - u.start, r - u.start + 1, k, blocks[row_owner[r]], tg.bias, tg.act_span,
                     qa_ptr + u.row_blocks_at * MR_MAX * k, act_x_ptr + u.row_blocks_at * MR_MAX * k_blocks);
     }
 #pragma omp for schedule(dynamic, 1)
@@ -1193,7 +1287,7 @@ void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       const Used& u = used[row_owner[r]];
-      quantize_rows(h + u.start * inter, inter, r - u.start, r - u.start + 1, inter, blocks[row_owner[r]], td.bias,
+      quantize_rows(h + u.start * inter, inter, r - u.start, r - u.start + 1, inter, blocks[row_owner[r]], td.bias, td.act_span,
                     qh_ptr + u.row_blocks_at * MR_MAX * inter, act_h_ptr + u.row_blocks_at * MR_MAX * inter_blocks);
     }
 #pragma omp for schedule(dynamic, 1)
