@@ -24,7 +24,7 @@ LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 TYPES = LEGACY + K_QUANTS
 
-# Around the micro-tiles (AVX-512: 6 rows, or one of up to 8; AVX-VNNI: 3) and past them.
+# Around the micro-tiles (AVX-512: 6 rows, or one of up to 8; AVX2: 4) and past them.
 ROWS = (1, 5, 6, 7, 8, 9, 13, 32, 200)
 # (out, in) features: N past a whole panel of 32 (an edge panel) or under one.
 SHAPES = {

@@ -117,9 +117,10 @@ inline vfloat load_half(const uint16_t* p) {
 }
 #else
 using ivec = __m256i;
-// 4 accumulators a row do not leave room for 3 rows in 16 registers, but the float ones are
-// touched once per group, and spilling them cost less than a third tile's unpacking (docs/kernels.md).
-constexpr int MR = 3, MR_MAX = 3;
+// 16 registers: a row's 2 int32 sums stay in registers, its 2 float ones are touched once per
+// group (once per superblock for the K-quants) and live in memory; 4 rows share each unpacked step
+// (3 and 5 measured slower or no faster, docs/kernels.md).
+constexpr int MR = 4, MR_MAX = 4;
 inline ivec load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline ivec splat_i32(int32_t v) { return _mm256_set1_epi32(v); }
 inline ivec low_nibbles(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
