@@ -589,110 +589,27 @@ void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t 
 enum Epilogue { kStore, kGated, kMulGated };
 constexpr Epilogue kPairEpilogue = W >= 16 ? kGated : kMulGated;
 
-// out[r0 + r] = bias + x_r W^T for the R rows of row block `rb` (from row r0) and one panel (`ncols`
-// of its columns stored), or as the epilogue says. `ahead` (the next panel, or null) is pulled
-// towards the cache a block at a time while this one is multiplied.
-template <typename F, int R, Epilogue E>
-void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* panel, const float* bias0,
-                const float* bias1, float* c, int64_t ldc, int ncols, const uint8_t* ahead, int64_t gated_act) {
-  vfloat acc0[R], acc1[R];
-  const vfloat b0 = bias0 != nullptr ? vload(bias0) : vfloat{}, b1 = bias1 != nullptr ? vload(bias1) : vfloat{};
-  for (int r = 0; r < R; ++r) {
-    acc0[r] = b0;
-    acc1[r] = b1;
-  }
-  const int8_t* qa = act.qa + rb * act.k * MR_MAX;
-  const ActBlock* ab = act.blocks + rb * act.num_blocks * MR_MAX;
-  const int64_t num_super = act.num_blocks / F::kBlocks;
-  // The next panel's superblock, spread over this one's blocks: a fixed count per block, unrolled
-  // (a loop to the superblock's exact end cost as many instructions as the block's arithmetic).
-  constexpr int kLinesPerBlock = static_cast<int>((F::kSuperBytes / 64 + F::kBlocks - 1) / F::kBlocks);
-#if !PAGELLM_VNNI
-  if constexpr (F::kFused) {
-    for (int64_t sb = 0; sb < num_super; ++sb) {
-      const uint8_t* super = panel + sb * F::kSuperBytes;
-      const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
-      const uint8_t* block = super + F::kHeaderBytes;
-      const ActBlock* ab_super = ab;
-      // |sum| per lane: 32 steps x (2 x 2 x 63 x 127) x 128 < 2^29.
-      ivec s0[R], s1[R];
-      for (int r = 0; r < R; ++r) s0[r] = s1[r] = splat_i32(0);
-      for (int j = 0; j < F::kBlocks; ++j, block += F::kBlockBytes, qa += QK * MR_MAX, ab += MR_MAX) {
-        if (ahead != nullptr) {
-          const uint8_t* next = ahead + sb * F::kSuperBytes + j * kLinesPerBlock * 64;
-#pragma GCC unroll 32
-          for (int line = 0; line < kLinesPerBlock; ++line) __builtin_prefetch(next + line * 64, 0, 2);
-        }
-        const uint8_t* qs = block + F::kScaleBytes;
-#pragma GCC unroll 2
-        for (int g = 0; g < F::kGroups; ++g) {
-          // A column's group scale in both int16 halves of its lanes: vpmaddwd scales the pair sums.
-          vint w0, w1;
-          if constexpr (F::kScales == Scales::kSuper32) {
-            w0 = widen(block), w1 = widen(block + W);
-          } else {
-            const int8_t* sc = reinterpret_cast<const int8_t*>(block) + g * NR;
-            w0 = widen(sc), w1 = widen(sc + W);
-          }
-          const ivec sc0 = (ivec)((w0 & 0xFFFF) | w0 * 0x10000), sc1 = (ivec)((w1 & 0xFFFF) | w1 * 0x10000);
-#pragma GCC unroll 4
-          for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
-            const NibbleStep u = unpack_step<F>(qs, i);
-            for (int r = 0; r < R; ++r) {
-              const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
-              const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
-              s0[r] = scaled_pairs32(s0[r], add16(pairs16(u.lo0, a_lo), pairs16(u.hi0, a_hi)), sc0);
-              s1[r] = scaled_pairs32(s1[r], add16(pairs16(u.lo1, a_lo), pairs16(u.hi1, a_hi)), sc1);
-            }
-          }
-        }
-      }
-      // Once per superblock: d da times the scaled sums; then per group the terms of its offset,
-      // M sum(x) with M = m mn (mins) or -bias D sum(qa) da (quants stored with a bias).
-      const vfloat d0 = load_half(header), d1 = load_half(header + W);
-      for (int r = 0; r < R; ++r) {
-        const vfloat da = vsplat(ab_super[r].da);
-        acc0[r] += to_float((vint)s0[r]) * (d0 * da);
-        acc1[r] += to_float((vint)s1[r]) * (d1 * da);
-      }
-      vfloat m0{}, m1{};
-      if constexpr (F::kHasMin) m0 = load_half(header + NR), m1 = load_half(header + NR + W);
-      const uint8_t* scales = super + F::kHeaderBytes;
-      for (int j = 0; j < F::kBlocks; ++j, scales += F::kBlockBytes) {
-#pragma GCC unroll 2
-        for (int g = 0; g < F::kGroups; ++g) {
-          const int sum_index = F::kGroups == 1 ? 0 : 1 + g;
-          if constexpr (F::kHasMin) {
-            const uint8_t* mn = scales + (F::kGroups + g) * NR;
-            const vfloat mn0 = m0 * to_float(widen(mn)), mn1 = m1 * to_float(widen(mn + W));
-            for (int r = 0; r < R; ++r) {
-              const vfloat da_sum = vsplat(ab_super[j * MR_MAX + r].da_sum[sum_index]);
-              acc0[r] += mn0 * da_sum;
-              acc1[r] += mn1 * da_sum;
-            }
-          } else {
-            const int8_t* sc = reinterpret_cast<const int8_t*>(scales) + g * NR;
-            const vfloat dsc0 = d0 * to_float(widen(sc)), dsc1 = d1 * to_float(widen(sc + W));
-            for (int r = 0; r < R; ++r) {
-              const vfloat da_init = vsplat(ab_super[j * MR_MAX + r].da_init[sum_index]);
-              acc0[r] += dsc0 * da_init;
-              acc1[r] += dsc1 * da_init;
-            }
-          }
-        }
-      }
-    }
-  } else
-#endif
+// The next panel's superblock, spread over this one's blocks: a fixed count per block, unrolled
+// (a loop to the superblock's exact end cost as many instructions as the block's arithmetic).
+template <typename F>
+constexpr int kLinesPerBlock = static_cast<int>((F::kSuperBytes / 64 + F::kBlocks - 1) / F::kBlocks);
+
+// acc += the panel's superblocks times the rows' activations (qa, ab: the row block's), a group's
+// int32 sums folded into float once per group.
+template <typename F, int R>
+__attribute__((always_inline)) inline void group_superblocks(const uint8_t* panel, int64_t num_super, const int8_t* qa,
+                                                             const ActBlock* ab, const uint8_t* ahead,
+                                                             vfloat (&acc0)[R], vfloat (&acc1)[R]) {
+  constexpr int kLines = kLinesPerBlock<F>;
   for (int64_t sb = 0; sb < num_super; ++sb) {
     const uint8_t* super = panel + sb * F::kSuperBytes;
     const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
     const uint8_t* block = super + F::kHeaderBytes;
     for (int j = 0; j < F::kBlocks; ++j, block += F::kBlockBytes, qa += QK * MR_MAX, ab += MR_MAX) {
       if (ahead != nullptr) {
-        const uint8_t* next = ahead + sb * F::kSuperBytes + j * kLinesPerBlock * 64;
+        const uint8_t* next = ahead + sb * F::kSuperBytes + j * kLines * 64;
 #pragma GCC unroll 32
-        for (int line = 0; line < kLinesPerBlock; ++line) __builtin_prefetch(next + line * 64, 0, 2);
+        for (int line = 0; line < kLines; ++line) __builtin_prefetch(next + line * 64, 0, 2);
       }
       const uint8_t* qs = block + F::kScaleBytes;
       // Unrolled whole, or the accumulators of a group live in memory (GCC keeps the super16 loops).
@@ -758,6 +675,117 @@ void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* p
       }
     }
   }
+}
+
+// The same, for a K-quant without VNNI: a superblock sums in int32 under its one activation scale.
+#if !PAGELLM_VNNI
+template <typename F, int R>
+__attribute__((always_inline)) inline void fused_superblocks(const uint8_t* panel, int64_t num_super, const int8_t* qa,
+                                                             const ActBlock* ab, const uint8_t* ahead,
+                                                             vfloat (&acc0)[R], vfloat (&acc1)[R]) {
+  constexpr int kLines = kLinesPerBlock<F>;
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    const uint8_t* super = panel + sb * F::kSuperBytes;
+    const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
+    const uint8_t* block = super + F::kHeaderBytes;
+    const ActBlock* ab_super = ab;
+    // |sum| per lane: 32 steps x (2 x 2 x 63 x 127) x 128 < 2^29.
+    ivec s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = splat_i32(0);
+    for (int j = 0; j < F::kBlocks; ++j, block += F::kBlockBytes, qa += QK * MR_MAX, ab += MR_MAX) {
+      if (ahead != nullptr) {
+        const uint8_t* next = ahead + sb * F::kSuperBytes + j * kLines * 64;
+#pragma GCC unroll 32
+        for (int line = 0; line < kLines; ++line) __builtin_prefetch(next + line * 64, 0, 2);
+      }
+      const uint8_t* qs = block + F::kScaleBytes;
+#pragma GCC unroll 2
+      for (int g = 0; g < F::kGroups; ++g) {
+        // A column's group scale in both int16 halves of its lanes: vpmaddwd scales the pair sums.
+        vint w0, w1;
+        if constexpr (F::kScales == Scales::kSuper32) {
+          w0 = widen(block), w1 = widen(block + W);
+        } else {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(block) + g * NR;
+          w0 = widen(sc), w1 = widen(sc + W);
+        }
+        const ivec sc0 = (ivec)((w0 & 0xFFFF) | w0 * 0x10000), sc1 = (ivec)((w1 & 0xFFFF) | w1 * 0x10000);
+#pragma GCC unroll 4
+        for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
+          const NibbleStep u = unpack_step<F>(qs, i);
+          for (int r = 0; r < R; ++r) {
+            const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
+            const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
+            s0[r] = scaled_pairs32(s0[r], add16(pairs16(u.lo0, a_lo), pairs16(u.hi0, a_hi)), sc0);
+            s1[r] = scaled_pairs32(s1[r], add16(pairs16(u.lo1, a_lo), pairs16(u.hi1, a_hi)), sc1);
+          }
+        }
+      }
+    }
+    // Once per superblock: d da times the scaled sums; then per group the terms of its offset,
+    // M sum(x) with M = m mn (mins) or -bias D sum(qa) da (quants stored with a bias).
+    const vfloat d0 = load_half(header), d1 = load_half(header + W);
+    for (int r = 0; r < R; ++r) {
+      const vfloat da = vsplat(ab_super[r].da);
+      acc0[r] += to_float((vint)s0[r]) * (d0 * da);
+      acc1[r] += to_float((vint)s1[r]) * (d1 * da);
+    }
+    vfloat m0{}, m1{};
+    if constexpr (F::kHasMin) m0 = load_half(header + NR), m1 = load_half(header + NR + W);
+    const uint8_t* scales = super + F::kHeaderBytes;
+    for (int j = 0; j < F::kBlocks; ++j, scales += F::kBlockBytes) {
+#pragma GCC unroll 2
+      for (int g = 0; g < F::kGroups; ++g) {
+        const int sum_index = F::kGroups == 1 ? 0 : 1 + g;
+        if constexpr (F::kHasMin) {
+          const uint8_t* mn = scales + (F::kGroups + g) * NR;
+          const vfloat mn0 = m0 * to_float(widen(mn)), mn1 = m1 * to_float(widen(mn + W));
+          for (int r = 0; r < R; ++r) {
+            const vfloat da_sum = vsplat(ab_super[j * MR_MAX + r].da_sum[sum_index]);
+            acc0[r] += mn0 * da_sum;
+            acc1[r] += mn1 * da_sum;
+          }
+        } else {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(scales) + g * NR;
+          const vfloat dsc0 = d0 * to_float(widen(sc)), dsc1 = d1 * to_float(widen(sc + W));
+          for (int r = 0; r < R; ++r) {
+            const vfloat da_init = vsplat(ab_super[j * MR_MAX + r].da_init[sum_index]);
+            acc0[r] += dsc0 * da_init;
+            acc1[r] += dsc1 * da_init;
+          }
+        }
+      }
+    }
+  }
+}
+#else
+template <typename F, int R>
+inline void fused_superblocks(const uint8_t*, int64_t, const int8_t*, const ActBlock*, const uint8_t*, vfloat (&)[R],
+                              vfloat (&)[R]) {
+  static_assert(sizeof(F) == 0, "VNNI sums per group (Form::kFused is false)");
+}
+#endif
+
+// out[r0 + r] = bias + x_r W^T for the R rows of row block `rb` (from row r0) and one panel (`ncols`
+// of its columns stored), or as the epilogue says. `ahead` (the next panel, or null) is pulled
+// towards the cache a block at a time while this one is multiplied.
+template <typename F, int R, Epilogue E>
+void micro_tile(const Activations& act, int64_t rb, int64_t r0, const uint8_t* panel, const float* bias0,
+                const float* bias1, float* c, int64_t ldc, int ncols, const uint8_t* ahead, int64_t gated_act) {
+  vfloat acc0[R], acc1[R];
+  const vfloat b0 = bias0 != nullptr ? vload(bias0) : vfloat{}, b1 = bias1 != nullptr ? vload(bias1) : vfloat{};
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = b0;
+    acc1[r] = b1;
+  }
+  const int8_t* qa = act.qa + rb * act.k * MR_MAX;
+  const ActBlock* ab = act.blocks + rb * act.num_blocks * MR_MAX;
+  const int64_t num_super = act.num_blocks / F::kBlocks;
+  if constexpr (F::kFused) {
+    fused_superblocks<F, R>(panel, num_super, qa, ab, ahead, acc0, acc1);
+  } else {
+    group_superblocks<F, R>(panel, num_super, qa, ab, ahead, acc0, acc1);
+  }
   float edge[NR];
   for (int r = 0; r < R; ++r) {
     float* row = c + (r0 + r) * ldc;
@@ -801,10 +829,15 @@ struct TypeInfo {
 template <typename T>
 constexpr TypeInfo info_of() {
   static_assert(!T::F::kFused || T::kBias == 0 || !T::F::kHasMin, "a fused superblock has a bias or mins, not both");
-  return {T::kType,          T::kBlock,
-          T::kTypeSize,      activation_bias<typename T::F>(T::kBias), T::F::kActSpan,
-          T::F::kSuperBytes, &kTilesOf<typename T::F>,
-          &pack_panel<T>,    &unpack_row<T>};
+  return {T::kType,
+          T::kBlock,
+          T::kTypeSize,
+          activation_bias<typename T::F>(T::kBias),
+          T::F::kActSpan,
+          T::F::kSuperBytes,
+          &kTilesOf<typename T::F>,
+          &pack_panel<T>,
+          &unpack_row<T>};
 }
 constexpr std::array<TypeInfo, 10> kTypes = {info_of<Q4_0>(), info_of<Q4_1>(), info_of<Q5_0>(), info_of<Q5_1>(),
                                              info_of<Q8_0>(), info_of<Q2_K>(), info_of<Q3_K>(), info_of<Q4_K>(),
@@ -1279,8 +1312,9 @@ void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       const Used& u = used[row_owner[r]];
-      quantize_rows(xp + u.start * ldx, ldx, r - u.start, r - u.start + 1, k, blocks[row_owner[r]], tg.bias, tg.act_span,
-                    qa_ptr + u.row_blocks_at * MR_MAX * k, act_x_ptr + u.row_blocks_at * MR_MAX * k_blocks);
+      quantize_rows(xp + u.start * ldx, ldx, r - u.start, r - u.start + 1, k, blocks[row_owner[r]], tg.bias,
+                    tg.act_span, qa_ptr + u.row_blocks_at * MR_MAX * k,
+                    act_x_ptr + u.row_blocks_at * MR_MAX * k_blocks);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_gu; ++i)
@@ -1288,8 +1322,9 @@ void moe_int8(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       const Used& u = used[row_owner[r]];
-      quantize_rows(h + u.start * inter, inter, r - u.start, r - u.start + 1, inter, blocks[row_owner[r]], td.bias, td.act_span,
-                    qh_ptr + u.row_blocks_at * MR_MAX * inter, act_h_ptr + u.row_blocks_at * MR_MAX * inter_blocks);
+      quantize_rows(h + u.start * inter, inter, r - u.start, r - u.start + 1, inter, blocks[row_owner[r]], td.bias,
+                    td.act_span, qh_ptr + u.row_blocks_at * MR_MAX * inter,
+                    act_h_ptr + u.row_blocks_at * MR_MAX * inter_blocks);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_d; ++i) run_panels(products_d[tasks_d[i].used], tasks_d[i].first, tasks_d[i].last);
