@@ -286,6 +286,12 @@ def int8_types() -> frozenset[int]:
     return frozenset(int(t) for t in torch.ops.pagellm_gemm_int8.int8_types())
 
 
+def int8_activation_span(ggml_type: int) -> int:
+    """Inputs of a row that share one activation scale in :func:`linear_int8` for ``ggml_type``:
+    256 for a K-quant on a CPU without VNNI (llama.cpp's Q8_K, summed per superblock), 32 otherwise."""
+    return int(torch.ops.pagellm_gemm_int8.int8_activation_span(ggml_type))
+
+
 def pack_weight_int8(
     raw: torch.Tensor | list[torch.Tensor], ggml_type: int, in_features: int, interleave: int = 0
 ) -> torch.Tensor:

@@ -38,9 +38,18 @@ def reference(raw: np.ndarray, qtype: T) -> torch.Tensor:
     return torch.from_numpy(dequantize(raw, qtype)).double()
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def act_span(qtype: T) -> int:
-    """Inputs of a row sharing one activation scale: 256 for the K-quants (llama.cpp's Q8_K), 32 otherwise."""
-    return 256 if qtype in K_QUANTS else 32
+    """Inputs of a row sharing one activation scale: 256 for the K-quants without VNNI (llama.cpp's Q8_K), 32 otherwise."""
+    return ops.int8_activation_span(int(qtype))
 
 
 def exact_x(rows: int, cols: int, seed: int, span: int = 32) -> torch.Tensor:
@@ -75,6 +84,14 @@ def assert_float32_close(out: torch.Tensor, x64: torch.Tensor, weight: torch.Ten
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_int8_types_lists_every_type(qtype: T) -> None:
     assert int(qtype) in ops.int8_types()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_activation_span_is_a_superblock_only_where_summed_as_one(qtype: T) -> None:
+    if not cpu_flags():
+        pytest.skip("no /proc/cpuinfo flags to tell VNNI by")
+    vnni = bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
+    assert act_span(qtype) == (256 if qtype in K_QUANTS and not vnni else 32)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

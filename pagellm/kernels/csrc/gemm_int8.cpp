@@ -17,6 +17,8 @@
 //   super32 (Q4_K, Q5_K): per 256 inputs fp16 d and -dmin, per 32 6-bit sc and mn: D = d sc, M = -dmin mn.
 //   super16 (Q2_K, Q3_K, Q6_K): per 256 fp16 d (and -dmin), per 16 an 8-bit sc (and mn): a 32-block
 //     is two groups, with their own int32 sums and activation sums.
+// Without VNNI the K-quants take x per 256 inputs instead (llama.cpp's Q8_K): a superblock then sums
+// in int32 with its group scales in the widening vpmaddwd (micro-tiles below).
 // Each packed weight is exactly the float32 that gguf's dequantize gives: an fp16 times a 6- or
 // 8-bit integer is exact in float32, and so is that times the quant (24 bits at most); the result
 // is exactly the product of W with the quantized x up to float rounding, so the error against
@@ -216,9 +218,9 @@ struct Form {
   // to int32 anyway): a superblock sums in int32 under one activation scale, as llama.cpp's Q8_K,
   // and its float epilogue runs once per 256 inputs instead of per group. VNNI keeps the per-group form.
   static constexpr bool kFused = S != Scales::kHalf && !PAGELLM_VNNI;
-  // 32-blocks of a row sharing one activation scale: a superblock for every K-quant, so that each
-  // machine quantizes x alike.
-  static constexpr int kActSpan = S == Scales::kHalf ? 1 : 8;
+  // 32-blocks of a row sharing one activation scale: a superblock where it is summed as one, else
+  // one block (a scale per 32 follows the local magnitude: closer to float32, and as fast with VNNI).
+  static constexpr int kActSpan = kFused ? 8 : 1;
   static_assert((kGroup / 8) % kStepsPerPlane == 0, "a plane vector does not straddle two groups");
   static constexpr int64_t kHeaderBytes = NR * 2 * (HasMin ? 2 : 1);
   static constexpr int64_t kScaleBytes = S == Scales::kHalf      ? 0
@@ -1069,6 +1071,14 @@ const TypeInfo& checked_type(int64_t ggml_type, const char* op) {
   return *t;
 }
 
+int64_t int8_activation_span(int64_t ggml_type) {
+#if PAGELLM_INT8
+  return checked_type(ggml_type, "int8_activation_span").act_span * QK;
+#else
+  return checked_type(ggml_type, "int8_activation_span").block;
+#endif
+}
+
 // parts: uint8 [N_i, row bytes] each, rows of one output's blocks as the file stores them; the
 // weight is their rows one after another, read in place (a fused projection's shards are not
 // concatenated first). interleave > 0: the rows' first half (gate) and second half (up) are
@@ -1376,6 +1386,7 @@ TORCH_LIBRARY(pagellm_gemm_int8, m) {
   // No tensor arguments to dispatch on: one kernel for every backend.
   m.def("int8_supported() -> bool", &pagellm::int8_supported);
   m.def("int8_types() -> int[]", &pagellm::int8_types);
+  m.def("int8_activation_span(int ggml_type) -> int", &pagellm::int8_activation_span);
   m.def("int8_rows(Tensor packed, int ggml_type, int in_features, Tensor ids) -> Tensor");
   m.def(
       "moe_int8(Tensor(a!) out, Tensor x, Tensor[] gate_up, int gate_up_type, Tensor[] down, int down_type, Tensor "
