@@ -594,7 +594,13 @@ constexpr Epilogue kPairEpilogue = W >= 16 ? kGated : kMulGated;
 // The next panel's superblock, spread over this one's blocks: a fixed count per block, unrolled
 // (a loop to the superblock's exact end cost as many instructions as the block's arithmetic).
 template <typename F>
-constexpr int kLinesPerBlock = static_cast<int>((F::kSuperBytes / 64 + F::kBlocks - 1) / F::kBlocks);
+__attribute__((always_inline)) inline void prefetch_share(const uint8_t* ahead, int64_t sb, int j) {
+  constexpr int kLines = static_cast<int>((F::kSuperBytes / 64 + F::kBlocks - 1) / F::kBlocks);
+  if (ahead == nullptr) return;
+  const uint8_t* next = ahead + sb * F::kSuperBytes + j * kLines * 64;
+#pragma GCC unroll 32
+  for (int line = 0; line < kLines; ++line) __builtin_prefetch(next + line * 64, 0, 2);
+}
 
 // acc += the panel's superblocks times the rows' activations (qa, ab: the row block's), a group's
 // int32 sums folded into float once per group.
@@ -602,17 +608,12 @@ template <typename F, int R>
 __attribute__((always_inline)) inline void group_superblocks(const uint8_t* panel, int64_t num_super, const int8_t* qa,
                                                              const ActBlock* ab, const uint8_t* ahead,
                                                              vfloat (&acc0)[R], vfloat (&acc1)[R]) {
-  constexpr int kLines = kLinesPerBlock<F>;
   for (int64_t sb = 0; sb < num_super; ++sb) {
     const uint8_t* super = panel + sb * F::kSuperBytes;
     const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
     const uint8_t* block = super + F::kHeaderBytes;
     for (int j = 0; j < F::kBlocks; ++j, block += F::kBlockBytes, qa += QK * MR_MAX, ab += MR_MAX) {
-      if (ahead != nullptr) {
-        const uint8_t* next = ahead + sb * F::kSuperBytes + j * kLines * 64;
-#pragma GCC unroll 32
-        for (int line = 0; line < kLines; ++line) __builtin_prefetch(next + line * 64, 0, 2);
-      }
+      prefetch_share<F>(ahead, sb, j);
       const uint8_t* qs = block + F::kScaleBytes;
       // Unrolled whole, or the accumulators of a group live in memory (GCC keeps the super16 loops).
 #pragma GCC unroll 2
@@ -685,7 +686,6 @@ template <typename F, int R>
 __attribute__((always_inline)) inline void fused_superblocks(const uint8_t* panel, int64_t num_super, const int8_t* qa,
                                                              const ActBlock* ab, const uint8_t* ahead,
                                                              vfloat (&acc0)[R], vfloat (&acc1)[R]) {
-  constexpr int kLines = kLinesPerBlock<F>;
   for (int64_t sb = 0; sb < num_super; ++sb) {
     const uint8_t* super = panel + sb * F::kSuperBytes;
     const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
@@ -695,11 +695,7 @@ __attribute__((always_inline)) inline void fused_superblocks(const uint8_t* pane
     ivec s0[R], s1[R];
     for (int r = 0; r < R; ++r) s0[r] = s1[r] = splat_i32(0);
     for (int j = 0; j < F::kBlocks; ++j, block += F::kBlockBytes, qa += QK * MR_MAX, ab += MR_MAX) {
-      if (ahead != nullptr) {
-        const uint8_t* next = ahead + sb * F::kSuperBytes + j * kLines * 64;
-#pragma GCC unroll 32
-        for (int line = 0; line < kLines; ++line) __builtin_prefetch(next + line * 64, 0, 2);
-      }
+      prefetch_share<F>(ahead, sb, j);
       const uint8_t* qs = block + F::kScaleBytes;
 #pragma GCC unroll 2
       for (int g = 0; g < F::kGroups; ++g) {
