@@ -67,6 +67,6 @@ def test_narrow_products_stay_on_the_int8_kernel() -> None:
     x = torch.randn(AMX_MIN_ROWS - 1, in_features, generator=torch.Generator().manual_seed(5))
     out = torch.empty(x.shape[0], out_features)
     ops.linear_int8(out, x, packed, int(qtype), None)
-    # x quantized to int8 per superblock, not rounded to bfloat16: the int8 kernel's sums
+    # x quantized to int8 per act_span, not rounded to bfloat16: the int8 kernel's sums
     want = quantized_x(x, act_span(qtype)) @ reference(raw, qtype).T
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)

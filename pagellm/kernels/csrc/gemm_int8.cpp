@@ -691,7 +691,7 @@ __attribute__((always_inline)) inline void fused_superblocks(const uint8_t* pane
     const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
     const uint8_t* block = super + F::kHeaderBytes;
     const ActBlock* ab_super = ab;
-    // |sum| per lane: 32 steps x (2 x 2 x 63 x 127) x 128 < 2^29.
+    // |sum| per lane: 32 steps x 2 int16 halves x (2 x 2 x 63 x 127) x 128 < 2^29.
     ivec s0[R], s1[R];
     for (int r = 0; r < R; ++r) s0[r] = s1[r] = splat_i32(0);
     for (int j = 0; j < F::kBlocks; ++j, block += F::kBlockBytes, qa += QK * MR_MAX, ab += MR_MAX) {
