@@ -1045,7 +1045,7 @@ void linear_int8_amx(const TypeInfo& t, const float* x, int64_t ldx, int64_t m, 
 
 #else
 struct TypeInfo {
-  int type, block, type_size, bias;
+  int type, block, type_size, bias, act_span;
 };
 const TypeInfo* find_type(int64_t) { return nullptr; }
 #endif  // PAGELLM_INT8
@@ -1068,11 +1068,7 @@ const TypeInfo& checked_type(int64_t ggml_type, const char* op) {
 }
 
 int64_t int8_activation_span(int64_t ggml_type) {
-#if PAGELLM_INT8
   return checked_type(ggml_type, "int8_activation_span").act_span * QK;
-#else
-  return checked_type(ggml_type, "int8_activation_span").block;
-#endif
 }
 
 // parts: uint8 [N_i, row bytes] each, rows of one output's blocks as the file stores them; the
