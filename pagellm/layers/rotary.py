@@ -14,14 +14,15 @@ from it on the long ones (so a sequence within the original context matches tran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagellm.kernels import ops
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Variants whose frequencies do not depend on the current sequence length, so one table serves
 # every position. "dynamic" and "longrope" switch frequencies with the length of the whole batch in
@@ -93,6 +94,10 @@ def _inverse_frequencies(
         dim = rotary_dim_of(hf_config, layer_type)
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
         return inv_freq, 1.0
+    # The scaled variants' table imports most of transformers (a second of a server's start-up):
+    # only configs that scale need it.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     kwargs: dict[str, Any] = {"device": device, "seq_len": seq_len}
     if layer_type is not None:
         kwargs["layer_type"] = layer_type

@@ -11,11 +11,10 @@ parallel part (``load_checkpoint_tensor``), so loading is one loop for every arc
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.kv_quant import KVScales
@@ -31,6 +30,9 @@ from pagellm.layers.linear import Linear, TPSplit
 from pagellm.layers.linear_method import DenseMethod, WeightSource
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryArgs, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # (fused module, checkpoint module, shard) for projections stored apart and computed as one.
 LLAMA_STACKED_PARAMS: tuple[tuple[str, str, Optional[str]], ...] = (

@@ -3,10 +3,9 @@
 and after both the attention and the MLP, Gemma's ``(1 + w)`` RMSNorm and a GELU-tanh MLP."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
-from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.layers.activation import canonical_activation
@@ -16,6 +15,9 @@ from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryArgs, head_dim_of
 from pagellm.models.decoder import CausalLM, DecoderModel, tp_shard_of
 from pagellm.models.shape import FULL, SLIDING, layer_sliding_windows
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Gemma's norms multiply by (1 + w); the offset is added to the weights once, at load.
 GEMMA_NORM_OFFSET = 1.0

@@ -1,4 +1,4 @@
-"""Reading GGUF files: metadata, a transformers config, and Hugging Face-named weights as stored.
+"""Reading GGUF files: metadata and Hugging Face-named weights as stored (the config: gguf_config).
 
 ``gguf.GGUFReader`` turns every vocabulary string into numpy views and takes seconds on a 49k-token
 vocabulary, so the header is parsed here directly (strings arrays are skipped unless asked for).
@@ -16,16 +16,17 @@ import struct
 import warnings
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from transformers import PretrainedConfig
-from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
 from pagellm.layers.gguf_types import GGUFWeight
-from pagellm.models.gguf_arch import LLAMA_BLOCK_NAMES, SUFFIXLESS, GGUFArch, arch_of, finish_config
+from pagellm.models.gguf_arch import LLAMA_BLOCK_NAMES, SUFFIXLESS, GGUFArch, arch_of
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 WeightSource = GGUFWeight | torch.Tensor
 _FLOAT_DTYPES = {
@@ -198,84 +199,6 @@ class GGUFFile:
 def _cached_gguf_file(path: str, mtime_ns: int, size: int) -> GGUFFile:
     del mtime_ns, size  # the cache key: a rewritten file is parsed again
     return GGUFFile(path)
-
-
-def gguf_config_dict(gguf_file: GGUFFile) -> dict[str, Any]:
-    """A transformers config dict from GGUF metadata, mirroring transformers' own GGUF config read."""
-    arch = gguf_file.architecture
-    spec = arch_of(arch, gguf_file.metadata)
-    config: dict[str, Any] = {
-        "model_type": spec.model_type,
-        "architectures": [spec.architecture],
-        # llama.cpp only writes an output matrix when it differs from the embeddings.
-        "tie_word_embeddings": "output.weight" not in gguf_file.tensors,
-    }
-    arch_keys = {**GGUF_CONFIG_MAPPING[spec.mapping_key], **spec.extra_keys}
-    tokenizer_keys = GGUF_CONFIG_MAPPING["tokenizer"]
-    for key, value in gguf_file.metadata.items():
-        prefix, _, rest = key.partition(".")
-        target = arch_keys.get(rest) if prefix == arch else tokenizer_keys.get(rest) if prefix == "tokenizer" else None
-        if target:
-            config[target] = value
-    if "vocab_size" not in config and "tokenizer.ggml.tokens" in gguf_file.array_lengths:
-        config["vocab_size"] = gguf_file.array_lengths["tokenizer.ggml.tokens"]
-    return config
-
-
-# What transformers' config class of each architecture gives the fields the engine reads when a
-# GGUF file leaves them out (tests/models/test_model_loader.py holds these to the classes). The
-# config is built on the base PretrainedConfig with them instead of through AutoConfig: importing
-# an architecture's config class imports most of transformers and torch.distributed, a second of
-# a server's start-up.
-_TRAINING_DEFAULTS: dict[str, Any] = {"attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
-_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
-              "pretraining_tp": 1},
-    "mistral": {"vocab_size": 32000, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                "hidden_act": "silu", "num_key_value_heads": 8, "sliding_window": 4096, "bos_token_id": 1,
-                "eos_token_id": 2},
-    "qwen2": {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "hidden_act": "silu", "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": None,
-              "max_window_layers": 28, "bos_token_id": None, "eos_token_id": None},
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _config_class(model_type: str) -> type[PretrainedConfig]:
-    # A subclass only to carry model_type, which transformers keeps on the class.
-    return type(f"GGUF{model_type.capitalize()}Config", (PretrainedConfig,), {"model_type": model_type})
-
-
-def load_gguf_config(path: str) -> PretrainedConfig:
-    """The transformers config of a GGUF file: its metadata over the defaults of the architecture's
-    config class (:data:`_CONFIG_DEFAULTS`), RoPE settings as transformers 5 keeps them."""
-    gguf_file = GGUFFile.cached(path)
-    values = gguf_config_dict(gguf_file)
-    model_type = values.pop("model_type")
-    if "hidden_size" not in values or "num_attention_heads" not in values:
-        raise ValueError(f"{path}: the GGUF metadata gives no embedding length or attention head count")
-    if model_type not in _CONFIG_DEFAULTS:
-        # The newer architectures derive fields (layer types, rotary per layer kind) in their
-        # config classes, so they are built through them.
-        from transformers import CONFIG_MAPPING
-
-        values.setdefault("num_key_value_heads", values["num_attention_heads"])
-        for factors, name in (("rope_long_factor", "rope_factors_long.weight"), ("rope_short_factor", "rope_factors_short.weight")):
-            if name in gguf_file.tensors:
-                values[factors] = gguf_file.dequantized(name).tolist()
-        values = finish_config(arch_of(gguf_file.architecture, gguf_file.metadata), values)
-        return CONFIG_MAPPING[model_type](**values)
-    values = {**_TRAINING_DEFAULTS, **_CONFIG_DEFAULTS[model_type], **values}
-    values.setdefault("num_key_value_heads", values["num_attention_heads"])
-    if model_type != "qwen2":  # Qwen2's class has no head_dim; its layers divide hidden_size
-        values.setdefault("head_dim", values["hidden_size"] // values["num_attention_heads"])
-    values["rope_parameters"] = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta"))}
-    config = _config_class(model_type)(**values)
-    for key, value in values.items():  # the few the base class takes as arguments but does not keep
-        if not hasattr(config, key):
-            setattr(config, key, value)
-    return config
 
 
 def _hf_name(gguf_name: str, arch: GGUFArch) -> str | None:

@@ -4,12 +4,16 @@ the top-k logits, experts with biases and gpt-oss's clamped SwiGLU, stored stack
 in the checkpoint (``mlp.experts.gate_up_proj``, gate and up columns interleaved)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagellm.kernels.ops import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from pagellm.layers.moe import FusedMoE
 from pagellm.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

@@ -5,8 +5,9 @@ time, so a layer does four matmuls instead of seven.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.layers.activation import canonical_activation
@@ -15,6 +16,9 @@ from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.rotary import head_dim_of
 from pagellm.models.decoder import CausalLM, DecoderLayer, DecoderModel, tp_shard_of
 from pagellm.models.shape import layer_sliding_windows
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def attention_spec(hf_config: PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, **extra) -> AttentionSpec:

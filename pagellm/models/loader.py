@@ -11,19 +11,22 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
 from pagellm.kernels.tuning import CpuTuning, measure_cpu_tuning
 from pagellm.layers.rotary import max_rope_positions
-from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights, load_gguf_config
+from pagellm.models.gguf_config import load_gguf_config
+from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights
 from pagellm.models.registry import TEXT_ARCHITECTURE_OF, get_model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 

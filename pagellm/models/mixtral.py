@@ -2,13 +2,17 @@
 layer; each expert's w1/w3 (gate/up) load as one fused projection, w2 as its down projection."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagellm.layers.activation import canonical_activation
 from pagellm.layers.moe import FusedMoE
 from pagellm.models.decoder import LLAMA_STACKED_PARAMS
 from pagellm.models.llama import MistralForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class MixtralForCausalLM(MistralForCausalLM):

@@ -3,9 +3,12 @@
 rotary (Phi-4-mini rotates 3/4 of each head), LongRoPE, and a sliding window where configured."""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from pagellm.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

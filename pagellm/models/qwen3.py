@@ -2,12 +2,16 @@
 and, for the MoE models, a routed mixture of experts in place of the MLP on the sparse layers."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagellm.layers.activation import canonical_activation
 from pagellm.layers.moe import FusedMoE
 from pagellm.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -1,8 +1,9 @@
 """Which model class serves which Hugging Face architecture name."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagellm.models.gemma3 import Gemma3ForCausalLM
 from pagellm.models.gpt_oss import GptOssForCausalLM
@@ -10,6 +11,9 @@ from pagellm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForC
 from pagellm.models.mixtral import MixtralForCausalLM
 from pagellm.models.phi3 import Phi3ForCausalLM
 from pagellm.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Keyed by ``config.architectures[0]``, the class name transformers would instantiate.
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {

@@ -6,11 +6,12 @@ The executor sizes the KV cache, groups layers by attention kind and builds batc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING, Optional
 
 from pagellm.layers.rotary import head_dim_of
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

@@ -127,7 +127,7 @@ def test_gguf_config_has_what_transformers_class_gives(model_type: str, left_out
     from transformers import AutoConfig
 
     from pagellm.layers.rotary import get_rope_parameters, head_dim_of
-    from pagellm.models import gguf_loader
+    from pagellm.models import gguf_config, gguf_loader
 
     metadata = {"model_type": model_type, "architectures": ["X"], "tie_word_embeddings": True, "num_hidden_layers": 3,
                 "max_position_embeddings": 4096, "hidden_size": 96, "intermediate_size": 160, "num_attention_heads": 6,
@@ -137,8 +137,8 @@ def test_gguf_config_has_what_transformers_class_gives(model_type: str, left_out
         del metadata["head_dim"]  # transformers' GGUF mapping drops qwen2's rope.dimension_count
     metadata = {k: v for k, v in metadata.items() if k not in left_out}
     monkeypatch.setattr(gguf_loader.GGUFFile, "cached", classmethod(lambda cls, path: path))
-    monkeypatch.setattr(gguf_loader, "gguf_config_dict", lambda _: dict(metadata))
-    ours = gguf_loader.load_gguf_config("model.gguf")
+    monkeypatch.setattr(gguf_config, "gguf_config_dict", lambda _: dict(metadata))
+    ours = gguf_config.load_gguf_config("model.gguf")
     fields = dict(metadata)
     theirs = AutoConfig.for_model(fields.pop("model_type"), **fields)
     for name in _ENGINE_FIELDS:
