@@ -26,8 +26,9 @@ class XgrammarBackend:
 
         self.xgr = xgr
         self.vocab_size = vocab_size
+        hf_tokenizer = getattr(tokenizer, "hf", tokenizer)  # xgrammar reads a transformers tokenizer
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
         )
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()

@@ -2,25 +2,28 @@
 
 A GGUF file's byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3,
 Qwen2) is built here with ``tokenizers`` from pagellm's own read of the file, as transformers'
-GGUF conversion builds it (tests compare the two byte for byte). That conversion would read the
-file's metadata a second time and import transformers' registry of every model (its tokenizer
-classes), over a second of interpreter time that a server's start would spend beside the
-weights' packing. Other GGUF vocabularies go through ``PreTrainedTokenizerFast.from_pretrained(
+GGUF conversion builds it (tests compare the two byte for byte), and served as a
+:class:`~pagellm.tokenizer.fast.FastTokenizer`. That conversion, or transformers' tokenizer class
+alone, would import transformers: over a second of interpreter time that a server's start would
+spend beside the weights' packing. Other GGUF vocabularies go through ``PreTrainedTokenizerFast.from_pretrained(
 gguf_file=...)``; only Hugging Face directories import ``AutoTokenizer``.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagellm.models.gguf_loader import GGUFFile
 from pagellm.models.loader import is_gguf, resolve_model_path
+from pagellm.tokenizer.fast import FastTokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # How text is split before byte-level BPE, by the file's `tokenizer.ggml.pre`: the pre-tokenizer
 # types whose split transformers' GGUF conversion knows (its GGUF_PRE_TOKENIZER_SPLITS, checked by
@@ -47,13 +50,29 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 _GPT2_DEFAULT_SPECIAL = "<|endoftext|>"
 
 
-def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
+@functools.lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte, which byte-level BPE vocabularies are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def load_tokenizer(model_path: str) -> FastTokenizer | PreTrainedTokenizerBase:
     """The model's tokenizer with its special tokens and chat template; never touches the network."""
     path = resolve_model_path(model_path)
     if is_gguf(path):
         tokenizer = byte_level_gguf_tokenizer(path)
         if tokenizer is not None:
             return tokenizer
+        from transformers import PreTrainedTokenizerFast
+
         tokenizer = PreTrainedTokenizerFast.from_pretrained(
             os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
         )
@@ -64,7 +83,7 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def byte_level_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast | None:
+def byte_level_gguf_tokenizer(path: str) -> FastTokenizer | None:
     """The byte-level BPE tokenizer a GGUF file describes, as transformers' GGUF conversion builds
     it; None where the file's vocabulary is of another kind, or splits text in a way not known here."""
     # The kind is known from the table parsed once at start-up; only then are the strings read.
@@ -142,11 +161,11 @@ def byte_level_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast | None:
     for flag in ("add_bos_token", "add_eos_token"):
         if f"tokenizer.ggml.{flag}" in metadata:
             kwargs[flag] = bool(metadata[f"tokenizer.ggml.{flag}"])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    return FastTokenizer(backend, **kwargs)
 
 
 def render_chat(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: FastTokenizer | PreTrainedTokenizerBase,
     messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
@@ -170,7 +189,7 @@ def render_chat(
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: FastTokenizer | PreTrainedTokenizerBase,
     messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
