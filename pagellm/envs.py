@@ -28,6 +28,11 @@ def cache_dir() -> Path:
     return Path(base) / "pagellm"
 
 
+def retune() -> bool:
+    """PAGELLM_RETUNE=1: measure the machine's start-up tuning again instead of reading what an earlier start kept."""
+    return os.environ.get("PAGELLM_RETUNE", "0").lower() not in ("0", "false", "")
+
+
 def api_key() -> Optional[str]:
     """PAGELLM_API_KEY: the server's bearer token when ``--api-key`` is not given."""
     return os.environ.get("PAGELLM_API_KEY") or None

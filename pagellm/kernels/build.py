@@ -44,6 +44,7 @@ LIB_NAME = "pagellm_cpu_kernels"
 
 _loaded: bool | None = None  # None: not tried yet; True/False: loaded / failed in this process
 _load_error: str | None = None
+_loaded_dir: Path | None = None
 
 
 def flag_sets() -> tuple[tuple[str, ...], ...]:
@@ -105,7 +106,7 @@ def _compile(flags: tuple[str, ...], build_dir: Path, verbose: bool) -> Path:
 
 def load_kernels(verbose: bool = False) -> bool:
     """Loads (building first if needed) the kernel library; False, after one warning, if it cannot be built."""
-    global _loaded, _load_error
+    global _loaded, _loaded_dir, _load_error
     if _loaded is not None:
         return _loaded
     errors = []
@@ -116,14 +117,14 @@ def load_kernels(verbose: bool = False) -> bool:
             if library.exists():
                 try:
                     torch.ops.load_library(str(library))
-                    _loaded = True
+                    _loaded, _loaded_dir = True, build_dir
                     return True
                 except OSError:
                     pass  # e.g. still being linked by a concurrent build; the locked build below waits for it
             start = time.perf_counter()
             _compile(flags, build_dir, verbose)  # cpp_extension loads the library it built
             logger.info("built %s in %.1fs", library, time.perf_counter() - start)
-            _loaded = True
+            _loaded, _loaded_dir = True, build_dir
             return True
         except Exception as exc:  # noqa: BLE001 - a compiler or loader failure of any kind means: fall back
             lines = str(exc).strip().splitlines() or [""]
@@ -132,6 +133,12 @@ def load_kernels(verbose: bool = False) -> bool:
     warnings.warn(f"pagellm: C++ kernels unavailable, using the torch fallback ({_load_error})", stacklevel=2)
     _loaded = False
     return False
+
+
+def loaded_build_dir() -> Path | None:
+    """The folder of the kernel library this process loaded (one per source, flags, torch and CPU),
+    where what is measured about this machine's kernels can be kept; None before a load or after a failed one."""
+    return _loaded_dir
 
 
 def load_error() -> str | None:

@@ -9,9 +9,13 @@ instruction set would be wrong on some machine (docs/kernels.md has the measurem
   measured today).
 
 :func:`measure_cpu_tuning` times each on the model's own weights (a few hundred milliseconds);
-the engine calls it once and hands the result to the attention backend and the model. Nothing
-here is cached or global: measuring twice measures twice. ``python -m pagellm.kernels.tuning``
-prints what this machine measures, as JSON.
+the engine calls it once and hands the result to the attention backend and the model. The decode
+prefetch level is a property of the machine alone, so its answer is kept beside the kernel library
+built for this CPU (``decode_prefetch.json``) and read at later starts: its probe allocates ~75 MiB
+whose first touch, in a VM that backs memory lazily, took up to a second of a server's start.
+``PAGELLM_RETUNE=1`` measures it again. The row limits depend on the model's shapes and are
+measured at every start. ``python -m pagellm.kernels.tuning`` prints what this machine measures,
+as JSON.
 
 Between BLAS and the panels the choice changes only the order of float32 sums.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, NamedTuple, Optional, Protocol, Sequence
@@ -27,7 +32,8 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 import torch
 from torch.nn import functional as F
 
-from pagellm.kernels import ops
+from pagellm import envs
+from pagellm.kernels import build, ops
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,8 @@ DECODE_PROBE_HEADS, DECODE_PROBE_KV_HEADS, DECODE_PROBE_HEAD_DIM, DECODE_PROBE_B
 DECODE_PROBE_REPEATS = 3
 # L2 prefetches must win by this much to replace the default (L1).
 DECODE_MIN_GAIN = 1.03
+# Where the decode prefetch level measured for a kernel build is kept, in that build's folder.
+DECODE_PREFETCH_FILE = "decode_prefetch.json"
 
 # Row counts probed for the panels against BLAS. The limit is the last probe the panels win
 # before they first lose, so one noisy loss only makes the limit more conservative.
@@ -260,6 +268,30 @@ def measure_decode_prefetch() -> bool:
     return to_l2
 
 
+def decode_prefetch_to_l2() -> bool:
+    """:func:`measure_decode_prefetch`'s answer for this machine: as an earlier start measured it
+    for the loaded kernel build, else measured now and kept for the next start."""
+    folder = build.loaded_build_dir()
+    path = None if folder is None else folder / DECODE_PREFETCH_FILE
+    if path is not None and not envs.retune():
+        try:
+            to_l2 = json.loads(path.read_text())["decode_prefetch_to_l2"]
+        except (OSError, ValueError, KeyError, TypeError):
+            to_l2 = None
+        if isinstance(to_l2, bool):
+            logger.info("decode attention prefetches into %s (as measured at an earlier start: %s)", "L2" if to_l2 else "L1", path)
+            return to_l2
+    to_l2 = measure_decode_prefetch()
+    if path is not None:
+        try:  # written whole and renamed: a concurrent start reads the old file or the new one
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps({"decode_prefetch_to_l2": to_l2}))
+            os.replace(partial, path)
+        except OSError as exc:
+            logger.debug("could not keep the decode prefetch level: %s", exc)
+    return to_l2
+
+
 def measure_cpu_tuning(
     device: torch.device | str,
     packed_weights: Sequence[tuple[torch.Tensor, PackedForms]] = (),
@@ -273,7 +305,7 @@ def measure_cpu_tuning(
     if torch.device(device).type != "cpu" or not ops.available():
         return CpuTuning.untuned()
     return CpuTuning(
-        decode_prefetch_to_l2=measure_decode_prefetch() if attention else False,
+        decode_prefetch_to_l2=decode_prefetch_to_l2() if attention else False,
         row_limits=tune_row_limits(packed_weights),
     )
 
@@ -307,7 +339,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"the C++ kernels are unavailable: {ops.load_error()}")
         return 1
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(measure_cpu_tuning("cpu", smollm2_like_weights()).to_json())
+    weights = smollm2_like_weights()
+    print(CpuTuning(decode_prefetch_to_l2=measure_decode_prefetch(), row_limits=tune_row_limits(weights)).to_json())
     return 0
 
 

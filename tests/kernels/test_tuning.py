@@ -137,7 +137,7 @@ def test_nothing_is_measured_off_the_cpu() -> None:
 
 
 def test_measure_cpu_tuning_measures_both_and_prints_as_json(monkeypatch) -> None:
-    monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda: True)
+    monkeypatch.setattr(tuning, "decode_prefetch_to_l2", lambda: True)
     monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: RowLimits(256))
     weight = torch.randn(96, 64)
     cpu_tuning = measure_cpu_tuning("cpu", [(weight, panels_of(weight))])
@@ -159,3 +159,40 @@ def test_command_line_prints_the_tuning_as_json(monkeypatch, capsys) -> None:
 
 def test_decode_prefetch_probe_runs() -> None:
     assert isinstance(tuning.measure_decode_prefetch(), bool)
+
+
+def test_decode_prefetch_level_is_measured_once_per_kernel_build(monkeypatch, tmp_path) -> None:
+    measured: list[bool] = []
+
+    def measure() -> bool:
+        measured.append(True)
+        return len(measured) == 1  # the first measurement says L2, any later one L1
+
+    monkeypatch.setattr(tuning, "measure_decode_prefetch", measure)
+    monkeypatch.setattr(tuning.build, "loaded_build_dir", lambda: tmp_path)
+    monkeypatch.delenv("PAGELLM_RETUNE", raising=False)
+    assert tuning.decode_prefetch_to_l2() is True
+    assert json.loads((tmp_path / tuning.DECODE_PREFETCH_FILE).read_text()) == {"decode_prefetch_to_l2": True}
+    assert tuning.decode_prefetch_to_l2() is True  # read back, not measured
+    assert len(measured) == 1
+    monkeypatch.setenv("PAGELLM_RETUNE", "1")
+    assert tuning.decode_prefetch_to_l2() is False  # measured again, and kept
+    assert len(measured) == 2
+    monkeypatch.delenv("PAGELLM_RETUNE")
+    assert tuning.decode_prefetch_to_l2() is False
+    (tmp_path / tuning.DECODE_PREFETCH_FILE).write_text("{not json")
+    assert tuning.decode_prefetch_to_l2() is False and len(measured) == 3  # a damaged file is measured over
+    assert sorted(p.name for p in tmp_path.iterdir()) == [tuning.DECODE_PREFETCH_FILE]  # no partial file left
+
+
+def test_decode_prefetch_level_without_a_build_folder_is_measured_every_time(monkeypatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda: calls.append(1) or False)
+    monkeypatch.setattr(tuning.build, "loaded_build_dir", lambda: None)
+    assert tuning.decode_prefetch_to_l2() is False and tuning.decode_prefetch_to_l2() is False
+    assert len(calls) == 2
+
+
+def test_loaded_build_dir_holds_the_loaded_library() -> None:
+    folder = tuning.build.loaded_build_dir()
+    assert folder is not None and (folder / f"{tuning.build.LIB_NAME}.so").exists()
