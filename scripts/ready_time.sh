@@ -2,6 +2,8 @@
 # Seconds from launching a server to its first answers on /health and /v1/models, polled every
 # 50 ms (scale_bench.sh polls once a second), for pagellm and llama.cpp's server in turns.
 #   scripts/ready_time.sh MODEL [ROUNDS]      e.g. scripts/ready_time.sh /tmp/models/rand-smollm2-1.7b-Q4_K_M.gguf 3
+# Each line also gives the time to the first answer of a chat completion (one token) sent at once
+# after ready: what a client that starts the server and talks to it waits.
 # OLD_TREE=DIR also times another source tree of pagellm (run with this checkout's .venv) in each
 # round. llama.cpp needs ../shared/peers (PEERS_DIR) and its build-llama-cpp.sh; it serves one slot
 # of 2,048 tokens unless PARALLEL and CTX_PER_SLOT say otherwise (16 and 1024: scale_bench.sh's load).
@@ -23,7 +25,12 @@ time_one() {  # label command...
     kill -0 $pid 2>/dev/null || { echo "$label died; see /tmp/ready-$label.log" >&2; return 1; }
     sleep 0.05
   done
-  python3 -c "import sys, time; print(f'{sys.argv[1]}: ready in {time.time() - float(sys.argv[2]):.2f} s')" "$label" "$t0"
+  local t_ready served
+  t_ready=$(date +%s.%N)
+  served=$(curl -sf "http://127.0.0.1:$port/v1/models" | python3 -c "import json, sys; print(json.load(sys.stdin)['data'][0]['id'])")
+  curl -sf "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"model": "'"$served"'", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}' >/dev/null || echo "$label: the chat request failed" >&2
+  python3 -c "import sys, time; t0, t1 = map(float, sys.argv[2:]); print(f'{sys.argv[1]}: ready in {t1 - t0:.2f} s, first chat answer at {time.time() - t0:.2f} s')" "$label" "$t0" "$t_ready"
   kill $pid
   wait $pid 2>/dev/null || true
 }

@@ -129,3 +129,19 @@ def test_lora_flags_reach_the_config():
     config = EngineConfig(**engine_kwargs(parser.parse_args([*flags, "--device", "cpu"])))
     assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 4, 8, 6)
     assert config.lora_dtype == torch.bfloat16
+
+
+def test_command_line_imports_only_the_subcommand_it_runs() -> None:
+    """``pagellm serve`` does not import the benchmarks (their HTTP client) to build its parser."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pagellm.cli import build_parser\n"
+        "args = build_parser(['--log-level', 'debug', 'serve', 'm.gguf']).parse_args(['--log-level', 'debug', 'serve', 'm.gguf'])\n"
+        "print(args.command, 'pagellm.bench.cli' in sys.modules, 'httpx' in sys.modules)\n"
+        "print(sorted(build_parser()._subparsers._group_actions[0].choices))\n"
+    )
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines == ["serve False False", "['bench', 'chat', 'generate', 'serve']"]

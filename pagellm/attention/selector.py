@@ -16,20 +16,19 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> AttentionB
     CUDA: the Triton kernels ("triton_paged") if Triton is installed, else "torch_sdpa".
     Other devices: "torch_sdpa".
     """
-    from pagellm.attention.triton_paged import runs_on, triton_available
-
     device = torch.device(device)
-    if name is None:
-        if device.type == "cpu":
-            name = "cpu_paged" if ops.available() else "torch_sdpa"
-        else:
-            name = "triton_paged" if device.type == "cuda" and triton_available() else "torch_sdpa"
-    if name == "cpu_paged":
+    if name is None and device.type == "cpu":
+        name = "cpu_paged" if ops.available() else "torch_sdpa"
+    if name == "cpu_paged":  # before the Triton module, whose import is a tenth of a second of a CPU start
         if device.type != "cpu":
             raise ValueError(f"attention backend 'cpu_paged' runs on CPU only, not on {device}")
         from pagellm.attention.cpu_paged import CpuPagedBackend
 
         return CpuPagedBackend()
+    from pagellm.attention.triton_paged import runs_on, triton_available
+
+    if name is None:
+        name = "triton_paged" if device.type == "cuda" and triton_available() else "torch_sdpa"
     if name == "triton_paged":
         if not runs_on(device):
             raise ValueError(f"attention backend 'triton_paged' runs on CUDA (or with TRITON_INTERPRET=1), not on {device}")

@@ -31,6 +31,7 @@ _CONVERTING_CACHE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float
 
 
 _amx_switch_read = False
+_int8_types: Optional[frozenset[int]] = None  # int8_types(), once known
 
 
 def available() -> bool:
@@ -281,9 +282,10 @@ def int8_matmul_available() -> bool:
 def int8_types() -> frozenset[int]:
     """The GGML type ids (``gguf.GGMLQuantizationType``) whose blocks :func:`pack_weight_int8`
     takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K ... Q6_K; empty without the library or its int8 dot products."""
-    if not available():
-        return frozenset()
-    return frozenset(int(t) for t in torch.ops.pagellm_gemm_int8.int8_types())
+    global _int8_types
+    if _int8_types is None:  # asked per tensor at load (hundreds of times), and the op takes ~0.3 ms
+        _int8_types = frozenset(int(t) for t in torch.ops.pagellm_gemm_int8.int8_types()) if available() else frozenset()
+    return _int8_types
 
 
 def int8_activation_span(ggml_type: int) -> int:
