@@ -244,6 +244,11 @@ class EngineConfig:
             self.enable_prefix_caching = False
 
     @property
+    def model_name(self) -> str:
+        """The name the model is served and reported under."""
+        return self.served_model_name or self.model or "SmolLM2-135M-Instruct"
+
+    @property
     def is_pooling(self) -> bool:
         return self.runner == "pooling"
 

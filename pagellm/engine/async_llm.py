@@ -108,11 +108,13 @@ class AsyncLLM:
         max_waiting_requests: Optional[int] = None,
         stat_logger: Optional[StatLogger] = None,
         wait: bool = True,
+        model_name: Optional[str] = None,
     ) -> None:
         """``engine`` is an engine, or a factory the engine thread calls to build one (its errors
         are raised here, or with ``wait=False`` by :meth:`wait_until_built`, which must come
-        before anything else is asked of it)."""
+        before anything else is asked of it but ``model_name``, given here when it is known first)."""
         self.stat_logger = stat_logger
+        self._model_name = model_name
         self._cond = threading.Condition()
         self._commands: list[_Command] = []
         self._shutdown = False
@@ -147,7 +149,7 @@ class AsyncLLM:
     @classmethod
     def from_config(cls, config: EngineConfig, stat_logger: Optional[StatLogger] = None, wait: bool = True) -> "AsyncLLM":
         """Builds the engine on the engine thread, which then steps it."""
-        return cls(lambda: LLMEngine(config), config.max_waiting_requests, stat_logger, wait)
+        return cls(lambda: LLMEngine(config), config.max_waiting_requests, stat_logger, wait, config.model_name)
 
     # -- properties the server reads ---------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class AsyncLLM:
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self._model_name if self.engine is None and self._model_name is not None else self.engine.model_name
 
     @property
     def max_model_len(self) -> int:

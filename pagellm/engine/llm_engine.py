@@ -111,7 +111,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         model_path = config.model or default_model_path()
         self.model_path = model_path
-        self.model_name = config.served_model_name or config.model or "SmolLM2-135M-Instruct"
+        self.model_name = config.model_name
         self.hf_config = load_hf_config(model_path)
         config.apply_model_dtype(model_dtype(self.hf_config))
         precision = resolve_linear_precision(config, model_dtype(self.hf_config), is_gguf(resolve_model_path(model_path)))

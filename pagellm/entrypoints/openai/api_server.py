@@ -248,18 +248,15 @@ def run_server(args: argparse.Namespace, async_llm: Optional[AsyncLLM] = None) -
     api_key = args.api_key if args.api_key is not None else envs.api_key()
     if async_llm is None:
         async_llm = start_engine(args)
-    async_llm.wait_until_built()
-    engine = async_llm.engine
-    metrics = EngineMetrics(engine.model_name)
-    if getattr(engine, "memory_plan", None) is not None:
-        metrics.record_memory_plan(engine.memory_plan)
-    async_llm.stat_logger = metrics  # before any request: the engine thread reads it per step
+    # The app and uvicorn's protocol modules are built while the engine loads on its thread: they
+    # need only the served name, and they are a few tenths of a second of a start.
+    metrics = EngineMetrics(async_llm.model_name)
     app = build_app(
         async_llm,
         metrics,
         api_key,
         args.max_request_body_bytes,
-        engine.model_path,
+        None,  # the model's root on /v1/models: its resolved path, known once loaded
         args.trust_request_chat_template,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
@@ -268,8 +265,6 @@ def run_server(args: argparse.Namespace, async_llm: Optional[AsyncLLM] = None) -
         dashboard_show_text=args.dashboard_show_text,
         lora_modules=args.lora_modules,
     )
-    for lora in app.state.models.loras.values():
-        engine.add_lora(lora)  # a bad adapter stops the server here, not at its first request
     uv_config = uvicorn.Config(
         app,
         host=args.host,
@@ -280,9 +275,18 @@ def run_server(args: argparse.Namespace, async_llm: Optional[AsyncLLM] = None) -
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
     )
+    uv_config.load()
+    async_llm.wait_until_built()
+    engine = async_llm.engine
+    app.state.models.model_root = engine.model_path
+    if getattr(engine, "memory_plan", None) is not None:
+        metrics.record_memory_plan(engine.memory_plan)
+    async_llm.stat_logger = metrics  # before any request: the engine thread reads it per step
+    for lora in app.state.models.loras.values():
+        engine.add_lora(lora)  # a bad adapter stops the server here, not at its first request
     server = GracefulServer(uv_config, app.state.server, async_llm, args.shutdown_timeout)
     logger.info(
-        "serving %s on http://%s:%d (engine loaded in %.1f s, the server %.1f s after)%s",
+        "serving %s on http://%s:%d (engine loaded in %.1f s; %.1f s since the server's modules were imported)%s",
         engine.model_name,
         args.host,
         args.port,
