@@ -127,7 +127,7 @@ def _message_dict(message: Any) -> dict:
         message = message.model_dump()
     elif dataclasses.is_dataclass(message) and not isinstance(message, type):
         message = {field.name: getattr(message, field.name) for field in dataclasses.fields(message)}
-    if not isinstance(message, dict):
+    if not isinstance(message, Mapping):
         raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
     # APIs send content=None or tool_calls=None; templates handle a missing key, not a None.
     return {key: value for key, value in message.items() if value is not None}

@@ -4,8 +4,8 @@ built without importing transformers (over a second of interpreter time at a ser
 :class:`FastTokenizer` sets the backend up as ``PreTrainedTokenizerFast(tokenizer_object=...)``
 does (its special tokens added, its BOS/EOS post-processor), so encoding and decoding are the
 backend's own and equal transformers' (the tests compare the backends' JSON). Chat templates render
-through :mod:`pagellm.tokenizer.chat_template`. Any other attribute (``save_pretrained``, ``__call__``...) is
-served by the transformers tokenizer of the same backend, built on first use: code written for a
+through :mod:`pagellm.tokenizer.chat_template`. Any other attribute (``save_pretrained``,
+``__call__``...) is served by the transformers tokenizer of the same backend, built on first use: code written for a
 Hugging Face tokenizer keeps working.
 """
 from __future__ import annotations
@@ -41,10 +41,12 @@ class FastTokenizer:
         backend: Tokenizer,
         name_or_path: str = "",
         chat_template: Optional[str] = None,
-        add_bos_token: bool = False,
-        add_eos_token: bool = False,
+        add_bos_token: Optional[bool] = None,
+        add_eos_token: Optional[bool] = None,
         **special_tokens: Optional[str],
     ) -> None:
+        """``add_bos_token``/``add_eos_token``: None where the model does not say (then, as in
+        transformers, a post-processor the backend already has is kept)."""
         unknown = set(special_tokens) - set(SPECIAL_TOKEN_NAMES)
         if unknown:
             raise TypeError(f"unknown special token names: {sorted(unknown)}")
@@ -52,11 +54,9 @@ class FastTokenizer:
         self.name_or_path = name_or_path
         self.chat_template = chat_template
         self._special = {name: token for name, token in special_tokens.items() if token is not None}
-        self._hf_kwargs: dict[str, Any] = {"name_or_path": name_or_path, **special_tokens}
-        if chat_template is not None:
-            self._hf_kwargs["chat_template"] = chat_template
-        # Only flags the file states reach transformers, as only they make it rebuild the post-processor.
-        self._hf_kwargs.update({k: v for k, v in (("add_bos_token", add_bos_token), ("add_eos_token", add_eos_token)) if v})
+        flags = {"add_bos_token": add_bos_token, "add_eos_token": add_eos_token}
+        stated = {name: value for name, value in flags.items() if value is not None}
+        self._hf_kwargs: dict[str, Any] = {"name_or_path": name_or_path, **special_tokens, **stated}
         self._hf: Optional[PreTrainedTokenizerFast] = None
         # As transformers' init: named special tokens the vocabulary lacks are added as special.
         known = set(backend.get_vocab(with_added_tokens=True))
@@ -65,7 +65,7 @@ class FastTokenizer:
             backend.add_special_tokens([AddedToken(token, special=True) for token in missing])
         bos = self._special.get("bos_token") if add_bos_token else None
         eos = self._special.get("eos_token") if add_eos_token else None
-        if backend.post_processor is None or add_bos_token or add_eos_token:
+        if backend.post_processor is None or add_bos_token is not None or add_eos_token is not None:
             single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
             pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
             marks = [(token, backend.token_to_id(token)) for token in (bos, eos) if token]
@@ -81,7 +81,8 @@ class FastTokenizer:
         if self._hf is None:
             from transformers import PreTrainedTokenizerFast
 
-            self._hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self._backend.to_str()), **self._hf_kwargs)
+            kwargs = {**self._hf_kwargs, "chat_template": self.chat_template}  # as it is now, if reassigned
+            self._hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self._backend.to_str()), **kwargs)
         return self._hf
 
     def __getattr__(self, name: str) -> Any:

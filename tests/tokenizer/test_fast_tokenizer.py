@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
@@ -25,9 +25,13 @@ def backend(extra_special: tuple[str, ...] = ()) -> Tokenizer:
     return tok
 
 
-def pair(**kwargs) -> tuple[FastTokenizer, PreTrainedTokenizerFast]:
-    """Ours and transformers' over copies of one backend, built with the same arguments."""
-    source = backend().to_str()
+def pair(post_processor: bool = False, **kwargs) -> tuple[FastTokenizer, PreTrainedTokenizerFast]:
+    """Ours and transformers' over copies of one backend, built with the same arguments
+    (``post_processor``: the backend comes with one of its own)."""
+    tok = backend()
+    if post_processor:
+        tok.post_processor = processors.TemplateProcessing(single="<s>:0 $A:0", pair="$A:0 $B:1", special_tokens=[("<s>", 1)])
+    source = tok.to_str()
     theirs = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(source), **kwargs)
     return FastTokenizer(Tokenizer.from_str(source), **kwargs), theirs
 
@@ -38,6 +42,8 @@ CONFIGS = [
     {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "add_eos_token": True},
     {"bos_token": "<s>", "eos_token": "<|new_eos|>", "unk_token": "<unk>"},  # an EOS the vocabulary lacks is added
     {"eos_token": "</s>", "add_bos_token": True},  # no BOS to add
+    {"bos_token": "<s>", "eos_token": "</s>", "post_processor": True},  # the backend's own is kept
+    {"bos_token": "<s>", "eos_token": "</s>", "post_processor": True, "add_bos_token": False},  # ... unless a flag is stated
 ]
 
 
