@@ -146,3 +146,12 @@ def test_gguf_config_has_what_transformers_class_gives(model_type: str, left_out
     assert head_dim_of(ours) == head_dim_of(theirs)
     assert get_rope_parameters(ours) == get_rope_parameters(theirs)
     assert get_max_model_len(ours) == get_max_model_len(theirs)
+
+
+def test_gguf_key_table_is_transformers_own() -> None:
+    """The GGUF metadata keys are read without importing transformers, from a copy of its table."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    from pagellm.models.gguf_config import GGUF_CONFIG_KEYS
+
+    assert GGUF_CONFIG_KEYS == {key: GGUF_CONFIG_MAPPING[key] for key in GGUF_CONFIG_KEYS}

@@ -168,3 +168,11 @@ def test_byte_level_gguf_tokenizer_is_transformers_conversion(
         assert ours.encode(text) == theirs.encode(text)
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
     assert apply_chat_template(ours, MESSAGES) == apply_chat_template(theirs, MESSAGES)
+
+
+def test_byte_spelling_is_transformers_own() -> None:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode as theirs
+
+    from pagellm.tokenizer import bytes_to_unicode
+
+    assert bytes_to_unicode() == theirs()
