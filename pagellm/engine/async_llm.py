@@ -159,7 +159,7 @@ class AsyncLLM:
 
     @property
     def model_name(self) -> str:
-        return self._model_name if self.engine is None and self._model_name is not None else self.engine.model_name
+        return self._model_name if self._model_name is not None else self.engine.model_name
 
     @property
     def max_model_len(self) -> int:

@@ -59,8 +59,7 @@ class FastTokenizer:
         self._hf_kwargs: dict[str, Any] = {"name_or_path": name_or_path, **special_tokens, **stated}
         self._hf: Optional[PreTrainedTokenizerFast] = None
         # As transformers' init: named special tokens the vocabulary lacks are added as special.
-        known = set(backend.get_vocab(with_added_tokens=True))
-        missing = [token for token in dict.fromkeys(self._special.values()) if token not in known]
+        missing = [token for token in dict.fromkeys(self._special.values()) if backend.token_to_id(token) is None]
         if missing:
             backend.add_special_tokens([AddedToken(token, special=True) for token in missing])
         bos = self._special.get("bos_token") if add_bos_token else None
