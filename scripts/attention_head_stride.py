@@ -1,0 +1,59 @@
+"""Decode attention (the C++ paged kernel) at equal bytes a step, with more or fewer kv heads: how much
+the distance between one head's rows costs (docs/benchmarks.md, "Decode attention without GQA").
+
+The cache is [block, token, kv head, dim], so one head's 128-byte rows lie kv_heads x 128 bytes
+apart. Each case reads 16 sequences x context x kv heads x 64 dims of bfloat16 per layer (16 MiB),
+one query head per kv head, over 24 layers each with its own cache (read from memory); best of 5;
+prefetching into L1, the level this Zen 3 measures.
+
+    .venv/bin/python scripts/attention_head_stride.py [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagellm.kernels import ops
+
+SEQS, HEAD_DIM, BLOCK, LAYERS = 16, 64, 16, 24
+CASES = ((32, 256), (8, 1024), (2, 4096))  # (kv heads, context): the same bytes a layer
+
+
+def seconds_per_step(kv_heads: int, context: int) -> tuple[float, int]:
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = SEQS * blocks_per_seq
+    caches = [torch.randn(2, num_blocks, BLOCK, kv_heads, HEAD_DIM, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    block_table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(SEQS, blocks_per_seq).contiguous()
+    query = torch.randn(SEQS, kv_heads, HEAD_DIM, generator=gen)
+    out = torch.empty_like(query)
+    seq_lens = torch.full((SEQS,), context, dtype=torch.int32)
+    query_start_loc = torch.arange(SEQS + 1, dtype=torch.int32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for cache in caches:
+            ops.paged_attention(out, query, cache, block_table, seq_lens, query_start_loc, HEAD_DIM**-0.5, False)
+        best = min(best, time.perf_counter() - start)
+    return best, sum(c.numel() * c.element_size() for c in caches)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if not ops.available():
+        print(f"the C++ kernels are unavailable: {ops.load_error()}")
+        return 1
+    print("| kv heads x context | stride between one head's rows | ms for 24 layers | GB/s |")
+    for _ in range(args.rounds):
+        for kv_heads, context in CASES:
+            best, nbytes = seconds_per_step(kv_heads, context)
+            print(f"| {kv_heads} x {context} | {kv_heads * HEAD_DIM * 2} B | {best * 1e3:.1f} | {nbytes / best / 1e9:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
