@@ -34,6 +34,13 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default 2GiB)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--packed-weight-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the CPU kernels' packed weights on disk (PAGELLM_PACKED_WEIGHT_CACHE, default "
+        "~/.cache/pagellm/packed) so that later starts map them instead of packing (default on)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--dtype",
@@ -125,6 +132,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory_bytes=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
+        packed_weight_cache=args.packed_weight_cache,
         seed=args.seed,
         dtype=args.dtype,
         quantization=args.quantization,

@@ -115,6 +115,9 @@ class EngineConfig:
     kv_cache_memory_bytes: Optional[int] = None
     num_kv_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
+    # Keep the CPU kernels' packed weights on disk so that later starts map them instead of packing
+    # (pagellm.kernels.pack_cache; PAGELLM_PACKED_WEIGHT_CACHE says where, or 0 for never).
+    packed_weight_cache: bool = True
     seed: int = 0
     # "auto": the checkpoint's own dtype (bfloat16 for SmolLM2, and for a GGUF file). On a CPU the
     # tensors stay float32 and only the linear layers' products take it (bfloat16 dot products

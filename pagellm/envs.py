@@ -28,6 +28,15 @@ def cache_dir() -> Path:
     return Path(base) / "pagellm"
 
 
+def packed_weight_cache_dir() -> Optional[Path]:
+    """PAGELLM_PACKED_WEIGHT_CACHE: where the kernels' packed weights are kept between starts
+    (pagellm.kernels.pack_cache): a directory, or ``0`` for nowhere; default ``<cache dir>/packed``."""
+    value = os.environ.get("PAGELLM_PACKED_WEIGHT_CACHE", "")
+    if value.lower() in ("0", "false", "off"):
+        return None
+    return Path(value) if value else cache_dir() / "packed"
+
+
 def retune() -> bool:
     """PAGELLM_RETUNE=1: measure the machine's start-up tuning again instead of reading what an earlier start kept."""
     return os.environ.get("PAGELLM_RETUNE", "0").lower() not in ("0", "false", "")

@@ -4,7 +4,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import atexit
+import shutil
+import tempfile
+
 import pytest
+
+# Packed weights go to a folder of the run's own, not the user's cache, and every load after the
+# first of a model replays them: the suite runs its models from mapped panels too.
+if "PAGELLM_PACKED_WEIGHT_CACHE" not in os.environ:
+    os.environ["PAGELLM_PACKED_WEIGHT_CACHE"] = tempfile.mkdtemp(prefix="pagellm-packed-")
+    atexit.register(shutil.rmtree, os.environ["PAGELLM_PACKED_WEIGHT_CACHE"], True)
 
 
 @pytest.fixture

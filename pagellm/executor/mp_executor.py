@@ -99,11 +99,13 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
                 pass
             break
     from pagellm.distributed.parallel_state import destroy_tensor_parallel
+    from pagellm.kernels import pack_cache
 
     try:
         destroy_tensor_parallel()
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
+    pack_cache.wait_for_writes(timeout_s=4.0)  # within the driver's 5 s before it kills the rank
 
 
 class MultiprocExecutor(Executor):

@@ -12,7 +12,8 @@ only at block boundaries (row-parallel o/down splits).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -53,15 +54,33 @@ def kernel_takes(ggml_type: GGMLQuantizationType) -> bool:
 
 @dataclass
 class GGUFWeight:
-    """A 2-D GGUF weight in its stored blocks: ``data`` is uint8 ``[rows, row_bytes]``."""
+    """A 2-D GGUF weight in its stored blocks: ``data`` is uint8 ``[rows, row_bytes]``.
+
+    A row permutation is kept as ``row_order`` (row i is ``stored[row_order[i]]``) until ``data``
+    is asked for: a load whose packed weights are mapped from an earlier start never copies them.
+    """
 
     ggml_type: GGMLQuantizationType
-    data: torch.Tensor
+    stored: torch.Tensor
     cols: int
+    row_order: Optional[torch.Tensor] = None
+    _ordered: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self.row_order is None:
+            return self.stored
+        if self._ordered is None:
+            self._ordered = self.stored.index_select(0, self.row_order)
+        return self._ordered
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        return self.stored.shape[0] if self.row_order is None else self.row_order.shape[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.stored.shape[1]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -69,7 +88,7 @@ class GGUFWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return self.rows * self.row_bytes
 
     @property
     def block_cols(self) -> int:
@@ -80,25 +99,27 @@ class GGUFWeight:
         return dequantize_rows(self.data, self.ggml_type, self.cols)
 
     def narrow_rows(self, start: int, length: int) -> GGUFWeight:
-        return GGUFWeight(self.ggml_type, self.data.narrow(0, start, length), self.cols)
+        if self.row_order is not None:
+            return GGUFWeight(self.ggml_type, self.stored, self.cols, self.row_order.narrow(0, start, length))
+        return GGUFWeight(self.ggml_type, self.stored.narrow(0, start, length), self.cols)
 
     def narrow_cols(self, start: int, length: int) -> GGUFWeight:
         """Columns ``[start, start + length)``; ValueError unless both ends fall on block boundaries."""
         per_block, block_bytes = block_shape(self.ggml_type)
         if start % per_block or length % per_block:
             raise ValueError(f"columns {start}..{start + length} of a {self.ggml_type.name} weight cut its {per_block}-wide blocks")
-        return GGUFWeight(
-            self.ggml_type, self.data.narrow(1, start // per_block * block_bytes, length // per_block * block_bytes), length
-        )
+        stored = self.stored.narrow(1, start // per_block * block_bytes, length // per_block * block_bytes)
+        return GGUFWeight(self.ggml_type, stored, length, self.row_order)
 
     def permute_rows(self, order: torch.Tensor) -> GGUFWeight:
-        return GGUFWeight(self.ggml_type, self.data.index_select(0, order), self.cols)
+        """Rows in ``order`` (row i is row ``order[i]`` of this weight), copied only when read."""
+        return GGUFWeight(self.ggml_type, self.stored, self.cols, order if self.row_order is None else self.row_order[order])
 
     def pad_rows(self, rows: int) -> GGUFWeight:
         """Zero rows appended up to ``rows``: a zero block is a zero weight in every type (its scales are 0)."""
         if rows == self.rows:
             return self
-        padded = torch.zeros((rows, self.data.shape[1]), dtype=torch.uint8)
+        padded = torch.zeros((rows, self.row_bytes), dtype=torch.uint8)
         padded[: self.rows] = self.data
         return GGUFWeight(self.ggml_type, padded, self.cols)
 

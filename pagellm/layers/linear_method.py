@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.nn import functional as F
 
 from pagellm.config import LinearPrecision
 from pagellm.kernels import ops
+from pagellm.kernels.pack_cache import through as through_pack_cache
 from pagellm.kernels.tuning import F32_PANELS, CpuTuning
 from pagellm.layers.gguf_types import GGUFWeight, kernel_takes
 
@@ -89,14 +90,15 @@ class DenseMethod(LinearMethod):
         self.packed_max_rows = PACKED_MAX_ROWS
         if not ops.supports(self.weight):
             return
+        shape = list(self.weight.shape)
         if gate_up:
             try:
-                self.panels = ops.pack_weight_gate_up(self.weight)
+                self.panels = through_pack_cache("f32_gate_up", [shape], lambda: ops.pack_weight_gate_up(self.weight))
                 self.fused_gate_up = True
                 return
             except ValueError:  # half the rows is not a whole number of vectors: two steps then
                 pass
-        self.panels = ops.pack_weight(self.weight)
+        self.panels = through_pack_cache("f32", [shape], lambda: ops.pack_weight(self.weight))
 
     def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.panels is not None and not self.fused_gate_up and x.shape[0] <= self.packed_max_rows and _rows_ok(x):
@@ -174,14 +176,15 @@ class BF16Method(_PanelsMethod):
 
     def __init__(self, weight: torch.Tensor, gate_up: bool) -> None:
         self.out_features = weight.shape[0]
+        signature: list[Any] = [list(weight.shape), str(weight.dtype)]
         if gate_up:
             try:
-                self.packed = ops.pack_weight_bf16(weight, True)
+                self.packed = through_pack_cache("bf16", signature + [True], lambda: ops.pack_weight_bf16(weight, True))
                 self.fused_gate_up = True
                 return
             except ValueError:
                 pass
-        self.packed = ops.pack_weight_bf16(weight, False)
+        self.packed = through_pack_cache("bf16", signature + [False], lambda: ops.pack_weight_bf16(weight, False))
 
     def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> None:
         ops.linear_bf16(out, x, self.packed, bias, activation)
@@ -209,8 +212,13 @@ class GGUFInt8Method(_PanelsMethod):
         if gate_up and self.out_features % (2 * GATE_UP_GROUP) == 0:
             interleave = GATE_UP_GROUP
             self.fused_gate_up = True
-        datas = [p.data if p.data.stride(-1) == 1 else p.data.contiguous() for p in parts]
-        self.packed = ops.pack_weight_int8(datas, int(self.ggml_type), self.in_features, interleave)
+        signature = [int(self.ggml_type), self.in_features, interleave, [[p.rows, p.row_bytes] for p in parts]]
+
+        def pack() -> torch.Tensor:  # the parts' rows are read (a permutation copied) only here
+            datas = [p.data if p.data.stride(-1) == 1 else p.data.contiguous() for p in parts]
+            return ops.pack_weight_int8(datas, int(self.ggml_type), self.in_features, interleave)
+
+        self.packed = through_pack_cache("int8", signature, pack)
 
     def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> None:
         ops.linear_int8(out, x, self.packed, int(self.ggml_type), bias, activation)

@@ -5,7 +5,9 @@ directory holding exactly one GGUF file and no config.json is treated as that fi
 """
 from __future__ import annotations
 
+import contextlib
 import glob
+import hashlib
 import importlib.util
 import json
 import logging
@@ -17,8 +19,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagellm import envs
 from pagellm.attention.backend import AttentionBackend
 from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
+from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.kernels import build, pack_cache
 from pagellm.kernels.tuning import CpuTuning, measure_cpu_tuning
 from pagellm.layers.rotary import max_rope_positions
 from pagellm.models.gguf_config import load_gguf_config
@@ -142,6 +147,37 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str
             module._buffers[name] = torch.empty(buffer.shape, dtype=kind, device=device)
 
 
+def _pack_cache_session(
+    path: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str, precision: LinearPrecision
+) -> contextlib.AbstractContextManager[object]:
+    """Where this load's packed weights are kept between starts (pagellm.kernels.pack_cache), keyed
+    by all they depend on; a null context when nothing is kept (another device, the cache off)."""
+    directory = envs.packed_weight_cache_dir()
+    build_dir = build.loaded_build_dir()
+    if directory is None or build_dir is None or torch.device(device).type != "cpu":
+        return contextlib.nullcontext()
+    tp = get_tp_group()
+    slot = {
+        "checkpoint": os.path.realpath(path),
+        "precision": [precision.kind, precision.fallback],
+        "dtype": str(dtype),
+        "tp": [tp.rank, tp.world_size],
+    }
+    files = []
+    for name in checkpoint_files(path):
+        stat = os.stat(name)
+        files.append([os.path.basename(name), stat.st_size, stat.st_mtime_ns, stat.st_ino])
+    config_json = json.dumps(hf_config.to_dict(), sort_keys=True, default=str)
+    key = {
+        "files": files,
+        "config": hashlib.sha256(config_json.encode()).hexdigest()[:16],
+        "code": pack_cache.code_digest(),
+        "kernels": build_dir.name,
+        "torch": torch.__version__,
+    }
+    return pack_cache.session(directory, slot, key)
+
+
 def load_model(
     model_path: str,
     hf_config: PretrainedConfig,
@@ -149,9 +185,12 @@ def load_model(
     device: torch.device | str,
     attn_backend: AttentionBackend,
     precision: LinearPrecision = EXACT_LINEAR,
+    packed_weight_cache: bool = False,
 ) -> nn.Module:
     """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``model_path``,
-    each linear layer in the form its method for ``precision`` computes with."""
+    each linear layer in the form its method for ``precision`` computes with. With
+    ``packed_weight_cache`` the kernels' packed weights are mapped from an earlier start's file, or
+    kept in one for later starts (pagellm.kernels.pack_cache)."""
     path = resolve_model_path(model_path)
     model_cls = get_model_class(hf_config)
     # Built on the meta device so no time goes into random initialization we would overwrite.
@@ -160,8 +199,11 @@ def load_model(
     materialize(model, dtype, device)
     gguf = is_gguf(path)
     weights = iter_gguf_weights(path, hf_config) if gguf else iter_safetensors_weights(path)
-    with torch.no_grad():
+    cache = _pack_cache_session(path, hf_config, dtype, device, precision) if packed_weight_cache else contextlib.nullcontext()
+    with torch.no_grad(), cache as session:
         model.load_weights(weights, precision, device, dtype)
+    if isinstance(session, pack_cache.PackSession):
+        session.finish()
     if gguf:  # packing read the map; what a form keeps of it faults back in when used
         GGUFFile.cached(path).release()
     logger.info("weights: %.0f MiB resident (%s linear layers)", model.weight_bytes() / 2**20, precision.describe())
@@ -175,7 +217,9 @@ def load_model_for_engine(
     into ``config``, with this machine's :class:`CpuTuning` measured on its own weights and handed
     to the model and the attention backend."""
     precision = config.linear_precision or EXACT_LINEAR
-    model = load_model(model_path, hf_config, config.dtype, config.device, attn_backend, precision)
+    model = load_model(
+        model_path, hf_config, config.dtype, config.device, attn_backend, precision, config.packed_weight_cache
+    )
     tuning = measure_cpu_tuning(config.device, model.packed_weights(), attention=attn_backend.name == "cpu_paged")
     attn_backend.use_cpu_tuning(tuning)
     model.use_cpu_tuning(tuning)

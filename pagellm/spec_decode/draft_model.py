@@ -168,6 +168,8 @@ def load_draft_model(config, model_path: str, attn_backend, target_vocab_size: i
     if any(w is not None for w in shape.layer_sliding_windows):
         raise ValueError("a draft model with sliding-window layers is not supported; use a full-attention draft")
     precision = draft_linear_precision(config, model_dtype(hf_config), is_gguf(resolve_model_path(model_path)))
-    model = load_model(model_path, hf_config, config.dtype, config.device, attn_backend, precision)
+    model = load_model(
+        model_path, hf_config, config.dtype, config.device, attn_backend, precision, config.packed_weight_cache
+    )
     model.use_cpu_tuning(measure_cpu_tuning(config.device, model.packed_weights(), attention=False))
     return model, shape

@@ -39,10 +39,12 @@ def test_gguf_blocks_go_to_the_int8_kernel_at_every_batch_size(ggml_type: T) -> 
     method = create_linear_method([source], INT8, CPU, torch.float32)
     assert isinstance(method, GGUFInt8Method) and method.ggml_type == ggml_type
     weight = source.dequantize()
-    bias = torch.randn(96)
+    generator = torch.Generator().manual_seed(int(ggml_type))
+    bias = torch.randn(96, generator=generator)
     for rows in (1, 13, 300):
-        x = torch.randn(rows, 512)
-        assert rel_err(method.apply(x, bias), F.linear(x, weight, bias)) < 1e-2
+        x = torch.randn(rows, 512, generator=generator)
+        # Inputs quantized per 256 (K-quants): ~0.75% on average, up to ~1.8% for one row (200 draws).
+        assert rel_err(method.apply(x, bias), F.linear(x, weight, bias)) < 2.5e-2
 
 
 @needs_int8
@@ -124,3 +126,18 @@ def test_float32_panels_take_small_batches_up_to_the_measured_limit(monkeypatch)
         x = torch.randn(rows, 64)
         torch.testing.assert_close(method.apply(x, None), x @ weight.T, rtol=1e-5, atol=1e-5)
     assert calls == [1, 8]  # BLAS beyond the limit
+
+
+def test_a_row_permutation_is_copied_only_when_the_rows_are_read() -> None:
+    source = random_gguf_weight(T.Q4_K, 16, 512, 7)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    permuted = source.permute_rows(order)
+    assert permuted.stored is source.stored and permuted._ordered is None  # nothing copied yet
+    assert permuted.shape == (16, 512) and permuted.nbytes == source.nbytes
+    eager = source.data.index_select(0, order)
+    twice = permuted.permute_rows(torch.arange(15, -1, -1))
+    cut = permuted.narrow_rows(4, 8).narrow_cols(256, 256)
+    assert cut.stored.data_ptr() == source.stored.data_ptr() + cut.row_bytes  # still a view of the file's rows
+    assert torch.equal(permuted.data, eager)
+    assert torch.equal(twice.data, eager.flip(0))
+    assert torch.equal(cut.dequantize(), source.dequantize()[order][4:12, 256:])

@@ -1,0 +1,159 @@
+"""Packed weights kept on disk: recorded by one load, mapped (not packed) by the next of the same key."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagellm.kernels import pack_cache
+
+SLOT = {"checkpoint": "/models/m.gguf", "precision": ["int8", "bfloat16"], "dtype": "torch.float32", "tp": [0, 1]}
+KEY = {"files": [["m.gguf", 123, 456, 789]], "code": "abc", "kernels": "build"}
+
+
+def mapped_from(tensor: torch.Tensor, path: Path) -> bool:
+    """Whether ``tensor``'s bytes lie in a mapping of ``path`` (/proc/self/maps)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == str(path):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return True
+    return False
+
+
+class Packer:
+    """Pack functions that count their calls; each call's panels differ (its index in the values)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        self.calls += 1
+        return (torch.arange(shape[0] * shape[1]) * self.calls).reshape(shape).to(dtype)
+
+
+Shapes = list[tuple[list[int], torch.dtype]]
+
+
+def load(directory: Path, packer: Packer, shapes: Shapes, key: dict = KEY) -> tuple[pack_cache.PackSession, list[torch.Tensor]]:
+    """One 'load': a pack call per shape inside a session, then its file written (and waited for)."""
+    with pack_cache.session(directory, SLOT, key) as session:
+        tensors = [pack_cache.through("p", [shape, str(dtype)], lambda s=shape, d=dtype: packer(s, d)) for shape, dtype in shapes]
+    thread = session.finish()
+    if thread is not None:
+        thread.join()
+    return session, tensors
+
+
+SHAPES = [([32, 100], torch.uint8), ([16, 64], torch.bfloat16), ([8, 33], torch.float32)]
+
+
+def test_a_second_load_maps_what_the_first_packed(tmp_path: Path) -> None:
+    first_packer, second_packer = Packer(), Packer()
+    first, packed = load(tmp_path, first_packer, SHAPES)
+    assert first_packer.calls == 3 and not first.complete
+    [path] = tmp_path.glob("*.pack")
+    assert path == first.path
+    second, mapped = load(tmp_path, second_packer, SHAPES)
+    assert second.complete and second_packer.calls == 0
+    assert second.mapped_bytes == sum(t.nbytes for t in packed)
+    for want, got in zip(packed, mapped):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert mapped_from(got, path) and got.data_ptr() % pack_cache.ALIGN == 0
+    assert path.stat().st_mtime_ns == first.path.stat().st_mtime_ns  # a whole replay writes nothing
+
+
+def test_outside_a_session_the_pack_runs() -> None:
+    packer = Packer()
+    assert torch.equal(pack_cache.through("p", [[2, 2]], lambda: packer([2, 2], torch.float32)), torch.arange(4.0).reshape(2, 2))
+    assert packer.calls == 1
+
+
+def test_a_different_call_packs_the_rest_and_the_file_is_written_again(tmp_path: Path) -> None:
+    load(tmp_path, Packer(), SHAPES)
+    changed = [SHAPES[0], ([16, 48], torch.bfloat16), SHAPES[2]]
+    packer = Packer()
+    session, tensors = load(tmp_path, packer, changed)
+    assert packer.calls == 2 and session.diverged  # the first call still came from the file
+    third_packer = Packer()
+    third, again = load(tmp_path, third_packer, changed)
+    assert third.complete and third_packer.calls == 0
+    assert all(torch.equal(a, b) for a, b in zip(tensors, again))
+
+
+def test_a_changed_key_is_not_read(tmp_path: Path) -> None:
+    load(tmp_path, Packer(), SHAPES)
+    packer = Packer()
+    session, _ = load(tmp_path, packer, SHAPES, key={**KEY, "files": [["m.gguf", 123, 457, 789]]})  # touched
+    assert packer.calls == 3 and not session.replayed
+    assert len(list(tmp_path.glob("*.pack"))) == 1  # the slot's one file, replaced
+
+
+def test_a_recorded_value_error_is_raised_again(tmp_path: Path) -> None:
+    def fused_then_plain(directory: Path, packer: Packer) -> tuple[pack_cache.PackSession, torch.Tensor]:
+        with pack_cache.session(directory, SLOT, KEY) as session:
+            def refuse() -> torch.Tensor:
+                packer.calls += 1
+                raise ValueError("half the rows is not a whole number of vectors")
+
+            with pytest.raises(ValueError, match="whole number"):
+                pack_cache.through("p", ["fused"], refuse)
+            tensor = pack_cache.through("p", ["plain"], lambda: packer([4, 4], torch.float32))
+        thread = session.finish()
+        if thread is not None:
+            thread.join()
+        return session, tensor
+
+    first_packer, second_packer = Packer(), Packer()
+    _, packed = fused_then_plain(tmp_path, first_packer)
+    session, mapped = fused_then_plain(tmp_path, second_packer)
+    assert first_packer.calls == 2 and second_packer.calls == 0 and session.complete
+    assert torch.equal(packed, mapped)
+
+
+def test_a_cut_short_file_is_packed_over(tmp_path: Path) -> None:
+    first, _ = load(tmp_path, Packer(), SHAPES)
+    with open(first.path, "r+b") as f:
+        f.truncate(first.path.stat().st_size - 1)
+    packer = Packer()
+    session, _ = load(tmp_path, packer, SHAPES)
+    assert packer.calls == 3 and not session.replayed
+
+
+def test_nothing_is_written_without_room_on_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pack_cache, "MIN_FREE_DISK_BYTES", 1 << 62)
+    load(tmp_path, Packer(), SHAPES)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dead_writers_temporary_file_is_removed(tmp_path: Path) -> None:
+    dead = tmp_path / f"x.pack.{2**22 + 12345}.tmp"  # above Linux's pid_max default
+    live = tmp_path / f"y.pack.{os.getpid()}.tmp"
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    load(tmp_path, Packer(), SHAPES)
+    assert not dead.exists() and live.exists()
+
+
+def test_a_session_without_packs_writes_no_file(tmp_path: Path) -> None:
+    with pack_cache.session(tmp_path, SLOT, KEY) as session:
+        pass
+    assert session.finish() is None and list(tmp_path.iterdir()) == []
+
+
+def test_wait_for_writes_lets_a_write_finish(tmp_path: Path) -> None:
+    with pack_cache.session(tmp_path, SLOT, KEY) as session:
+        pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+    session.finish()
+    pack_cache.wait_for_writes()
+    assert session.path.exists() and session.path.stat().st_size >= (1 << 22)
+
+
+def test_the_code_digest_follows_the_packing_sources() -> None:
+    assert pack_cache.code_digest() == pack_cache.code_digest()
+    assert len(pack_cache.code_digest()) == 16
