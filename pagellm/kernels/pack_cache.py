@@ -40,6 +40,8 @@ FORMAT_VERSION = 1
 ALIGN = 4096
 # Left free on the cache's disk after a file is written; short of it the file is not written.
 MIN_FREE_DISK_BYTES = 1 << 30
+# The files of all checkpoints together; past it the least recently used go first.
+MAX_CACHE_BYTES = 64 << 30
 # pagellm's packages whose code decides what a load packs and how (the C++ is the build's key).
 _PACKING_PACKAGES = ("kernels", "layers", "models", "distributed")
 
@@ -149,6 +151,8 @@ class PackSession:
         """After the load: starts writing the file (returned thread) unless it was replayed whole."""
         if self.complete:
             logger.info("packed weights mapped from %s (%.0f MiB)", self.path, self.mapped_bytes / 2**20)
+            with contextlib.suppress(OSError):
+                os.utime(self.path)  # its last use, for the eviction of the least recently used
             return None
         if not any(e.tensor is not None for e in self.entries):
             return None
@@ -202,6 +206,7 @@ def write(path: Path, key: dict[str, Any], entries: list[_Entry]) -> bool:
         if len(MAGIC) + 8 + len(header) <= data_start:
             break
         data_start += ALIGN
+    _evict(path.parent, keep=path, room=data_start + data_bytes)
     if shutil.disk_usage(path.parent).free < data_start + data_bytes + MIN_FREE_DISK_BYTES:
         logger.info("not keeping the packed weights (%.0f MiB): too little free disk in %s", data_bytes / 2**20, path.parent)
         return False
@@ -220,6 +225,24 @@ def write(path: Path, key: dict[str, Any], entries: list[_Entry]) -> bool:
             os.unlink(tmp)
     logger.info("kept the packed weights in %s (%.0f MiB) for later starts to map", path, data_bytes / 2**20)
     return True
+
+
+def _evict(directory: Path, keep: Path, room: int) -> None:
+    """Deletes the least recently used files until the others and ``room`` more fit in MAX_CACHE_BYTES."""
+    files = []
+    for other in directory.glob("*.pack"):
+        with contextlib.suppress(OSError):
+            if other != keep:
+                stat = other.stat()
+                files.append((stat.st_mtime_ns, stat.st_size, other))
+    total = sum(size for _, size, _ in files) + room
+    for _, size, other in sorted(files):
+        if total <= MAX_CACHE_BYTES:
+            break
+        with contextlib.suppress(OSError):
+            other.unlink()
+            logger.info("removed the least recently used packed weights, %s (%.0f MiB)", other, size / 2**20)
+        total -= size
 
 
 def _remove_orphans(directory: Path) -> None:

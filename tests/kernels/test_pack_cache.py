@@ -59,13 +59,14 @@ def test_a_second_load_maps_what_the_first_packed(tmp_path: Path) -> None:
     assert first_packer.calls == 3 and not first.complete
     [path] = tmp_path.glob("*.pack")
     assert path == first.path
+    inode = path.stat().st_ino
     second, mapped = load(tmp_path, second_packer, SHAPES)
     assert second.complete and second_packer.calls == 0
     assert second.mapped_bytes == sum(t.nbytes for t in packed)
     for want, got in zip(packed, mapped):
         assert got.dtype == want.dtype and torch.equal(got, want)
         assert mapped_from(got, path) and got.data_ptr() % pack_cache.ALIGN == 0
-    assert path.stat().st_mtime_ns == first.path.stat().st_mtime_ns  # a whole replay writes nothing
+    assert path.stat().st_ino == inode  # a whole replay writes no new file
 
 
 def test_outside_a_session_the_pack_runs() -> None:
@@ -157,3 +158,13 @@ def test_wait_for_writes_lets_a_write_finish(tmp_path: Path) -> None:
 def test_the_code_digest_follows_the_packing_sources() -> None:
     assert pack_cache.code_digest() == pack_cache.code_digest()
     assert len(pack_cache.code_digest()) == 16
+
+
+def test_the_least_recently_used_files_make_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    old, recent = tmp_path / "old.pack", tmp_path / "recent.pack"
+    old.write_bytes(b"x" * 10_000)
+    recent.write_bytes(b"x" * 10_000)
+    os.utime(old, ns=(1, 1_000_000_000))
+    monkeypatch.setattr(pack_cache, "MAX_CACHE_BYTES", 10_000 + 3 * pack_cache.ALIGN)
+    session, _ = load(tmp_path, Packer(), [([32, 32], torch.uint8)])  # one page of header, one of data
+    assert not old.exists() and recent.exists() and session.path.exists()
