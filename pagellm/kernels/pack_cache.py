@@ -106,17 +106,21 @@ class PackSession:
             return []
         if header.get("version") != FORMAT_VERSION or header.get("key") != self.key:
             return []
-        records = header["entries"]
-        if any(r.get("offset", 0) + r.get("nbytes", 0) > size for r in records):
-            return []  # cut short: a disk that filled up, or a copy
-        storage = torch.from_file(str(self.path), shared=False, size=size, dtype=torch.uint8) if size else None
-        entries = []
-        for r in records:
-            tensor = None
-            if "error" not in r:
-                flat = storage[r["offset"] : r["offset"] + r["nbytes"]]
-                tensor = flat.view(getattr(torch, r["dtype"])).view(r["shape"])
-            entries.append(_Entry(r["op"], r["signature"], tensor, r.get("error")))
+        try:
+            records = header["entries"]
+            if any(r.get("offset", 0) + r.get("nbytes", 0) > size for r in records):
+                return []  # cut short: a disk that filled up, or a copy
+            storage = torch.from_file(str(self.path), shared=False, size=size, dtype=torch.uint8)
+            entries = []
+            for r in records:
+                tensor = None
+                if "error" not in r:
+                    flat = storage[r["offset"] : r["offset"] + r["nbytes"]]
+                    tensor = flat.view(getattr(torch, r["dtype"])).view(r["shape"])
+                entries.append(_Entry(r["op"], r["signature"], tensor, r.get("error")))
+        except (KeyError, TypeError, AttributeError, RuntimeError, OSError) as e:  # a damaged header
+            logger.info("packed weights in %s are unreadable (%s); packing", self.path, e)
+            return []
         return entries
 
     def pack(self, op: str, signature: list[Any], pack: Callable[[], torch.Tensor]) -> torch.Tensor:

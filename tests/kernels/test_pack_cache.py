@@ -1,7 +1,9 @@
 """Packed weights kept on disk: recorded by one load, mapped (not packed) by the next of the same key."""
 from __future__ import annotations
 
+import json
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -168,3 +170,16 @@ def test_the_least_recently_used_files_make_room(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(pack_cache, "MAX_CACHE_BYTES", 10_000 + 3 * pack_cache.ALIGN)
     session, _ = load(tmp_path, Packer(), [([32, 32], torch.uint8)])  # one page of header, one of data
     assert not old.exists() and recent.exists() and session.path.exists()
+
+
+def test_a_damaged_header_is_packed_over(tmp_path: Path) -> None:
+    first, _ = load(tmp_path, Packer(), SHAPES)
+    raw = first.path.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[8:16])
+    header = json.loads(raw[16 : 16 + header_len])
+    header["entries"][1]["dtype"] = "no_such_dtype"
+    damaged = json.dumps(header).encode()
+    first.path.write_bytes(raw[:8] + struct.pack("<Q", len(damaged)) + damaged + raw[16 + len(damaged) :])
+    packer = Packer()
+    session, _ = load(tmp_path, packer, SHAPES)
+    assert packer.calls == 3 and not session.replayed
