@@ -31,6 +31,7 @@ from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import RequestOutputKind
 from pagellm.engine.stats import EngineStats
+from pagellm.kernels import pack_cache
 from pagellm.lora.request import LoRARequest
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -278,6 +279,8 @@ class AsyncLLM:
             self._shutdown = True
             self._cond.notify()
         self._thread.join(timeout)
+        # A packed-weights file still being written is finished first: a server leaves by os._exit.
+        pack_cache.wait_for_writes()
 
     def _submit(self, command: _Command) -> None:
         with self._cond:

@@ -55,7 +55,6 @@ from pagellm.entrypoints.openai.serving_models import OpenAIServingModels, parse
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STORED_RESPONSES, ServerState
-from pagellm.kernels import pack_cache
 
 logger = logging.getLogger(__name__)
 
@@ -307,9 +306,8 @@ def run_server(args: argparse.Namespace, async_llm: Optional[AsyncLLM] = None) -
 
 def exit_now(code: int) -> None:
     """Exits without the interpreter's teardown: collecting a loaded engine's objects takes seconds,
-    and a drained server should be gone at once (its state is all in memory, nothing to flush,
-    bar a packed-weights file still being written)."""
-    pack_cache.wait_for_writes()
+    and a drained server should be gone at once (its state is all in memory, nothing to flush;
+    ``AsyncLLM.shutdown`` has let a packed-weights file being written finish)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
