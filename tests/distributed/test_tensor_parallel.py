@@ -79,3 +79,14 @@ def test_tp2_on_the_default_low_precision_path_meets_vllms_rule():
 def test_tp_sizes_the_model_cannot_split_are_refused_before_any_rank_starts():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .*3 KV heads.*allowed sizes: 1, 2, 3"):
         LLM(tensor_parallel_size=4, **ENGINE)
+
+
+def test_tp2_ranks_keep_and_map_their_own_packed_weights(tmp_path, monkeypatch):
+    # Each rank packs its own shard: one file per rank, and a second start maps both and generates the same.
+    monkeypatch.setenv("PAGELLM_PACKED_WEIGHT_CACHE", str(tmp_path))
+    first, _, _ = _generate(tensor_parallel_size=2)
+    files = {path.name: path.stat().st_ino for path in tmp_path.glob("*.pack")}
+    assert len(files) == 2
+    second, _, _ = _generate(tensor_parallel_size=2)
+    assert {path.name: path.stat().st_ino for path in tmp_path.glob("*.pack")} == files  # mapped, not written again
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
