@@ -170,7 +170,7 @@ class PackSession:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # behind serving, Linux only
         try:
             write(self.path, self.key, self.entries)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - a cache: the engine serves on whatever happened here
             logger.warning("could not keep the packed weights in %s: %s", self.path, e)
 
 
