@@ -1,10 +1,12 @@
-"""Decode attention (the C++ paged kernel) at equal bytes a step, with more or fewer kv heads: how much
-the distance between one head's rows costs (docs/benchmarks.md, "Decode attention without GQA").
+"""Decode attention (the C++ paged kernel) at equal bytes a step, with more or fewer kv heads
+(docs/benchmarks.md, "Decode attention without GQA", rounds 4 and 5).
 
 The cache is [block, token, kv head, dim], so one head's 128-byte rows lie kv_heads x 128 bytes
-apart. Each case reads 16 sequences x context x kv heads x 64 dims of bfloat16 per layer (16 MiB),
-one query head per kv head, over 24 layers each with its own cache (read from memory); best of 5;
-prefetching into L1, the level this Zen 3 measures.
+apart. Round 5 found the gap between the cases is per-head work, not that distance: items reading
+whole rows and a cache-resident layer leave it as it is. Each case reads 16 sequences x context x
+kv heads x 64 dims of bfloat16 per layer (16 MiB), one query head per kv head, over 24 layers
+each with its own cache (read from memory); best of 5; prefetching into L1, the level this Zen 3
+measures.
 
     .venv/bin/python scripts/attention_head_stride.py [--rounds 2]
 """
