@@ -8,7 +8,7 @@ kv heads x 64 dims of bfloat16 per layer (16 MiB), one query head per kv head, o
 each with its own cache (read from memory); best of 5; prefetching into L1, the level this Zen 3
 measures.
 
-    .venv/bin/python scripts/attention_head_stride.py [--rounds 2]
+    .venv/bin/python scripts/attention_head_stride.py [--rounds 2] [--cache-dtype float32] [--layers 1]
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ import torch
 
 from pagellm.kernels import ops
 
-SEQS, HEAD_DIM, BLOCK, LAYERS = 16, 64, 16, 24
+SEQS, HEAD_DIM, BLOCK = 16, 64, 16
 CASES = ((32, 256), (8, 1024), (2, 4096))  # (kv heads, context): the same bytes a layer
 
 
-def seconds_per_step(kv_heads: int, context: int) -> tuple[float, int]:
+def seconds_per_step(kv_heads: int, context: int, dtype: torch.dtype, layers: int) -> tuple[float, int]:
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = SEQS * blocks_per_seq
-    caches = [torch.randn(2, num_blocks, BLOCK, kv_heads, HEAD_DIM, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    caches = [torch.randn(2, num_blocks, BLOCK, kv_heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(layers)]
     block_table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(SEQS, blocks_per_seq).contiguous()
     query = torch.randn(SEQS, kv_heads, HEAD_DIM, generator=gen)
     out = torch.empty_like(query)
@@ -45,15 +45,19 @@ def seconds_per_step(kv_heads: int, context: int) -> tuple[float, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cache-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--layers", type=int, default=24, help="caches read in turn; 1 stays in the CPU's caches")
     args = parser.parse_args()
     if not ops.available():
         print(f"the C++ kernels are unavailable: {ops.load_error()}")
         return 1
-    print("| kv heads x context | stride between one head's rows | ms for 24 layers | GB/s |")
+    dtype = getattr(torch, args.cache_dtype)
+    row_bytes = HEAD_DIM * dtype.itemsize
+    print(f"| kv heads x context | stride between one head's rows | ms for {args.layers} layers | GB/s |")
     for _ in range(args.rounds):
         for kv_heads, context in CASES:
-            best, nbytes = seconds_per_step(kv_heads, context)
-            print(f"| {kv_heads} x {context} | {kv_heads * HEAD_DIM * 2} B | {best * 1e3:.1f} | {nbytes / best / 1e9:.1f} |", flush=True)
+            best, nbytes = seconds_per_step(kv_heads, context, dtype, args.layers)
+            print(f"| {kv_heads} x {context} | {kv_heads * row_bytes} B | {best * 1e3:.1f} | {nbytes / best / 1e9:.1f} |", flush=True)
     return 0
 
 
