@@ -10,7 +10,8 @@ checkpoint files, pagellm's code, the kernel build, precision, rank). Each linea
 through :func:`through`, with its arguments' signature and the pack as a function (so that what
 only the pack reads, a permuted copy of the rows, is not made when it is replayed). With no
 valid file the calls pack and are recorded, and the file is written afterwards on a thread of its
-own, so the first start is not delayed. With one, each call takes the next recorded panels after
+own, a piece at a time while the model runs no step (:func:`stepping`), so that neither the first
+start nor its first requests wait for it. With one, each call takes the next recorded panels after
 checking its signature; a difference makes the rest of the load pack, and the file is written
 again.
 """
@@ -25,6 +26,7 @@ import os
 import shutil
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +47,43 @@ MAX_CACHE_BYTES = 64 << 30
 # pagellm's packages whose code decides what a load packs and how (the C++ is the build's key).
 _PACKING_PACKAGES = ("kernels", "layers", "models", "distributed")
 
+# The background write waits until the model has run no step for this long, and writes this much
+# at a time, so that a request arriving meanwhile waits for at most one piece.
+IDLE_BEFORE_WRITE_S = 1.0
+WRITE_PIECE_BYTES = 4 << 20
+
 _session: contextvars.ContextVar[Optional[PackSession]] = contextvars.ContextVar("pack_session", default=None)
 _writers: list[threading.Thread] = []
+_last_busy = time.monotonic()
+_steps_running = 0
+_hurry = threading.Event()  # set while a caller waits for the writes: no more pauses
+
+
+def mark_busy() -> None:
+    """Keeps a background write waiting for the next IDLE_BEFORE_WRITE_S (after a step or a load)."""
+    global _last_busy
+    _last_busy = time.monotonic()
+
+
+@contextlib.contextmanager
+def stepping() -> Iterator[None]:
+    """Around each model step: a background write pauses while the engine serves (a prefill step
+    can take seconds, so the write waits for the step's end, not only its start)."""
+    global _steps_running
+    _steps_running += 1
+    try:
+        yield
+    finally:
+        _steps_running -= 1
+        mark_busy()
+
+
+def _wait_until_idle() -> None:
+    while not _hurry.is_set():
+        quiet = 0.0 if _steps_running else time.monotonic() - _last_busy
+        if quiet >= IDLE_BEFORE_WRITE_S:
+            return
+        _hurry.wait(IDLE_BEFORE_WRITE_S - quiet)
 
 
 def through(op: str, signature: list[Any], pack: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -160,6 +197,7 @@ class PackSession:
             return None
         if not any(e.tensor is not None for e in self.entries):
             return None
+        mark_busy()  # what follows the load (the KV cache, warm-up, a server's start) goes first
         thread = threading.Thread(target=self._write_quietly, name="pagellm-pack-cache", daemon=False)
         thread.start()
         _writers.append(thread)
@@ -169,24 +207,29 @@ class PackSession:
         with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # behind serving, Linux only
         try:
-            write(self.path, self.key, self.entries)
+            write(self.path, self.key, self.entries, pace=_wait_until_idle)
         except Exception as e:  # noqa: BLE001 - a cache: the engine serves on whatever happened here
             logger.warning("could not keep the packed weights in %s: %s", self.path, e)
 
 
 def wait_for_writes(timeout_s: Optional[float] = None) -> None:
     """Lets files still being written finish: for a process that leaves by ``os._exit``, which
-    would end their threads and the files with them."""
-    while _writers:
-        thread = _writers.pop()
-        if thread.is_alive():
-            logger.info("finishing the packed-weights file for later starts")
-            thread.join(timeout_s)
+    would end their threads and the files with them. They no longer wait for idle time."""
+    _hurry.set()
+    try:
+        while _writers:
+            thread = _writers.pop()
+            if thread.is_alive():
+                logger.info("finishing the packed-weights file for later starts")
+                thread.join(timeout_s)
+    finally:
+        _hurry.clear()
 
 
-def write(path: Path, key: dict[str, Any], entries: list[_Entry]) -> bool:
+def write(path: Path, key: dict[str, Any], entries: list[_Entry], pace: Optional[Callable[[], None]] = None) -> bool:
     """Writes ``entries`` under ``key`` to ``path`` (through a temporary file, so a reader sees
-    a whole file or none); False when the disk would be left with less than MIN_FREE_DISK_BYTES."""
+    a whole file or none), calling ``pace`` before each WRITE_PIECE_BYTES; False when the disk
+    would be left with less than MIN_FREE_DISK_BYTES."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(path.parent)
     records: list[dict[str, Any]] = []
@@ -221,7 +264,11 @@ def write(path: Path, key: dict[str, Any], entries: list[_Entry]) -> bool:
             for e, r in zip(entries, placed):
                 if e.tensor is not None:
                     f.seek(r["offset"])
-                    f.write(memoryview(e.tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                    data = memoryview(e.tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                    for start in range(0, len(data), WRITE_PIECE_BYTES):
+                        if pace is not None:
+                            pace()
+                        f.write(data[start : start + WRITE_PIECE_BYTES])
             f.truncate(max((r["offset"] + r["nbytes"] for r in placed if "offset" in r), default=data_start))
         os.replace(tmp, path)
     finally:

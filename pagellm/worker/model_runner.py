@@ -16,6 +16,7 @@ from pagellm.attention.backend import AttentionMetadata
 from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.kernels import pack_cache
 from pagellm.lora.model_manager import LoRAModelManager
 from pagellm.pooling_params import PoolerConfig
 from pagellm.sample.logprobs import compute_prompt_logprobs
@@ -174,8 +175,13 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        # A first start's packed-weights file is written between steps, not beside them.
+        with pack_cache.stepping():
+            return self._execute_model(out)
+
+    @torch.inference_mode()
+    def _execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._update_states(out)
         if out.is_empty:

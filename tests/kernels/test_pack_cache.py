@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,8 @@ def load(directory: Path, packer: Packer, shapes: Shapes, key: dict = KEY) -> tu
     """One 'load': a pack call per shape inside a session, then its file written (and waited for)."""
     with pack_cache.session(directory, SLOT, key) as session:
         tensors = [pack_cache.through("p", [shape, str(dtype)], lambda s=shape, d=dtype: packer(s, d)) for shape, dtype in shapes]
-    thread = session.finish()
-    if thread is not None:
-        thread.join()
+    session.finish()
+    pack_cache.wait_for_writes()
     return session, tensors
 
 
@@ -107,9 +107,8 @@ def test_a_recorded_value_error_is_raised_again(tmp_path: Path) -> None:
             with pytest.raises(ValueError, match="whole number"):
                 pack_cache.through("p", ["fused"], refuse)
             tensor = pack_cache.through("p", ["plain"], lambda: packer([4, 4], torch.float32))
-        thread = session.finish()
-        if thread is not None:
-            thread.join()
+        session.finish()
+        pack_cache.wait_for_writes()
         return session, tensor
 
     first_packer, second_packer = Packer(), Packer()
@@ -155,6 +154,43 @@ def test_wait_for_writes_lets_a_write_finish(tmp_path: Path) -> None:
     session.finish()
     pack_cache.wait_for_writes()
     assert session.path.exists() and session.path.stat().st_size >= (1 << 22)
+
+
+def test_the_write_waits_while_the_model_runs_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pack_cache, "IDLE_BEFORE_WRITE_S", 1.0)
+    with pack_cache.session(tmp_path, SLOT, KEY) as session:
+        pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+    thread = session.finish()
+    assert thread is not None
+    for _ in range(30):  # a step every 50 ms for 1.5 s: never a second without one
+        with pack_cache.stepping():
+            time.sleep(0.01)
+        time.sleep(0.04)
+        assert thread.is_alive() and not session.path.exists()
+    thread.join(timeout=60)  # no more steps: the write goes on
+    assert not thread.is_alive() and session.path.exists()
+
+
+def test_the_write_waits_for_a_long_step_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pack_cache, "IDLE_BEFORE_WRITE_S", 0.3)
+    with pack_cache.session(tmp_path, SLOT, KEY) as session:
+        pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+    with pack_cache.stepping():  # one step of 1.5 s, as a long prefill
+        thread = session.finish()
+        assert thread is not None
+        time.sleep(1.5)
+        assert thread.is_alive() and not session.path.exists()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and session.path.exists()
+
+
+def test_waiting_for_the_writes_ends_their_pauses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pack_cache, "IDLE_BEFORE_WRITE_S", 3600.0)
+    with pack_cache.session(tmp_path, SLOT, KEY) as session:
+        pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+    session.finish()
+    pack_cache.wait_for_writes(timeout_s=60)
+    assert session.path.exists()
 
 
 def test_the_code_digest_follows_the_packing_sources() -> None:
