@@ -10,9 +10,11 @@ instruction set would be wrong on some machine (docs/kernels.md has the measurem
 
 :func:`measure_cpu_tuning` times each on the model's own weights (a few hundred milliseconds);
 the engine calls it once and hands the result to the attention backend and the model. The decode
-prefetch level is a property of the machine alone, so its answer is kept beside the kernel library
-built for this CPU (``decode_prefetch.json``) and read at later starts: its probe allocates ~75 MiB
-whose first touch, in a VM that backs memory lazily, took up to a second of a server's start.
+prefetch level depends on the machine and on the model's attention (its heads and the cache's
+element size: on one CPU L1 won for SmolLM2-135M's 3 kv heads, L2 by 1.4x for 32), so its answer
+is kept per :class:`DecodeShape` beside the kernel library built for this CPU
+(``decode_prefetch.json``) and read at later starts: its probe allocates ~100 MiB whose first
+touch, in a VM that backs memory lazily, took up to a second of a server's start.
 ``PAGELLM_RETUNE=1`` measures it again. The row limits depend on the model's shapes and are
 measured at every start. ``python -m pagellm.kernels.tuning`` prints what this machine measures,
 as JSON.
@@ -37,10 +39,11 @@ from pagellm.kernels import build, ops
 
 logger = logging.getLogger(__name__)
 
-# Decode at 32 sequences x 512 keys (SmolLM2's heads), over copies of the cache that together
-# exceed a last-level cache, so the timed passes read from memory as a model step does.
-DECODE_PROBE_SEQS, DECODE_PROBE_CONTEXT, DECODE_PROBE_COPIES = 32, 512, 3
-DECODE_PROBE_HEADS, DECODE_PROBE_KV_HEADS, DECODE_PROBE_HEAD_DIM, DECODE_PROBE_BLOCK = 9, 3, 64, 16
+# Decode at 32 sequences of 256-4,096 keys (a cache of at least 16 MiB), over copies of it that
+# together exceed a last-level cache, so the timed passes read from memory as a model step does.
+DECODE_PROBE_SEQS, DECODE_PROBE_BLOCK = 32, 16
+DECODE_PROBE_MIN_CONTEXT, DECODE_PROBE_MAX_CONTEXT = 256, 4096
+DECODE_PROBE_CACHE_BYTES, DECODE_PROBE_TOTAL_BYTES = 16 << 20, 96 << 20
 DECODE_PROBE_REPEATS = 3
 # L2 prefetches must win by this much to replace the default (L1).
 DECODE_MIN_GAIN = 1.03
@@ -79,6 +82,32 @@ class RowLimits:
     """Up to ``packed_max_rows`` rows the packed kernel is used, BLAS beyond."""
 
     packed_max_rows: int
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """A model's decode attention as one rank runs it, for the prefetch probe: query and kv
+    heads, head size and the cache's element type."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cache_dtype: torch.dtype
+
+    @property
+    def probe_dtype(self) -> torch.dtype:
+        """float32 for a float32 cache, else bfloat16: the kernel converts every element of a
+        16- or 8-bit cache alike and waits on that rather than on memory."""
+        return torch.float32 if self.cache_dtype == torch.float32 else torch.bfloat16
+
+    @property
+    def key(self) -> str:
+        dtype = str(self.probe_dtype).removeprefix("torch.")
+        return f"{self.num_heads}q/{self.num_kv_heads}kv/{self.head_dim}d/{dtype}"
+
+
+# SmolLM2-135M's heads under its default (bfloat16) cache: the command line's probe.
+SMOLLM2_DECODE_SHAPE = DecodeShape(9, 3, 64, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -222,29 +251,33 @@ def tune_row_limits(weights: Sequence[tuple[torch.Tensor, PackedForms]]) -> tupl
     return ((F32_PANELS, measured),)
 
 
-def _decode_probe() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(query, cache copies, block table, seq_lens, query_start_loc) for a decode step whose
-    sequences own shuffled, scattered blocks, as in a running server's cache."""
+def _decode_probe(shape: DecodeShape) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, cache copies, block table, seq_lens, query_start_loc) for a decode step of
+    ``shape`` whose sequences own shuffled, scattered blocks, as in a running server's cache."""
     gen = torch.Generator().manual_seed(0)
-    blocks_per_seq = -(-DECODE_PROBE_CONTEXT // DECODE_PROBE_BLOCK)
+    token_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.probe_dtype.itemsize
+    context = DECODE_PROBE_CACHE_BYTES // (DECODE_PROBE_SEQS * token_bytes)
+    context = min(max(context, DECODE_PROBE_MIN_CONTEXT), DECODE_PROBE_MAX_CONTEXT)
+    blocks_per_seq = -(-context // DECODE_PROBE_BLOCK)
     num_blocks = DECODE_PROBE_SEQS * blocks_per_seq
     block_ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     block_table = block_ids.view(DECODE_PROBE_SEQS, blocks_per_seq).contiguous()
-    shape = (2, num_blocks, DECODE_PROBE_BLOCK, DECODE_PROBE_KV_HEADS, DECODE_PROBE_HEAD_DIM)
-    cache = torch.randn(shape, generator=gen)
-    caches = [cache] + [cache.clone() for _ in range(DECODE_PROBE_COPIES - 1)]
-    query = torch.randn(DECODE_PROBE_SEQS, DECODE_PROBE_HEADS, DECODE_PROBE_HEAD_DIM, generator=gen)
-    seq_lens = torch.full((DECODE_PROBE_SEQS,), DECODE_PROBE_CONTEXT, dtype=torch.int32)
+    cache_shape = (2, num_blocks, DECODE_PROBE_BLOCK, shape.num_kv_heads, shape.head_dim)
+    cache = torch.randn(cache_shape, generator=gen).to(shape.probe_dtype)
+    copies = max(2, -(-DECODE_PROBE_TOTAL_BYTES // (cache.numel() * cache.element_size())))
+    caches = [cache] + [cache.clone() for _ in range(copies - 1)]
+    query = torch.randn(DECODE_PROBE_SEQS, shape.num_heads, shape.head_dim, generator=gen)
+    seq_lens = torch.full((DECODE_PROBE_SEQS,), context, dtype=torch.int32)
     query_start_loc = torch.arange(DECODE_PROBE_SEQS + 1, dtype=torch.int32)
     return query, caches, block_table, seq_lens, query_start_loc
 
 
-def measure_decode_prefetch() -> bool:
-    """Whether decode attention from memory runs faster prefetching into L2 only."""
+def measure_decode_prefetch(shape: DecodeShape = SMOLLM2_DECODE_SHAPE) -> bool:
+    """Whether decode attention of ``shape`` from memory runs faster prefetching into L2 only."""
     start = time.perf_counter()
-    query, caches, block_table, seq_lens, query_start_loc = _decode_probe()
+    query, caches, block_table, seq_lens, query_start_loc = _decode_probe(shape)
     out = torch.empty_like(query)
-    scale = DECODE_PROBE_HEAD_DIM**-0.5
+    scale = shape.head_dim**-0.5
 
     def seconds(to_l2: bool) -> float:
         begin = time.perf_counter()
@@ -259,7 +292,8 @@ def measure_decode_prefetch() -> bool:
             best[to_l2] = min(best[to_l2], seconds(to_l2))
     to_l2 = best[True] * DECODE_MIN_GAIN < best[False]
     logger.info(
-        "decode attention prefetches into %s (from memory: L1 %.1f ms, L2 %.1f ms; measured in %.2f s)",
+        "decode attention (%s) prefetches into %s (from memory: L1 %.1f ms, L2 %.1f ms; measured in %.2f s)",
+        shape.key,
         "L2" if to_l2 else "L1",
         best[False] * 1e3,
         best[True] * 1e3,
@@ -268,24 +302,27 @@ def measure_decode_prefetch() -> bool:
     return to_l2
 
 
-def decode_prefetch_to_l2() -> bool:
-    """:func:`measure_decode_prefetch`'s answer for this machine: as an earlier start measured it
-    for the loaded kernel build, else measured now and kept for the next start."""
+def decode_prefetch_to_l2(shape: DecodeShape = SMOLLM2_DECODE_SHAPE) -> bool:
+    """:func:`measure_decode_prefetch`'s answer for this machine and ``shape``: as an earlier start
+    measured it for the loaded kernel build, else measured now and kept for the next start."""
     folder = build.loaded_build_dir()
     path = None if folder is None else folder / DECODE_PREFETCH_FILE
-    if path is not None and not envs.retune():
+    kept: dict[str, bool] = {}
+    if path is not None:
         try:
-            to_l2 = json.loads(path.read_text())["decode_prefetch_to_l2"]
-        except (OSError, ValueError, KeyError, TypeError):
-            to_l2 = None
-        if isinstance(to_l2, bool):
-            logger.info("decode attention prefetches into %s (as measured at an earlier start: %s)", "L2" if to_l2 else "L1", path)
-            return to_l2
-    to_l2 = measure_decode_prefetch()
+            read = json.loads(path.read_text())
+            kept = {k: v for k, v in read.items() if isinstance(v, bool)} if isinstance(read, dict) else {}
+        except (OSError, ValueError):
+            kept = {}
+    to_l2 = kept.get(shape.key)
+    if to_l2 is not None and not envs.retune():
+        logger.info("decode attention (%s) prefetches into %s (as measured at an earlier start: %s)", shape.key, "L2" if to_l2 else "L1", path)
+        return to_l2
+    to_l2 = measure_decode_prefetch(shape)
     if path is not None:
         try:  # written whole and renamed: a concurrent start reads the old file or the new one
             partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps({"decode_prefetch_to_l2": to_l2}))
+            partial.write_text(json.dumps({**kept, shape.key: to_l2}))
             os.replace(partial, path)
         except OSError as exc:
             logger.debug("could not keep the decode prefetch level: %s", exc)
@@ -295,17 +332,17 @@ def decode_prefetch_to_l2() -> bool:
 def measure_cpu_tuning(
     device: torch.device | str,
     packed_weights: Sequence[tuple[torch.Tensor, PackedForms]] = (),
-    attention: bool = True,
+    decode_shape: Optional[DecodeShape] = None,
 ) -> CpuTuning:
-    """Measures this machine for a model on ``device``: the decode prefetch level (unless
-    ``attention`` is False, for a backend other than the C++ one) and the float32 panels' row
-    limit on ``packed_weights`` (``(weight, packed)`` pairs in model order, ``packed.panels``
-    float32 panels).
+    """Measures this machine for a model on ``device``: the decode prefetch level for its
+    attention (``decode_shape``; None for a backend other than the C++ one) and the float32
+    panels' row limit on ``packed_weights`` (``(weight, packed)`` pairs in model order,
+    ``packed.panels`` float32 panels).
     Off the CPU, or without the kernels, nothing is measured: :meth:`CpuTuning.untuned`."""
     if torch.device(device).type != "cpu" or not ops.available():
         return CpuTuning.untuned()
     return CpuTuning(
-        decode_prefetch_to_l2=decode_prefetch_to_l2() if attention else False,
+        decode_prefetch_to_l2=decode_prefetch_to_l2(decode_shape) if decode_shape is not None else False,
         row_limits=tune_row_limits(packed_weights),
     )
 

@@ -24,11 +24,12 @@ from pagellm.attention.backend import AttentionBackend
 from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import build, pack_cache
-from pagellm.kernels.tuning import CpuTuning, measure_cpu_tuning
+from pagellm.kernels.tuning import CpuTuning, DecodeShape, measure_cpu_tuning
 from pagellm.layers.rotary import max_rope_positions
 from pagellm.models.gguf_config import load_gguf_config
 from pagellm.models.gguf_loader import GGUFFile, iter_gguf_weights
 from pagellm.models.registry import TEXT_ARCHITECTURE_OF, get_model_class
+from pagellm.models.shape import ModelShape
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -220,7 +221,18 @@ def load_model_for_engine(
     model = load_model(
         model_path, hf_config, config.dtype, config.device, attn_backend, precision, config.packed_weight_cache
     )
-    tuning = measure_cpu_tuning(config.device, model.packed_weights(), attention=attn_backend.name == "cpu_paged")
+    tp = config.tensor_parallel_size
+    decode_shape = (
+        DecodeShape(
+            num_heads=max(1, hf_config.num_attention_heads // tp),
+            num_kv_heads=max(1, ModelShape.from_hf_config(hf_config).num_kv_heads // tp),
+            head_dim=ModelShape.from_hf_config(hf_config).head_dim,
+            cache_dtype=config.kv_cache_dtype,
+        )
+        if attn_backend.name == "cpu_paged"
+        else None
+    )
+    tuning = measure_cpu_tuning(config.device, model.packed_weights(), decode_shape)
     attn_backend.use_cpu_tuning(tuning)
     model.use_cpu_tuning(tuning)
     logger.info("CPU tuning: %s", tuning.to_json())

@@ -13,6 +13,7 @@ from pagellm.kernels.tuning import (
     F32_PANELS,
     UNLIMITED_ROWS,
     CpuTuning,
+    DecodeShape,
     RowLimits,
     TuningKey,
     collect_probes,
@@ -21,6 +22,8 @@ from pagellm.kernels.tuning import (
     measure_row_limits,
     tune_row_limits,
 )
+
+SHAPE = tuning.SMOLLM2_DECODE_SHAPE
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
 
@@ -112,7 +115,7 @@ def test_tune_measures_once_over_every_probe(monkeypatch) -> None:
     weights = [torch.randn(96, 64), torch.randn(40, 64)]
     measured = []
     monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: (measured.append(len(probes)), RowLimits(16))[1])
-    cpu_tuning = measure_cpu_tuning("cpu", [(w, panels_of(w)) for w in weights], attention=False)
+    cpu_tuning = measure_cpu_tuning("cpu", [(w, panels_of(w)) for w in weights])
     assert measured == [2]
     assert cpu_tuning.row_limits == ((F32_PANELS, RowLimits(16)),)
     assert cpu_tuning.limits_for(("F32", "panels")) == RowLimits(16)
@@ -121,7 +124,7 @@ def test_tune_measures_once_over_every_probe(monkeypatch) -> None:
 def test_nothing_to_measure_without_weights(monkeypatch) -> None:
     monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: pytest.fail("measured without weights"))
     assert tune_row_limits([]) == ()
-    assert measure_cpu_tuning("cpu", [], attention=False) == CpuTuning.untuned()
+    assert measure_cpu_tuning("cpu", []) == CpuTuning.untuned()
 
 
 def test_real_measurement_gives_a_probed_limit() -> None:
@@ -137,59 +140,83 @@ def test_nothing_is_measured_off_the_cpu() -> None:
 
 
 def test_measure_cpu_tuning_measures_both_and_prints_as_json(monkeypatch) -> None:
-    monkeypatch.setattr(tuning, "decode_prefetch_to_l2", lambda: True)
+    asked: list[DecodeShape] = []
+    monkeypatch.setattr(tuning, "decode_prefetch_to_l2", lambda shape: asked.append(shape) or True)
     monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: RowLimits(256))
     weight = torch.randn(96, 64)
-    cpu_tuning = measure_cpu_tuning("cpu", [(weight, panels_of(weight))])
+    cpu_tuning = measure_cpu_tuning("cpu", [(weight, panels_of(weight))], SHAPE)
+    assert asked == [SHAPE]
     assert cpu_tuning == CpuTuning(decode_prefetch_to_l2=True, row_limits=((F32_PANELS, RowLimits(256)),))
     assert json.loads(cpu_tuning.to_json()) == {
         "decode_prefetch_to_l2": True,
         "row_limits": {"F32/panels": {"packed_max_rows": 256}},
     }
-    assert not measure_cpu_tuning("cpu", [], attention=False).decode_prefetch_to_l2
+    assert not measure_cpu_tuning("cpu", []).decode_prefetch_to_l2
 
 
 def test_command_line_prints_the_tuning_as_json(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda: False)
+    monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda shape=None: False)
     monkeypatch.setattr(tuning, "measure_row_limits", lambda probes: RowLimits(64))
     assert tuning.main([]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == {"decode_prefetch_to_l2": False, "row_limits": {"F32/panels": {"packed_max_rows": 64}}}
 
 
-def test_decode_prefetch_probe_runs() -> None:
-    assert isinstance(tuning.measure_decode_prefetch(), bool)
+@pytest.mark.parametrize("shape", [SHAPE, DecodeShape(32, 32, 64, torch.float32)], ids=lambda s: s.key)
+def test_decode_prefetch_probe_runs_at_the_models_shape(shape: DecodeShape) -> None:
+    query, caches, block_table, seq_lens, _ = tuning._decode_probe(shape)
+    assert query.shape == (tuning.DECODE_PROBE_SEQS, shape.num_heads, shape.head_dim)
+    assert caches[0].shape[3:] == (shape.num_kv_heads, shape.head_dim) and caches[0].dtype == shape.probe_dtype
+    # Together more than a last-level cache, each sequence within the probe's bounds of context.
+    assert sum(c.numel() * c.element_size() for c in caches) >= tuning.DECODE_PROBE_TOTAL_BYTES
+    assert tuning.DECODE_PROBE_MIN_CONTEXT <= int(seq_lens[0]) <= tuning.DECODE_PROBE_MAX_CONTEXT
+    assert block_table.shape[1] * tuning.DECODE_PROBE_BLOCK >= int(seq_lens[0])
+    assert isinstance(tuning.measure_decode_prefetch(shape), bool)
 
 
-def test_decode_prefetch_level_is_measured_once_per_kernel_build(monkeypatch, tmp_path) -> None:
-    measured: list[bool] = []
+def test_a_16_or_8_bit_cache_is_probed_as_bfloat16() -> None:
+    assert DecodeShape(9, 3, 64, torch.float16).probe_dtype == torch.bfloat16
+    assert DecodeShape(9, 3, 64, torch.float8_e4m3fn).key == SHAPE.key == "9q/3kv/64d/bfloat16"
+    assert DecodeShape(9, 3, 64, torch.float32).key == "9q/3kv/64d/float32"
 
-    def measure() -> bool:
-        measured.append(True)
+
+def test_decode_prefetch_level_is_measured_once_per_kernel_build_and_shape(monkeypatch, tmp_path) -> None:
+    measured: list[str] = []
+
+    def measure(shape: DecodeShape) -> bool:
+        measured.append(shape.key)
         return len(measured) == 1  # the first measurement says L2, any later one L1
 
+    other = DecodeShape(32, 32, 64, torch.bfloat16)
     monkeypatch.setattr(tuning, "measure_decode_prefetch", measure)
     monkeypatch.setattr(tuning.build, "loaded_build_dir", lambda: tmp_path)
     monkeypatch.delenv("PAGELLM_RETUNE", raising=False)
-    assert tuning.decode_prefetch_to_l2() is True
-    assert json.loads((tmp_path / tuning.DECODE_PREFETCH_FILE).read_text()) == {"decode_prefetch_to_l2": True}
-    assert tuning.decode_prefetch_to_l2() is True  # read back, not measured
-    assert len(measured) == 1
+    # A file of the earlier format (one answer for every shape) is measured over.
+    (tmp_path / tuning.DECODE_PREFETCH_FILE).write_text(json.dumps({"decode_prefetch_to_l2": False}))
+    assert tuning.decode_prefetch_to_l2(SHAPE) is True
+    assert tuning.decode_prefetch_to_l2(SHAPE) is True  # read back, not measured
+    assert measured == [SHAPE.key]
+    assert tuning.decode_prefetch_to_l2(other) is False  # another shape: measured, kept beside it
+    assert tuning.decode_prefetch_to_l2(other) is False
+    assert measured == [SHAPE.key, other.key]
+    kept = json.loads((tmp_path / tuning.DECODE_PREFETCH_FILE).read_text())
+    assert kept[SHAPE.key] is True and kept[other.key] is False
     monkeypatch.setenv("PAGELLM_RETUNE", "1")
-    assert tuning.decode_prefetch_to_l2() is False  # measured again, and kept
-    assert len(measured) == 2
+    assert tuning.decode_prefetch_to_l2(SHAPE) is False  # measured again, and kept
+    assert len(measured) == 3
+    assert json.loads((tmp_path / tuning.DECODE_PREFETCH_FILE).read_text())[SHAPE.key] is False
     monkeypatch.delenv("PAGELLM_RETUNE")
-    assert tuning.decode_prefetch_to_l2() is False
+    assert tuning.decode_prefetch_to_l2(SHAPE) is False and len(measured) == 3
     (tmp_path / tuning.DECODE_PREFETCH_FILE).write_text("{not json")
-    assert tuning.decode_prefetch_to_l2() is False and len(measured) == 3  # a damaged file is measured over
+    assert tuning.decode_prefetch_to_l2(SHAPE) is False and len(measured) == 4  # a damaged file is measured over
     assert sorted(p.name for p in tmp_path.iterdir()) == [tuning.DECODE_PREFETCH_FILE]  # no partial file left
 
 
 def test_decode_prefetch_level_without_a_build_folder_is_measured_every_time(monkeypatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda: calls.append(1) or False)
+    monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda shape: calls.append(1) or False)
     monkeypatch.setattr(tuning.build, "loaded_build_dir", lambda: None)
-    assert tuning.decode_prefetch_to_l2() is False and tuning.decode_prefetch_to_l2() is False
+    assert tuning.decode_prefetch_to_l2(SHAPE) is False and tuning.decode_prefetch_to_l2(SHAPE) is False
     assert len(calls) == 2
 
 
