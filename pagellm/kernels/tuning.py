@@ -316,7 +316,8 @@ def decode_prefetch_to_l2(shape: DecodeShape = SMOLLM2_DECODE_SHAPE) -> bool:
             kept = {}
     to_l2 = kept.get(shape.key)
     if to_l2 is not None and not envs.retune():
-        logger.info("decode attention (%s) prefetches into %s (as measured at an earlier start: %s)", shape.key, "L2" if to_l2 else "L1", path)
+        level = "L2" if to_l2 else "L1"
+        logger.info("decode attention (%s) prefetches into %s (as measured at an earlier start: %s)", shape.key, level, path)
         return to_l2
     to_l2 = measure_decode_prefetch(shape)
     if path is not None:
