@@ -212,6 +212,11 @@ def test_decode_prefetch_level_is_measured_once_per_kernel_build_and_shape(monke
     assert sorted(p.name for p in tmp_path.iterdir()) == [tuning.DECODE_PREFETCH_FILE]  # no partial file left
 
 
+def test_a_head_size_the_kernel_does_not_run_is_not_measured(monkeypatch) -> None:
+    monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda shape: pytest.fail("measured"))
+    assert tuning.decode_prefetch_to_l2(DecodeShape(4, 2, 16, torch.bfloat16)) is False
+
+
 def test_decode_prefetch_level_without_a_build_folder_is_measured_every_time(monkeypatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(tuning, "measure_decode_prefetch", lambda shape: calls.append(1) or False)
