@@ -21,7 +21,9 @@ class VocabParallelEmbedding(nn.Module):
 
     A GGUF table stays in its blocks on a CPU and only the looked-up rows are dequantized (by the
     same dequantizer as everything else, so values are exact); a float table stays in its dtype
-    and rows are returned as float32. A tied LM head is built from :meth:`source_rows`.
+    and rows are returned as float32. A tied LM head is built from :meth:`source_rows`; when it
+    holds the table's own values (int8 panels of its blocks, or bfloat16 panels of a bfloat16
+    table) rows are read from the head's panels and the table is not kept twice.
     """
 
     def __init__(
@@ -44,16 +46,18 @@ class VocabParallelEmbedding(nn.Module):
         self.blocks: Optional[GGUFWeight] = None
         # On the int8 path the table lives only in the kernel's panels, shared with a tied head.
         self.packed: Optional[GGUFInt8Method] = None
+        # A bfloat16 table whose tied head's bfloat16 panels ([panels, k / 2, 32, 2]) hold the same values.
+        self.head_panels: Optional[torch.Tensor] = None
         self.out_dtype = torch.float32  # the model's activations' dtype
 
     @property
     def loaded(self) -> bool:
-        return self.dense is not None or self.blocks is not None or self.packed is not None
+        return self.dense is not None or self.blocks is not None or self.packed is not None or self.head_panels is not None
 
     @property
     def weight(self) -> torch.Tensor:
         """The table as float32 ``[rows, dim]`` (dequantized: a copy for a GGUF table)."""
-        if self.packed is not None:
+        if self.packed is not None or self.head_panels is not None:
             return self._lookup(torch.arange(self.num_embeddings))
         if self.blocks is not None:
             return pad_rows(self.blocks.dequantize(), self.num_embeddings)
@@ -63,6 +67,8 @@ class VocabParallelEmbedding(nn.Module):
     def nbytes(self) -> int:
         if self.packed is not None:
             return self.packed.nbytes
+        if self.head_panels is not None:
+            return self.head_panels.nbytes
         if self.blocks is not None:
             return self.blocks.nbytes
         return 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
@@ -104,7 +110,30 @@ class VocabParallelEmbedding(nn.Module):
         """The table as stored, padded to ``rows``, for a tied LM head to pack from."""
         return pad_rows(self.blocks, rows) if self.blocks is not None else pad_rows(self.dense, rows)
 
+    def share_head_panels(self, panels: torch.Tensor) -> bool:
+        """Reads rows from a tied head's bfloat16 panels (``ops.pack_weight_bf16`` of this table,
+        unfused) and lets the table go, where they hold its very values; whether it did."""
+        cols = panels.shape[2] if panels.dim() == 4 else 0
+        if (
+            self.dense is None
+            or self.dense.dtype != torch.bfloat16
+            or self.dense.device.type != "cpu"
+            or panels.dtype != torch.bfloat16
+            or cols == 0
+            or panels.shape[0] * cols < self.num_embeddings
+            or panels.shape[1] * panels.shape[3] < self.embedding_dim
+        ):
+            return False
+        self.head_panels, self.dense = panels, None
+        return True
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head_panels is not None:
+            panels = self.head_panels
+            ids = ids.cpu()
+            cols = panels.shape[2]
+            rows = panels[ids // cols, :, ids % cols, :].reshape(ids.numel(), -1)[:, : self.embedding_dim]
+            return rows.to(ids.device, self.out_dtype).view(*ids.shape, self.embedding_dim)
         if self.packed is not None:
             rows = ops.int8_rows(self.packed.packed, int(self.packed.ggml_type), self.embedding_dim, ids.cpu())
             return rows.to(ids.device, self.out_dtype)

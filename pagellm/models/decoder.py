@@ -27,7 +27,7 @@ from pagellm.layers.attention import Attention
 from pagellm.layers.embedding import VocabParallelEmbedding
 from pagellm.layers.gguf_types import GGUFWeight
 from pagellm.layers.linear import Linear, TPSplit
-from pagellm.layers.linear_method import DenseMethod, WeightSource
+from pagellm.layers.linear_method import BF16Method, DenseMethod, WeightSource
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryArgs, RotaryEmbedding
 
@@ -240,14 +240,20 @@ class CausalLM(nn.Module):
             return
         self.lm_head.load_shard(None, embed.source_rows(self.lm_head.out_features))
         self.lm_head.process_weights_after_loading(precision, device, dtype)
+        method = self.lm_head.method
+        if isinstance(method, BF16Method) and not method.fused_gate_up:
+            embed.share_head_panels(method.packed)  # one copy of a bfloat16 table
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold, every form counted once."""
         linear = sum(layer.method.nbytes for _, layer in self.linear_layers() if layer.method is not None)
         embed = self.model.embed_tokens
         dense_head = getattr(self.lm_head.method, "weight", None)
-        shared = (dense_head is not None and embed.dense is dense_head) or (
-            embed.packed is not None and embed.packed is self.lm_head.method
+        head_panels = getattr(self.lm_head.method, "packed", None)
+        shared = (
+            (dense_head is not None and embed.dense is dense_head)
+            or (embed.packed is not None and embed.packed is self.lm_head.method)
+            or (embed.head_panels is not None and embed.head_panels is head_panels)
         )
         embed_bytes = 0 if shared else embed.nbytes
         return linear + embed_bytes + sum(p.numel() * p.element_size() for p in self.parameters())
