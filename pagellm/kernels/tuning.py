@@ -39,11 +39,11 @@ from pagellm.kernels import build, ops
 
 logger = logging.getLogger(__name__)
 
-# Decode at 32 sequences of 256-4,096 keys (a cache of at least 16 MiB), over copies of it that
+# Decode at up to 32 sequences of 256-4,096 keys (a cache of 16-64 MiB), over copies of it that
 # together exceed a last-level cache, so the timed passes read from memory as a model step does.
 DECODE_PROBE_SEQS, DECODE_PROBE_BLOCK = 32, 16
 DECODE_PROBE_MIN_CONTEXT, DECODE_PROBE_MAX_CONTEXT = 256, 4096
-DECODE_PROBE_CACHE_BYTES, DECODE_PROBE_TOTAL_BYTES = 16 << 20, 96 << 20
+DECODE_PROBE_CACHE_BYTES, DECODE_PROBE_MAX_CACHE_BYTES, DECODE_PROBE_TOTAL_BYTES = 16 << 20, 64 << 20, 96 << 20
 DECODE_PROBE_REPEATS = 3
 # L2 prefetches must win by this much to replace the default (L1).
 DECODE_MIN_GAIN = 1.03
@@ -258,17 +258,18 @@ def _decode_probe(shape: DecodeShape) -> tuple[torch.Tensor, list[torch.Tensor],
     token_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.probe_dtype.itemsize
     context = DECODE_PROBE_CACHE_BYTES // (DECODE_PROBE_SEQS * token_bytes)
     context = min(max(context, DECODE_PROBE_MIN_CONTEXT), DECODE_PROBE_MAX_CONTEXT)
+    seqs = max(1, min(DECODE_PROBE_SEQS, DECODE_PROBE_MAX_CACHE_BYTES // (context * token_bytes)))
     blocks_per_seq = -(-context // DECODE_PROBE_BLOCK)
-    num_blocks = DECODE_PROBE_SEQS * blocks_per_seq
+    num_blocks = seqs * blocks_per_seq
     block_ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    block_table = block_ids.view(DECODE_PROBE_SEQS, blocks_per_seq).contiguous()
+    block_table = block_ids.view(seqs, blocks_per_seq).contiguous()
     cache_shape = (2, num_blocks, DECODE_PROBE_BLOCK, shape.num_kv_heads, shape.head_dim)
     cache = torch.randn(cache_shape, generator=gen).to(shape.probe_dtype)
     copies = max(2, -(-DECODE_PROBE_TOTAL_BYTES // (cache.numel() * cache.element_size())))
     caches = [cache] + [cache.clone() for _ in range(copies - 1)]
-    query = torch.randn(DECODE_PROBE_SEQS, shape.num_heads, shape.head_dim, generator=gen)
-    seq_lens = torch.full((DECODE_PROBE_SEQS,), context, dtype=torch.int32)
-    query_start_loc = torch.arange(DECODE_PROBE_SEQS + 1, dtype=torch.int32)
+    query = torch.randn(seqs, shape.num_heads, shape.head_dim, generator=gen)
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+    query_start_loc = torch.arange(seqs + 1, dtype=torch.int32)
     return query, caches, block_table, seq_lens, query_start_loc
 
 

@@ -162,13 +162,17 @@ def test_command_line_prints_the_tuning_as_json(monkeypatch, capsys) -> None:
     assert printed == {"decode_prefetch_to_l2": False, "row_limits": {"F32/panels": {"packed_max_rows": 64}}}
 
 
-@pytest.mark.parametrize("shape", [SHAPE, DecodeShape(32, 32, 64, torch.float32)], ids=lambda s: s.key)
-def test_decode_prefetch_probe_runs_at_the_models_shape(shape: DecodeShape) -> None:
+@pytest.mark.parametrize(
+    "shape, seqs", [(SHAPE, 32), (DecodeShape(32, 32, 64, torch.bfloat16), 32), (DecodeShape(32, 32, 64, torch.float32), 16)], ids=str
+)
+def test_decode_prefetch_probe_runs_at_the_models_shape(shape: DecodeShape, seqs: int) -> None:
     query, caches, block_table, seq_lens, _ = tuning._decode_probe(shape)
-    assert query.shape == (tuning.DECODE_PROBE_SEQS, shape.num_heads, shape.head_dim)
+    assert query.shape == (seqs, shape.num_heads, shape.head_dim)  # fewer where a token's rows are large
     assert caches[0].shape[3:] == (shape.num_kv_heads, shape.head_dim) and caches[0].dtype == shape.probe_dtype
-    # Together more than a last-level cache, each sequence within the probe's bounds of context.
+    # Together more than a last-level cache, each copy at most the probe's bound, each sequence
+    # within its bounds of context.
     assert sum(c.numel() * c.element_size() for c in caches) >= tuning.DECODE_PROBE_TOTAL_BYTES
+    assert caches[0].numel() * caches[0].element_size() <= tuning.DECODE_PROBE_MAX_CACHE_BYTES
     assert tuning.DECODE_PROBE_MIN_CONTEXT <= int(seq_lens[0]) <= tuning.DECODE_PROBE_MAX_CONTEXT
     assert block_table.shape[1] * tuning.DECODE_PROBE_BLOCK >= int(seq_lens[0])
     assert isinstance(tuning.measure_decode_prefetch(shape), bool)
