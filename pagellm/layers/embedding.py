@@ -129,10 +129,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.head_panels is not None:
-            panels = self.head_panels
-            ids = ids.cpu()
+            panels, flat = self.head_panels, ids.cpu().reshape(-1)
             cols = panels.shape[2]
-            rows = panels[ids // cols, :, ids % cols, :].reshape(ids.numel(), -1)[:, : self.embedding_dim]
+            rows = panels[flat // cols, :, flat % cols, :].reshape(flat.numel(), -1)[:, : self.embedding_dim]
             return rows.to(ids.device, self.out_dtype).view(*ids.shape, self.embedding_dim)
         if self.packed is not None:
             rows = ops.int8_rows(self.packed.packed, int(self.packed.ggml_type), self.embedding_dim, ids.cpu())
