@@ -54,6 +54,10 @@ WRITE_PIECE_BYTES = 4 << 20
 
 _session: contextvars.ContextVar[Optional[PackSession]] = contextvars.ContextVar("pack_session", default=None)
 _writers: list[threading.Thread] = []
+# Files this process is writing: a second load of the same slot before the first one's write ends
+# (it waits for idle time) leaves the file to it rather than writing the same bytes beside it.
+_writing: set[Path] = set()
+_writing_lock = threading.Lock()
 _last_busy = time.monotonic()
 _steps_running = 0
 _hurry = threading.Event()  # set while a caller waits for the writes: no more pauses
@@ -197,6 +201,11 @@ class PackSession:
             return None
         if not any(e.tensor is not None for e in self.entries):
             return None
+        with _writing_lock:
+            if self.path in _writing:
+                logger.info("packed weights for %s are being written already", self.path)
+                return None
+            _writing.add(self.path)
         mark_busy()  # what follows the load (the KV cache, warm-up, a server's start) goes first
         thread = threading.Thread(target=self._write_quietly, name="pagellm-pack-cache", daemon=False)
         thread.start()
@@ -210,6 +219,9 @@ class PackSession:
             write(self.path, self.key, self.entries, pace=_wait_until_idle)
         except Exception as e:  # noqa: BLE001 - a cache: the engine serves on whatever happened here
             logger.warning("could not keep the packed weights in %s: %s", self.path, e)
+        finally:
+            with _writing_lock:
+                _writing.discard(self.path)
 
 
 def wait_for_writes(timeout_s: Optional[float] = None) -> None:

@@ -184,6 +184,22 @@ def test_the_write_waits_for_a_long_step_to_end(tmp_path: Path, monkeypatch: pyt
     assert not thread.is_alive() and session.path.exists()
 
 
+def test_a_second_load_of_the_slot_leaves_the_write_to_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pack_cache, "IDLE_BEFORE_WRITE_S", 3600.0)  # the first write waits for idle time
+    sessions = []
+    for _ in range(2):
+        with pack_cache.session(tmp_path, SLOT, KEY) as session:
+            pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+        sessions.append(session)
+    first, second = (s.finish() for s in sessions)
+    assert first is not None and second is None
+    pack_cache.wait_for_writes(timeout_s=60)
+    assert [p.name for p in tmp_path.iterdir()] == [sessions[0].path.name]  # one whole file, no temporary one
+    with pack_cache.session(tmp_path, SLOT, KEY) as third:
+        mapped = pack_cache.through("p", [1], lambda: pytest.fail("packed again"))
+    assert third.complete and torch.equal(mapped, torch.ones(1 << 20))
+
+
 def test_waiting_for_the_writes_ends_their_pauses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pack_cache, "IDLE_BEFORE_WRITE_S", 3600.0)
     with pack_cache.session(tmp_path, SLOT, KEY) as session:
