@@ -24,6 +24,7 @@ from pagellm import envs
 from pagellm.attention.backend import AttentionBackend
 from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.distributed.partition import max_kv_heads_per_rank
 from pagellm.kernels import build, pack_cache
 from pagellm.kernels.tuning import CpuTuning, DecodeShape, measure_cpu_tuning
 from pagellm.layers.rotary import max_rope_positions
@@ -234,11 +235,13 @@ def load_model_for_engine(
     model = load_model(
         model_path, hf_config, config.dtype, config.device, attn_backend, precision, config.packed_weight_cache
     )
-    tp, shape = config.tensor_parallel_size, ModelShape.from_hf_config(hf_config)
+    shape = ModelShape.from_hf_config(hf_config)
+    # The rank with the most kv heads, as the KV cache is sized; each keeps its query heads' group.
+    kv_heads = max_kv_heads_per_rank(shape.num_kv_heads, config.tensor_parallel_size)
     decode_shape = (
         DecodeShape(
-            num_heads=max(1, hf_config.num_attention_heads // tp),
-            num_kv_heads=max(1, shape.num_kv_heads // tp),
+            num_heads=kv_heads * (hf_config.num_attention_heads // shape.num_kv_heads),
+            num_kv_heads=kv_heads,
             head_dim=shape.head_dim,
             cache_dtype=config.kv_cache_dtype,
         )
