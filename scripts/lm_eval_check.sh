@@ -15,7 +15,9 @@
 #      `pagellm serve` flags; default "--dtype float32", the exact path the 0.5-point check is for;
 #      SERVE_ARGS="" scores the default int8 path), SKIP_HF=1 (reuse the last HF result in $WORK/out_hf), LIMIT (items, for a smoke run),
 #      OUT_API (default $WORK/out_api: where pagellm's samples go; scripts/lm_eval_compare.py compares two such runs),
-#      NUM_ITEMS (default 300: the committed items; more writes the same 300 and further ones under $WORK, for finer comparisons).
+#      NUM_ITEMS (default 300: the committed items; more writes the same 300 and further ones under $WORK, for finer comparisons),
+#      SERVE_CMD (another OpenAI-compatible server to score instead of `pagellm serve`, run by bash with $PORT set; e.g.
+#      SERVE_CMD='EAGER=1 exec ../shared/peers/vllm-serve.sh $PORT --kv-cache-dtype fp8_e4m3' for vLLM's own fp8 cache).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -77,11 +79,16 @@ fi
 
 # 4b. lm-eval's local-completions backend against pagellm serve
 SERVE_ARGS=${SERVE_ARGS---dtype float32}
-echo "== pagellm serve --port $PORT $SERVE_ARGS"
-"$PAGELLM" serve --port "$PORT" --disable-uvicorn-access-log $SERVE_ARGS > "$WORK/serve.log" 2>&1 &
+if [[ -n "${SERVE_CMD:-}" ]]; then
+  echo "== $SERVE_CMD (PORT=$PORT)"
+  PORT=$PORT bash -c "$SERVE_CMD" > "$WORK/serve.log" 2>&1 &
+else
+  echo "== pagellm serve --port $PORT $SERVE_ARGS"
+  "$PAGELLM" serve --port "$PORT" --disable-uvicorn-access-log $SERVE_ARGS > "$WORK/serve.log" 2>&1 &
+fi
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-for _ in $(seq 1 300); do
+for _ in $(seq 1 600); do  # vLLM takes minutes to be ready
   curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null && break
   kill -0 $SERVER 2>/dev/null || { tail -30 "$WORK/serve.log"; exit 1; }
   sleep 1
@@ -119,11 +126,11 @@ for m in ("acc", "acc_norm"):
     h, a = rh[f"{m},none"], ra[f"{m},none"]
     d = 100 * (a - h)
     fail |= abs(d) > 0.5
-    print(f"{m:9s} hf {100*h:6.2f}   pagellm {100*a:6.2f}   diff {d:+.2f} points")
+    print(f"{m:9s} hf {100*h:6.2f}   served {100*a:6.2f}   diff {d:+.2f} points")
 same = {m: sum(sh[i][m] == sa[i][m] for i in sh) for m in ("acc", "acc_norm")}
 dl = [abs(float(x[0][0]) - float(y[0][0])) for i in sh for x, y in zip(sh[i]["resps"], sa[i]["resps"])]
 print(f"items {n}; per-item agreement acc {same['acc']}/{n}, acc_norm {same['acc_norm']}/{n}; "
-      f"choice loglikelihood |hf - pagellm|: max {max(dl):.4f}, mean {sum(dl)/len(dl):.4f} nats over {len(dl)} choices")
+      f"choice loglikelihood |hf - served|: max {max(dl):.4f}, mean {sum(dl)/len(dl):.4f} nats over {len(dl)} choices")
 print("RESULT:", "FAIL (more than 0.5 points apart)" if fail else "OK (within 0.5 points)")
 sys.exit(1 if fail else 0)
 PY

@@ -146,8 +146,9 @@ def test_eight_bit_kv_caches_meet_vllms_rule(name, prompts, references):
         except AssertionError as e:
             verdicts.append(f"fails: {e}")
     num_meeting = sum(not v.startswith("fails") for v in verdicts)
-    print(f"{name}: {verdicts.count('identical')}/{len(prompts)} identical, {num_meeting} meet vLLM's rule")
-    assert num_meeting >= num_required, [v for v in verdicts if v.startswith("fails")]
+    failures = [f"prompt {i}: {v}" for i, v in enumerate(verdicts) if v.startswith("fails")]
+    print(f"{name}: {verdicts.count('identical')}/{len(prompts)} identical, {num_meeting} meet vLLM's rule {failures}")
+    assert num_meeting >= num_required, failures
     core = llm.llm_engine.core
     expected = {"fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}.get(config["kv_cache_dtype"], torch.float8_e4m3fn)
     assert {cache.dtype for cache in core.runner.kv_caches} == {expected}
