@@ -97,7 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    if not (ops.available() and torch.ops.pagellm_gemm_bf16.bf16_supported()):
+    if not ops.bf16_matmul_available():
         raise SystemExit("needs the native kernels on a CPU with AVX512_BF16")
     module = load_inline(
         "pagellm_bf16_peak", _PEAK_SOURCE, functions=["bf16_peak_seconds"],
