@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
+from pagellm.bench.common import best_of
 from pagellm.kernels import ops
 
 _PEAK_SOURCE = r"""
@@ -55,23 +55,13 @@ def peak_gflops(module, iters: int = 8_000_000) -> float:
     return torch.get_num_threads() * iters * 24 * 64 / seconds / 1e9  # 32 products + 32 sums an instruction
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def prefill_gflops() -> float:
     flops, seconds = 0.0, 0.0
     for n, k, gate_up in ((16384, 2048, True), (2048, 8192, False)):
         packed = ops.pack_weight_bf16(torch.randn(n, k).to(torch.bfloat16), gate_up)
         x = torch.randn(1024, k)
         out = torch.empty(1024, n // 2 if gate_up else n)
-        seconds += timed(functools.partial(ops.linear_bf16, out, x, packed, None, "silu" if gate_up else None), 3)
+        seconds += best_of(functools.partial(ops.linear_bf16, out, x, packed, None, "silu" if gate_up else None), 3)
         flops += 2.0 * 1024 * n * k
     return flops / seconds / 1e9
 
@@ -84,13 +74,13 @@ def decode_gbps(weights: list[torch.Tensor]) -> float:
         for packed in weights:
             ops.linear_bf16(out, x, packed, None, "silu")
 
-    seconds = timed(one_pass, 3)
+    seconds = best_of(one_pass, 3)
     return sum(w.numel() * w.element_size() for w in weights) / seconds / 1e9
 
 
 def read_gbps() -> float:
     x = torch.ones(2**29)
-    return x.numel() * 4 / timed(x.sum, 5) / 1e9
+    return x.numel() * 4 / best_of(x.sum, 5) / 1e9
 
 
 def main() -> None:
