@@ -4,7 +4,7 @@ tokenizer, for speed and memory measurements (speed does not depend on the value
 llama-quantize's Q4_K_M recipe: Q6_K for attn_v and ffn_down(_exps) on its "more bits" layers and
 for the output matrix, Q4_K elsewhere; norms and the MoE router in F32.
 
-usage: python scripts/make_random_gguf.py SHAPE OUT.gguf    SHAPE: qwen3-30b-a3b | qwen3-a3b-dense | smollm2-1.7b
+usage: python scripts/make_random_gguf.py SHAPE OUT.gguf    SHAPE: qwen3-30b-a3b | qwen3-a3b-dense | smollm2-1.7b | llama-3.1-8b
 """
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ SHAPES = {
     # SmolLM2-1.7B's body: the default model's tokenizer, so the default model can draft for it.
     "smollm2-1.7b": dict(
         arch="llama", layers=24, hidden=2048, heads=32, kv_heads=32, head_dim=64, ff=8192, context=8192, rope_base=130000.0
+    ),
+    # Llama-3.1-8B's body (its context cut to 8,192), the size a 16-32 GB laptop serves as Q4_K_M.
+    "llama-3.1-8b": dict(
+        arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ff=14336, context=8192, rope_base=500000.0
     ),
 }
 
