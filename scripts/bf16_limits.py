@@ -9,7 +9,8 @@ Prints, in turns for each round:
     and its share of the peak;
   * decode: the same kernel at 16 rows over 12 distinct 16,384 x 2,048 gate/up weights (768 MiB, far
     past the L3), GB/s of weights read and its share of the read rate;
-  * read: `torch.ones(2**29).sum()`, the machine's read rate as the other scripts measure it.
+  * read: `torch.ones(2**29).sum()`, the machine's read rate as the other scripts measure it;
+  * int8 peak: `vpdpbusd` on registers alone, the ceiling of the GGUF blocks' int8 kernels (needs VNNI).
 Needs a CPU with AVX512_BF16 (the peak probe is built with torch's inline extension loader).
 """
 from __future__ import annotations
@@ -47,12 +48,37 @@ double bf16_peak_seconds(int64_t iters, int64_t threads) {
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
+// The same for vpdpbusd (64 u8 x s8 products summed into 16 int32 lanes): the int8 kernels' ceiling.
+double int8_peak_seconds(int64_t iters, int64_t threads) {
+  const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    __m512i acc[24];
+    for (int i = 0; i < 24; ++i) acc[i] = _mm512_setzero_si512();
+    __m512i a = _mm512_set1_epi32(0x02020202), b = _mm512_set1_epi32(0x01010101 + t);
+    for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 24
+      for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+      __asm__ volatile("" : "+v"(b));
+    }
+    int s = 0;
+    for (int i = 0; i < 24; ++i) s += _mm512_reduce_add_epi32(acc[i]);
+    if (s == 12345) __builtin_trap();
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 """
 
 
 def peak_gflops(module, iters: int = 8_000_000) -> float:
     seconds = module.bf16_peak_seconds(iters, torch.get_num_threads())
     return torch.get_num_threads() * iters * 24 * 64 / seconds / 1e9  # 32 products + 32 sums an instruction
+
+
+def int8_peak_gops(module, iters: int = 8_000_000) -> float:
+    seconds = module.int8_peak_seconds(iters, torch.get_num_threads())
+    return torch.get_num_threads() * iters * 24 * 128 / seconds / 1e9  # 64 products + 64 sums an instruction
 
 
 def prefill_gflops() -> float:
@@ -90,7 +116,7 @@ def main() -> None:
     if not ops.bf16_matmul_available():
         raise SystemExit("needs the native kernels on a CPU with AVX512_BF16")
     module = load_inline(
-        "pagellm_bf16_peak", _PEAK_SOURCE, functions=["bf16_peak_seconds"],
+        "pagellm_bf16_peak", _PEAK_SOURCE, functions=["bf16_peak_seconds", "int8_peak_seconds"],
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
     )
     weights = [ops.pack_weight_bf16(torch.randn(16384, 2048).to(torch.bfloat16), True) for _ in range(12)]
@@ -101,6 +127,7 @@ def main() -> None:
         print(
             f"round {r + 1}: peak {peak:.0f} GFLOP/s | prefill (1,024 rows) {prefill:.0f} GFLOP/s, {prefill / peak:.0%} of peak"
             f" | decode (16 rows) {decode:.1f} GB/s, {decode / read:.0%} of the read rate {read:.1f} GB/s"
+            f" | int8 peak {int8_peak_gops(module):.0f} GOP/s"
         )
 
 
