@@ -24,12 +24,13 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Callable, Optional, Protocol, TypeVar, Union
+from typing import Any, Callable, Optional, Protocol, TypeVar, Union
 
 from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import RequestOutputKind
+from pagellm.engine.request_stream import RequestStream, StreamingFrontEnd
 from pagellm.engine.stats import EngineStats
 from pagellm.kernels import pack_cache
 from pagellm.lora.request import LoRARequest
@@ -76,33 +77,7 @@ class _Command:
         self.run, self.fail, self.is_add = run, fail, is_add
 
 
-class RequestStream:
-    """The asyncio end of one request: outputs (or an exception) arrive on ``queue``."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.queue: asyncio.Queue[Union[RequestOutput, BaseException]] = asyncio.Queue()
-        self.finished = False
-        # Set by the engine thread only; used for inter-token latency.
-        self.last_token_time: Optional[float] = None
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-
-class AsyncLLM:
+class AsyncLLM(StreamingFrontEnd):
     def __init__(
         self,
         engine: Union[LLMEngine, Callable[[], LLMEngine]],
@@ -224,23 +199,6 @@ class AsyncLLM:
             self.abort(request_id)
             raise
         return stream
-
-    async def generate(
-        self, prompt: LazyPrompt, params: SamplingParams, request_id: str, arrival_time: Optional[float] = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's DELTA outputs; aborts it if the caller stops early."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
-        async for output in self.iterate(stream):
-            yield output
-
-    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        """Yields a stream's outputs; if the consumer stops early (disconnect, cancel) the request is aborted."""
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
 
     def abort(self, request_id: Union[str, list[str]]) -> None:
         """Aborts requests and frees their blocks at the next step boundary. Thread-safe, idempotent."""

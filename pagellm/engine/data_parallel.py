@@ -19,11 +19,12 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from pagellm.config import EngineConfig
 from pagellm.core.block_hash import BlockHash, hash_full_blocks
-from pagellm.engine.async_llm import AsyncLLM, LazyPrompt, RequestStream
+from pagellm.engine.async_llm import AsyncLLM, LazyPrompt
+from pagellm.engine.request_stream import RequestStream, StreamingFrontEnd
 from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -106,7 +107,7 @@ class _ReplicaStatLogger:
         self.metrics.record_aborted(num_requests)
 
 
-class DPAsyncLLM:
+class DPAsyncLLM(StreamingFrontEnd):
     """``AsyncLLM``'s interface over N replicas (see the module docstring)."""
 
     def __init__(self, replicas: list[AsyncLLM], tokenizer_factory: Optional[Callable[[], Any]] = None) -> None:
@@ -225,18 +226,6 @@ class DPAsyncLLM:
         while len(self._owner) > OWNER_MEMORY:
             self._owner.popitem(last=False)
         return await self.replicas[replica].add_request(request_id, resolved, params, arrival_time, lora_request)
-
-    async def generate(
-        self, prompt: LazyPrompt, params: SamplingParams, request_id: str, arrival_time: Optional[float] = None
-    ) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
-        async for output in self.iterate(stream):
-            yield output
-
-    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        replica = self._owner.get(stream.request_id, 0)
-        async for output in self.replicas[replica].iterate(stream):
-            yield output
 
     def abort(self, request_id: Union[str, list[str]]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
