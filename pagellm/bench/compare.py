@@ -22,8 +22,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagellm.bench.baseline import RESERVE_MODES, ContiguousKVCacheManager, StaticBatchScheduler
-from pagellm.bench.datasets import SampleRequest
 from pagellm.bench.kv_utilization import KVUsageSample, UtilizationSummary, sample_kv_usage, summarize
+from pagellm.bench.sample_request import SampleRequest
 from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import RequestOutputKind

@@ -20,22 +20,13 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import numpy as np
 
+from pagellm.bench.sample_request import SampleRequest
+
 DATASET_NAMES = ("random", "prefix", "variable", "grounded")
-
-
-@dataclass
-class SampleRequest:
-    prompt_token_ids: list[int]
-    output_len: int
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 def allowed_token_ids(vocab_size: int, special_ids: Iterable[int]) -> np.ndarray:

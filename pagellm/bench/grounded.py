@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from pagellm.bench.datasets import SampleRequest
+from pagellm.bench.sample_request import SampleRequest
 
 TASKS = (
     "Repeat the following text exactly, word for word:\n\n{text}",
