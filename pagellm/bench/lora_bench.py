@@ -1,6 +1,10 @@
-"""Micro-benchmark of batched multi-LoRA's grouped low-rank update, ``ops.lora_shrink_expand``.
+"""Batched multi-LoRA: the grouped low-rank update ``ops.lora_shrink_expand`` alone, or a whole engine.
 
     python -m pagellm.bench.lora_bench [--ranks 8,16,32,64] [--shapes 576x960,2048x16384] [--threads N] [--save-result out.json]
+    python -m pagellm.bench.lora_bench --engine [--num-loras 32] [--rank 16] [--targets q_proj,v_proj] [--output-len 64]
+        [--aten-min-rows N] [--engine-args JSON] [--save-result out.json]
+
+The kernel (the default):
 
 Decode: 32 rows, each its own adapter (32 segments of one row), for each (in, out) shape, rank and
 pool dtype (float32, bfloat16). As in a model's layers, the weights stream from memory: the pass
@@ -14,12 +18,23 @@ the kernel's speed-up over it, all in one run.
 Prefill: ``--prefill-segments`` segments of each length in ``--prefill-rows``, each its own adapter,
 through the kernel's own loops and through ATen's matmul per run (the two sides of
 ``ops.LORA_ATEN_MIN_ROWS``), against the reference loop.
+
+The engine (``--engine``, docs/lora.md): output throughput of one batch of ``--num-loras`` requests
+(``--prompt-len`` tokens in, ``--output-len`` out, greedy, ``ignore_eos``), every request on its own
+random adapter (rank ``--rank``, all seven targets unless ``--targets`` names some, e.g. PEFT's
+default for Llama, q_proj,v_proj, written to a temporary directory), against the same batch on the
+base model, in one engine. The runs alternate base / LoRA ``--repeats`` times after a warm-up that
+puts every adapter in a slot; the best throughput of each and the median time of their decode steps
+are reported, and the decode steps' difference is the LoRA part's cost.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import statistics
+import tempfile
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -151,23 +166,103 @@ def _shape_list(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def timed_run(llm, prompts: list[dict], params, loras: list) -> tuple[float, int, list[float]]:
+    """(seconds, output tokens, decode steps' seconds) of one batch through ``llm``'s engine."""
+    engine = llm.llm_engine
+    for prompt, lora in zip(prompts, loras):
+        engine.add_request(engine.next_request_id(), prompt, params, lora_request=lora)
+    decode_steps: list[float] = []
+    num_tokens = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                num_tokens += len(out.outputs[0].token_ids)
+        last = engine.stats().last_step
+        if last is not None and last.num_prefill_tokens == 0 and last.num_reqs == len(prompts):
+            decode_steps.append(last.duration_s)
+    return time.perf_counter() - t0, num_tokens, decode_steps
+
+
+def run_engine(args: argparse.Namespace) -> dict:
+    """The ``--engine`` benchmark: one batch on ``--num-loras`` adapters against the base model."""
+    from pagellm import LLM, LoRARequest, SamplingParams
+    from pagellm.bench.lora_adapters import SUPPORTED_TARGETS, write_random_adapter
+
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip()) if args.targets else SUPPORTED_TARGETS
+    if not targets or any(t not in SUPPORTED_TARGETS for t in targets):
+        raise SystemExit(f"--targets must name some of {', '.join(SUPPORTED_TARGETS)}")
+    if args.aten_min_rows is not None:
+        ops.LORA_ATEN_MIN_ROWS = args.aten_min_rows
+    n = args.num_loras
+    llm = LLM(enable_lora=True, max_loras=n, max_lora_rank=args.rank, max_num_seqs=max(n, 1), **json.loads(args.engine_args))
+    hf_config = llm.llm_engine.hf_config
+    with tempfile.TemporaryDirectory() as root:
+        loras = [
+            LoRARequest(f"bench{i}", i + 1, write_random_adapter(f"{root}/{i}", hf_config, args.rank, targets, seed=i)) for i in range(n)
+        ]
+        prompts = [{"prompt_token_ids": [1000 + 7 * i + j for j in range(args.prompt_len)]} for i in range(n)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, lora_request=loras)  # every adapter in a slot
+        results: dict[str, list[tuple[float, int, list[float]]]] = {"base": [], "lora": []}
+        for _ in range(args.repeats):
+            llm.llm_engine.reset_prefix_cache()
+            results["base"].append(timed_run(llm, prompts, params, [None] * n))
+            llm.llm_engine.reset_prefix_cache()
+            results["lora"].append(timed_run(llm, prompts, params, loras))
+    summary = {}
+    for name, runs in results.items():
+        summary[name] = {
+            "output_tok_s": max(tokens / seconds for seconds, tokens, _ in runs),
+            "decode_step_ms": 1000 * statistics.median(s for _, _, steps in runs for s in steps),
+        }
+    return {
+        "num_loras": n,
+        "rank": args.rank,
+        "aten_min_rows": ops.LORA_ATEN_MIN_ROWS,
+        "targets": list(targets),
+        "linear_layers": llm.llm_engine.config.linear_precision.describe(),
+        **summary,
+        "throughput_ratio": summary["lora"]["output_tok_s"] / summary["base"]["output_tok_s"],
+        "lora_ms_per_decode_step": summary["lora"]["decode_step_ms"] - summary["base"]["decode_step_ms"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=_shape_list, default=_shape_list("576x960,2048x16384"), help="IN x OUT, comma-separated")
-    parser.add_argument("--ranks", type=positive_int_list, default=[8, 16, 32, 64])
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--stream-mib", type=int, default=256, help="distinct adapter weights per decode pass")
-    parser.add_argument("--prefill-rows", type=positive_int_list, default=[8, 32, 256], help="rows per prefill segment")
-    parser.add_argument("--prefill-segments", type=int, default=4)
-    parser.add_argument("--prefill-ranks", type=positive_int_list, default=[16, 64])
-    parser.add_argument("--no-decode", action="store_true")
-    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--engine", action="store_true", help="the whole engine on many adapters instead of the kernel alone")
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: as torch starts)")
-    parser.add_argument("--save-result", default=None, help="write the rows as JSON here")
+    parser.add_argument("--save-result", default=None, help="write the result as JSON here")
+    kernel = parser.add_argument_group("the kernel alone (default)")
+    kernel.add_argument("--shapes", type=_shape_list, default=_shape_list("576x960,2048x16384"), help="IN x OUT, comma-separated")
+    kernel.add_argument("--ranks", type=positive_int_list, default=[8, 16, 32, 64])
+    kernel.add_argument("--dtypes", default="float32,bfloat16")
+    kernel.add_argument("--reps", type=int, default=3)
+    kernel.add_argument("--stream-mib", type=int, default=256, help="distinct adapter weights per decode pass")
+    kernel.add_argument("--prefill-rows", type=positive_int_list, default=[8, 32, 256], help="rows per prefill segment")
+    kernel.add_argument("--prefill-segments", type=int, default=4)
+    kernel.add_argument("--prefill-ranks", type=positive_int_list, default=[16, 64])
+    kernel.add_argument("--no-decode", action="store_true")
+    kernel.add_argument("--no-prefill", action="store_true")
+    engine = parser.add_argument_group("the engine (--engine)")
+    engine.add_argument("--num-loras", type=int, default=32, help="requests in the batch, each on its own adapter")
+    engine.add_argument("--rank", type=int, default=16)
+    engine.add_argument("--targets", default=None, help="comma-separated target modules (default: all seven)")
+    engine.add_argument("--prompt-len", type=int, default=64)
+    engine.add_argument("--output-len", type=int, default=64)
+    engine.add_argument("--repeats", type=int, default=3)
+    engine.add_argument("--aten-min-rows", type=int, default=None, help="rows of one adapter from which a run goes to ATen's matmul")
+    engine.add_argument("--engine-args", default="{}", help='extra LLM keyword arguments as JSON, e.g. \'{"dtype": "float32"}\'')
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.engine:
+        report = run_engine(args)
+        print(json.dumps(report, indent=2))
+        if args.save_result:
+            with open(args.save_result, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+        return 0
     if not ops.available():
         print(f"the C++ kernels are unavailable ({ops.load_error()}); nothing to compare")
         return 1

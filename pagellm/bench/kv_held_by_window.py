@@ -3,7 +3,7 @@
 full attention. The KV held depends only on the layers, KV heads and windows, so the checkpoint is
 Gemma 3-1B's attention with a narrow hidden size (random weights) and runs in seconds.
 
-usage: python scripts/kv_held_by_window.py [OUT.json]
+usage: python -m pagellm.bench.kv_held_by_window [OUT.json]
 """
 from __future__ import annotations
 

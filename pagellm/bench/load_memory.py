@@ -1,7 +1,7 @@
 """Load a model with ``LLM()`` and print the engine's memory plan, the process's resident memory
-after ready and after one short greedy generation, and its peak (docs/benchmarks.md).
+after ready and after one short greedy generation, and its peak (docs/benchmarks.md, docs/kernels.md).
 
-usage: .venv/bin/python scripts/load_memory.py MODEL [KV_CACHE_MIB]
+usage: python -m pagellm.bench.load_memory MODEL [KV_CACHE_MIB]
 """
 from __future__ import annotations
 

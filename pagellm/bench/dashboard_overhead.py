@@ -1,6 +1,6 @@
 """Throughput of `pagellm serve` on workload R with and without a /dashboard stream open, in turns.
 
-    python scripts/dashboard_overhead.py [OUT_DIR] [--turns 2]
+    python -m pagellm.bench.dashboard_overhead [OUT_DIR] [--turns 2]
 
 Starts one server (defaults, access log off), warms it up, then runs `pagellm bench serve` on
 workload R (64 prompts x 256 random tokens in, 128 out, 32 in flight, all at once, ignore_eos)

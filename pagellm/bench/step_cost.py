@@ -1,6 +1,6 @@
 """What a step costs by its number of tokens, against a one-token decode step (median seconds).
 
-    .venv/bin/python scripts/step_cost.py [--model M] [--engine-args JSON]
+    python -m pagellm.bench.step_cost [--model M] [--engine-args JSON] [--widths 1,2,3,5,9,17,33]
 
 Width 1: decode steps of one request (they sample); wider: prefill chunks of that many tokens at
 a context of 300+ (they do not sample until the last). This is the curve speculative decoding's
