@@ -5,10 +5,11 @@ bfloat16 or float32 panels) writes the whole model into fresh memory at every st
 start's time at 1B parameters and up. A file of those panels, mapped from the page cache, costs
 nothing until a page is read, as llama.cpp maps its GGUF file.
 
-A load runs inside a :func:`session` whose key names everything the panels depend on (the
-checkpoint files, pagellm's code, the kernel build, precision, rank). Each linear method packs
-through :func:`through`, with its arguments' signature and the pack as a function (so that what
-only the pack reads, a permuted copy of the rows, is not made when it is replayed). With no
+A load opens a :func:`session` whose key names everything the panels depend on (the checkpoint
+files, pagellm's code, the kernel build, precision, rank) and hands it to the load's
+:class:`~pagellm.kernels.context.KernelContext`, through which each linear method packs, with
+its arguments' signature and the pack as a function (so that what only the pack reads, a
+permuted copy of the rows, is not made when it is replayed): :meth:`PackSession.pack`. With no
 valid file the calls pack and are recorded, and the file is written afterwards on a thread of its
 own, a piece at a time while the model runs no step (:func:`stepping`), so that neither the first
 start nor its first requests wait for it. With one, each call takes the next recorded panels after
@@ -18,7 +19,6 @@ again.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import json
 import logging
@@ -52,7 +52,6 @@ _PACKING_PACKAGES = ("kernels", "layers", "models", "distributed")
 IDLE_BEFORE_WRITE_S = 1.0
 WRITE_PIECE_BYTES = 4 << 20
 
-_session: contextvars.ContextVar[Optional[PackSession]] = contextvars.ContextVar("pack_session", default=None)
 _writers: list[threading.Thread] = []
 # Files this process is writing: a second load of the same slot before the first one's write ends
 # (it waits for idle time) leaves the file to it rather than writing the same bytes beside it.
@@ -88,13 +87,6 @@ def _wait_until_idle() -> None:
         if quiet >= IDLE_BEFORE_WRITE_S:
             return
         _hurry.wait(IDLE_BEFORE_WRITE_S - quiet)
-
-
-def through(op: str, signature: list[Any], pack: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``pack()``, or inside a :func:`session` the panels an earlier load of the same key
-    recorded for this call; ``signature`` (JSON data) names the call's arguments."""
-    current = _session.get()
-    return pack() if current is None else current.pack(op, signature, pack)
 
 
 def code_digest() -> str:
@@ -327,14 +319,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def session(directory: Path, slot: dict[str, Any], key: dict[str, Any]) -> Iterator[PackSession]:
-    """Pack calls inside go through a :class:`PackSession` on the file for ``slot`` (what a load
-    is: checkpoint, precision, rank; one file each, replaced when ``key`` changes)."""
+def session(directory: Path, slot: dict[str, Any], key: dict[str, Any]) -> PackSession:
+    """A :class:`PackSession` on the file for ``slot`` (what a load is: checkpoint, precision,
+    rank; one file each, replaced when ``key`` changes), for the load's pack calls to go through."""
     name = hashlib.sha256(json.dumps(slot, sort_keys=True).encode()).hexdigest()[:24]
-    current = PackSession(directory / f"{name}.pack", {"slot": slot, **key})
-    token = _session.set(current)
-    try:
-        yield current
-    finally:
-        _session.reset(token)
+    return PackSession(directory / f"{name}.pack", {"slot": slot, **key})

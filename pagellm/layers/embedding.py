@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import ops
+from pagellm.kernels.context import KernelContext
 from pagellm.layers.gguf_types import GGUFWeight, dequantize_rows, kernel_takes
 from pagellm.layers.linear import narrow, pad_rows
 from pagellm.layers.linear_method import GGUFInt8Method, WeightSource
@@ -91,15 +92,20 @@ class VocabParallelEmbedding(nn.Module):
             self.dense = pad_rows(source, self.num_embeddings).contiguous()
 
     def process_weights_after_loading(
-        self, device: torch.device | str, dtype: torch.dtype, precision: LinearPrecision = EXACT_LINEAR
+        self,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        precision: LinearPrecision = EXACT_LINEAR,
+        kernels: Optional[KernelContext] = None,
     ) -> None:
         """Rows come out in ``dtype``; off the CPU the table is dense on ``device`` in it. On the
         int8 path a GGUF table the kernel takes is repacked into its panels (rows padded to the
-        table's size, so a tied head can multiply by the very same panels)."""
+        table's size, so a tied head can multiply by the very same panels), through ``kernels``
+        (the load's :class:`KernelContext`)."""
         self.out_dtype = dtype
         if torch.device(device).type == "cpu":
             if precision.kind == "int8" and self.blocks is not None and kernel_takes(self.blocks.ggml_type):
-                self.packed = GGUFInt8Method(self.blocks.pad_rows(self.num_embeddings))
+                self.packed = GGUFInt8Method(self.blocks.pad_rows(self.num_embeddings), kernels=kernels)
                 self.blocks = None
             return
         if self.blocks is not None:

@@ -17,6 +17,7 @@ from torch import nn
 from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import ops
+from pagellm.kernels.context import KernelContext
 from pagellm.kernels.tuning import CpuTuning
 from pagellm.layers.activation import canonical_activation, gated_activation
 from pagellm.layers.gguf_types import GGUFWeight
@@ -167,9 +168,14 @@ class Linear(nn.Module):
         return [] if self.bias is None else [name for name in self.shard_sizes if name not in self._bias_shards]
 
     def process_weights_after_loading(
-        self, precision: LinearPrecision = EXACT_LINEAR, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+        self,
+        precision: LinearPrecision = EXACT_LINEAR,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        kernels: Optional[KernelContext] = None,
     ) -> int:
-        """Builds the method from the loaded shards, which are then dropped; returns its bytes."""
+        """Builds the method from the loaded shards, which are then dropped; returns its bytes.
+        ``kernels``: the load's :class:`KernelContext` (its pack session, this machine's tuning)."""
         if self.missing_shards:
             raise ValueError(f"weight shards never loaded: {self.missing_shards}")
         sources = [self._loaded[name] for name in self.shard_sizes]
@@ -180,6 +186,7 @@ class Linear(nn.Module):
             torch.device(device),
             dtype,
             gate_up=self.activation in ops.FUSED_ACTIVATIONS,
+            kernels=kernels,
         )
         return self.method.nbytes
 

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from pagellm.config import LinearPrecision
 from pagellm.kernels import ops
-from pagellm.kernels.pack_cache import through as through_pack_cache
+from pagellm.kernels.context import KernelContext
 from pagellm.kernels.tuning import F32_PANELS, CpuTuning
 from pagellm.layers.gguf_types import GGUFWeight, kernel_takes
 
@@ -42,6 +42,11 @@ GATE_UP_GROUP = 16
 
 def _rows_ok(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.stride(-1) == 1 and ops.supports(x)
+
+
+def _context(kernels: Optional[KernelContext]) -> KernelContext:
+    """The load's context, or for a method made outside a load one of its own (packs just run)."""
+    return kernels if kernels is not None else KernelContext()
 
 
 class LinearMethod(ABC):
@@ -81,9 +86,11 @@ class LinearMethod(ABC):
 
 class DenseMethod(LinearMethod):
     """The weight as a dense tensor (float32 on a CPU: the exact path), plus float32 panels for
-    small batches where the CPU kernels take it."""
+    small batches where the CPU kernels take it. ``kernels``: the load's context, which the
+    panels are packed through."""
 
-    def __init__(self, weight: torch.Tensor, gate_up: bool) -> None:
+    def __init__(self, weight: torch.Tensor, gate_up: bool, kernels: Optional[KernelContext] = None) -> None:
+        kernels = _context(kernels)
         self.weight = weight.contiguous()
         self.out_features = weight.shape[0]
         self.panels: Optional[torch.Tensor] = None
@@ -93,12 +100,12 @@ class DenseMethod(LinearMethod):
         shape = list(self.weight.shape)
         if gate_up:
             try:
-                self.panels = through_pack_cache("f32_gate_up", [shape], lambda: ops.pack_weight_gate_up(self.weight))
+                self.panels = kernels.pack("f32_gate_up", [shape], lambda: ops.pack_weight_gate_up(self.weight))
                 self.fused_gate_up = True
                 return
             except ValueError:  # half the rows is not a whole number of vectors: two steps then
                 pass
-        self.panels = through_pack_cache("f32", [shape], lambda: ops.pack_weight(self.weight))
+        self.panels = kernels.pack("f32", [shape], lambda: ops.pack_weight(self.weight))
 
     def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.panels is not None and not self.fused_gate_up and x.shape[0] <= self.packed_max_rows and _rows_ok(x):
@@ -174,17 +181,18 @@ class _PanelsMethod(LinearMethod):
 class BF16Method(_PanelsMethod):
     """bfloat16 panels, every batch size (they beat float32 BLAS even at a long prefill's rows)."""
 
-    def __init__(self, weight: torch.Tensor, gate_up: bool) -> None:
+    def __init__(self, weight: torch.Tensor, gate_up: bool, kernels: Optional[KernelContext] = None) -> None:
+        kernels = _context(kernels)
         self.out_features = weight.shape[0]
         signature: list[Any] = [list(weight.shape), str(weight.dtype)]
         if gate_up:
             try:
-                self.packed = through_pack_cache("bf16", signature + [True], lambda: ops.pack_weight_bf16(weight, True))
+                self.packed = kernels.pack("bf16", signature + [True], lambda: ops.pack_weight_bf16(weight, True))
                 self.fused_gate_up = True
                 return
             except ValueError:
                 pass
-        self.packed = through_pack_cache("bf16", signature + [False], lambda: ops.pack_weight_bf16(weight, False))
+        self.packed = kernels.pack("bf16", signature + [False], lambda: ops.pack_weight_bf16(weight, False))
 
     def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> None:
         ops.linear_bf16(out, x, self.packed, bias, activation)
@@ -200,7 +208,9 @@ class GGUFInt8Method(_PanelsMethod):
     ``gate_up`` the gate and up rows are taken alternately (in groups of one vector) so the
     kernel stores act(gate) * up."""
 
-    def __init__(self, weight: GGUFWeight | list[GGUFWeight], gate_up: bool = False) -> None:
+    def __init__(
+        self, weight: GGUFWeight | list[GGUFWeight], gate_up: bool = False, kernels: Optional[KernelContext] = None
+    ) -> None:
         parts = [weight] if isinstance(weight, GGUFWeight) else weight
         first = parts[0]
         if any(p.ggml_type != first.ggml_type or p.cols != first.cols for p in parts):
@@ -218,7 +228,7 @@ class GGUFInt8Method(_PanelsMethod):
             datas = [p.data if p.data.stride(-1) == 1 else p.data.contiguous() for p in parts]
             return ops.pack_weight_int8(datas, int(self.ggml_type), self.in_features, interleave)
 
-        self.packed = through_pack_cache("int8", signature, pack)
+        self.packed = _context(kernels).pack("int8", signature, pack)
 
     def product_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> None:
         ops.linear_int8(out, x, self.packed, int(self.ggml_type), bias, activation)
@@ -267,7 +277,12 @@ def _as_dense(source: WeightSource) -> torch.Tensor:
 
 
 def _float_method(
-    sources: list[WeightSource], precision: LinearPrecision, device: torch.device, dtype: torch.dtype, gate_up: bool
+    sources: list[WeightSource],
+    precision: LinearPrecision,
+    device: torch.device,
+    dtype: torch.dtype,
+    gate_up: bool,
+    kernels: Optional[KernelContext],
 ) -> LinearMethod:
     if device.type == "cpu" and precision.fallback == "bfloat16":
         parts = [_as_dense(s) for s in sources]
@@ -275,10 +290,10 @@ def _float_method(
         weight = parts[0] if len(parts) == 1 else torch.cat(parts if same else [p.float() for p in parts])
         if weight.dtype not in (torch.float32, torch.bfloat16):
             weight = weight.float()
-        return BF16Method(weight, gate_up)
+        return BF16Method(weight, gate_up, kernels)
     parts = [_as_dense(s).to(device=device, dtype=dtype) for s in sources]
     # One part is used as it is: a tied head then shares the embedding's float table.
-    return DenseMethod(parts[0] if len(parts) == 1 else torch.cat(parts), gate_up)
+    return DenseMethod(parts[0] if len(parts) == 1 else torch.cat(parts), gate_up, kernels)
 
 
 def create_linear_method(
@@ -287,11 +302,14 @@ def create_linear_method(
     device: torch.device,
     dtype: torch.dtype,
     gate_up: bool = False,
+    kernels: Optional[KernelContext] = None,
 ) -> LinearMethod:
     """The method for a layer whose weight is ``sources`` stacked by rows (the shards of a fused
     projection in order, or one tensor), as stored in the checkpoint; ``precision`` says what the
     linear layers compute in (pagellm.models.precision). ``gate_up``: a gate/up weight whose
-    activation the kernel may apply in the product's epilogue (packed for it where it can)."""
+    activation the kernel may apply in the product's epilogue (packed for it where it can).
+    ``kernels``: the load's :class:`KernelContext`, which every pack goes through (None: one of
+    the method's own)."""
     use_kernel = device.type == "cpu" and precision.kind == "int8"
 
     def kind(source: WeightSource) -> str:
@@ -309,8 +327,8 @@ def create_linear_method(
 
     def build(k: str, group: list[WeightSource], fuse: bool) -> LinearMethod:
         if k == "float":
-            return _float_method(group, precision, device, dtype, fuse)
-        return GGUFInt8Method(group, fuse)  # type: ignore[arg-type]
+            return _float_method(group, precision, device, dtype, fuse, kernels)
+        return GGUFInt8Method(group, fuse, kernels)  # type: ignore[arg-type]
 
     if len(groups) == 1:
         return build(*groups[0], gate_up)

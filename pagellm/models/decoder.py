@@ -22,6 +22,7 @@ from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import TPShard
 from pagellm.kernels import ops
+from pagellm.kernels.context import KernelContext
 from pagellm.kernels.tuning import CpuTuning
 from pagellm.layers.attention import Attention
 from pagellm.layers.embedding import VocabParallelEmbedding
@@ -161,6 +162,8 @@ class CausalLM(nn.Module):
         self.tp = get_tp_group()
         self.shard = tp_shard_of(hf_config)
         self.vocab_size = hf_config.vocab_size
+        # What the layers' kernels read at call time; load_weights takes the load's own.
+        self.kernels = KernelContext()
         self.model = self.build_model(hf_config, attn_backend)
         parallel = self.tp.world_size > 1
         head_rows = self.shard.vocab_padded if parallel else hf_config.vocab_size
@@ -232,14 +235,14 @@ class CausalLM(nn.Module):
         """After every tensor is in: a tied head is built from the embedding rows, and the
         embedding moves to ``device`` off the CPU."""
         embed = self.model.embed_tokens
-        embed.process_weights_after_loading(device, dtype, precision)
+        embed.process_weights_after_loading(device, dtype, precision, self.kernels)
         if not self.tie_word_embeddings:
             return
         if embed.packed is not None:  # one copy of the table: the head multiplies by its panels
             self.lm_head.method = embed.packed
             return
         self.lm_head.load_shard(None, embed.source_rows(self.lm_head.out_features))
-        self.lm_head.process_weights_after_loading(precision, device, dtype)
+        self.lm_head.process_weights_after_loading(precision, device, dtype, self.kernels)
         method = self.lm_head.method
         if isinstance(method, BF16Method) and not method.fused_gate_up:
             embed.share_head_panels(method.packed)  # one copy of a bfloat16 table
@@ -286,14 +289,19 @@ class CausalLM(nn.Module):
         precision: LinearPrecision = EXACT_LINEAR,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        kernels: Optional[KernelContext] = None,
     ) -> set[str]:
         """Takes Hugging Face-named tensors as stored, each into the module that owns it (which
         cuts its rank's part). A linear layer is processed into its method for ``precision`` as
         soon as all its shards are in, so only one layer's tensors as stored are held at a time.
+        ``kernels`` (kept as :attr:`kernels`) is handed to every layer processed: each pack goes
+        through its pack session, and the kernels read this machine's tuning from it.
 
         Returns the names that were filled. Raises ValueError on an unknown name, a shape
         mismatch, or a weight the checkpoint never provided.
         """
+        if kernels is not None:
+            self.kernels = kernels
         modules = dict(self.named_modules())
         filled: set[str] = set()
         for name, tensor in weights:
@@ -323,7 +331,7 @@ class CausalLM(nn.Module):
             linears = ([owner] if kind == "weight" else []) if isinstance(owner, Linear) else owner.modules()
             for layer in linears:
                 if isinstance(layer, Linear) and layer.method is None and not layer.missing_shards:
-                    layer.process_weights_after_loading(precision, device, dtype)
+                    layer.process_weights_after_loading(precision, device, dtype, self.kernels)
             filled.add(target)
         self._check_complete()
         self.finish_loading(precision, device, dtype)

@@ -5,7 +5,6 @@ directory holding exactly one GGUF file and no config.json is treated as that fi
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import glob
 import hashlib
@@ -26,6 +25,7 @@ from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import max_kv_heads_per_rank
 from pagellm.kernels import build, pack_cache
+from pagellm.kernels.context import KernelContext
 from pagellm.kernels.tuning import CpuTuning, DecodeShape, measure_cpu_tuning
 from pagellm.layers.rotary import max_rope_positions
 from pagellm.models.gguf_config import load_gguf_config
@@ -152,13 +152,13 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str
 
 def _pack_cache_session(
     path: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str, precision: LinearPrecision
-) -> contextlib.AbstractContextManager[object]:
+) -> pack_cache.PackSession | None:
     """Where this load's packed weights are kept between starts (pagellm.kernels.pack_cache), keyed
-    by all they depend on; a null context when nothing is kept (another device, the cache off)."""
+    by all they depend on; None when nothing is kept (another device, the cache off)."""
     directory = envs.packed_weight_cache_dir()
     build_dir = build.loaded_build_dir()
     if directory is None or build_dir is None or torch.device(device).type != "cpu":
-        return contextlib.nullcontext()
+        return None
     tp = get_tp_group()
     slot = {
         "checkpoint": os.path.realpath(path),
@@ -193,19 +193,22 @@ def load_model(
     """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill it from ``model_path``,
     each linear layer in the form its method for ``precision`` computes with. With
     ``packed_weight_cache`` the kernels' packed weights are mapped from an earlier start's file, or
-    kept in one for later starts (pagellm.kernels.pack_cache)."""
+    kept in one for later starts (pagellm.kernels.pack_cache). The model keeps the load's
+    :class:`KernelContext` as ``model.kernels``: its layers' kernels read this machine's tuning
+    from it once the caller measures it."""
     path = resolve_model_path(model_path)
     model_cls = get_model_class(hf_config)
+    kernels = KernelContext()  # the pack session during the load, the tuning after it
     # Built on the meta device so no time goes into random initialization we would overwrite.
     with torch.device("meta"):
         model = model_cls(hf_config, attn_backend)
     materialize(model, dtype, device)
     gguf = is_gguf(path)
     weights = iter_gguf_weights(path, hf_config) if gguf else iter_safetensors_weights(path)
-    cache = _pack_cache_session(path, hf_config, dtype, device, precision) if packed_weight_cache else contextlib.nullcontext()
-    with torch.no_grad(), cache as session:
-        model.load_weights(weights, precision, device, dtype)
-    if isinstance(session, pack_cache.PackSession):
+    session = _pack_cache_session(path, hf_config, dtype, device, precision) if packed_weight_cache else None
+    with torch.no_grad(), kernels.packing(session):
+        model.load_weights(weights, precision, device, dtype, kernels)
+    if session is not None:
         session.finish()
     if gguf:  # packing read the map; what a form keeps of it faults back in when used
         GGUFFile.cached(path).release()

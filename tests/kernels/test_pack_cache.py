@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagellm.kernels import pack_cache
+from pagellm.kernels.context import KernelContext
 
 SLOT = {"checkpoint": "/models/m.gguf", "precision": ["int8", "bfloat16"], "dtype": "torch.float32", "tp": [0, 1]}
 KEY = {"files": [["m.gguf", 123, 456, 789]], "code": "abc", "kernels": "build"}
@@ -44,9 +45,12 @@ Shapes = list[tuple[list[int], torch.dtype]]
 
 
 def load(directory: Path, packer: Packer, shapes: Shapes, key: dict = KEY) -> tuple[pack_cache.PackSession, list[torch.Tensor]]:
-    """One 'load': a pack call per shape inside a session, then its file written (and waited for)."""
-    with pack_cache.session(directory, SLOT, key) as session:
-        tensors = [pack_cache.through("p", [shape, str(dtype)], lambda s=shape, d=dtype: packer(s, d)) for shape, dtype in shapes]
+    """One 'load': a pack call per shape through a session, then its file written (and waited for)."""
+    kernels = KernelContext()
+    session = pack_cache.session(directory, SLOT, key)
+    with kernels.packing(session):
+        tensors = [kernels.pack("p", [shape, str(dtype)], lambda s=shape, d=dtype: packer(s, d)) for shape, dtype in shapes]
+    assert kernels.pack_session is None  # only during the load
     session.finish()
     pack_cache.wait_for_writes()
     return session, tensors
@@ -73,8 +77,11 @@ def test_a_second_load_maps_what_the_first_packed(tmp_path: Path) -> None:
 
 def test_outside_a_session_the_pack_runs() -> None:
     packer = Packer()
-    assert torch.equal(pack_cache.through("p", [[2, 2]], lambda: packer([2, 2], torch.float32)), torch.arange(4.0).reshape(2, 2))
-    assert packer.calls == 1
+    kernels = KernelContext()
+    assert torch.equal(kernels.pack("p", [[2, 2]], lambda: packer([2, 2], torch.float32)), torch.arange(4.0).reshape(2, 2))
+    with kernels.packing(None):
+        kernels.pack("p", [[2, 2]], lambda: packer([2, 2], torch.float32))
+    assert packer.calls == 2
 
 
 def test_a_different_call_packs_the_rest_and_the_file_is_written_again(tmp_path: Path) -> None:
@@ -99,14 +106,15 @@ def test_a_changed_key_is_not_read(tmp_path: Path) -> None:
 
 def test_a_recorded_value_error_is_raised_again(tmp_path: Path) -> None:
     def fused_then_plain(directory: Path, packer: Packer) -> tuple[pack_cache.PackSession, torch.Tensor]:
-        with pack_cache.session(directory, SLOT, KEY) as session:
-            def refuse() -> torch.Tensor:
-                packer.calls += 1
-                raise ValueError("half the rows is not a whole number of vectors")
+        session = pack_cache.session(directory, SLOT, KEY)
 
-            with pytest.raises(ValueError, match="whole number"):
-                pack_cache.through("p", ["fused"], refuse)
-            tensor = pack_cache.through("p", ["plain"], lambda: packer([4, 4], torch.float32))
+        def refuse() -> torch.Tensor:
+            packer.calls += 1
+            raise ValueError("half the rows is not a whole number of vectors")
+
+        with pytest.raises(ValueError, match="whole number"):
+            session.pack("p", ["fused"], refuse)
+        tensor = session.pack("p", ["plain"], lambda: packer([4, 4], torch.float32))
         session.finish()
         pack_cache.wait_for_writes()
         return session, tensor
@@ -143,14 +151,13 @@ def test_a_dead_writers_temporary_file_is_removed(tmp_path: Path) -> None:
 
 
 def test_a_session_without_packs_writes_no_file(tmp_path: Path) -> None:
-    with pack_cache.session(tmp_path, SLOT, KEY) as session:
-        pass
+    session = pack_cache.session(tmp_path, SLOT, KEY)
     assert session.finish() is None and list(tmp_path.iterdir()) == []
 
 
 def test_wait_for_writes_lets_a_write_finish(tmp_path: Path) -> None:
-    with pack_cache.session(tmp_path, SLOT, KEY) as session:
-        pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+    session = pack_cache.session(tmp_path, SLOT, KEY)
+    session.pack("p", [1], lambda: torch.ones(1 << 20))
     session.finish()
     pack_cache.wait_for_writes()
     assert session.path.exists() and session.path.stat().st_size >= (1 << 22)
@@ -158,8 +165,8 @@ def test_wait_for_writes_lets_a_write_finish(tmp_path: Path) -> None:
 
 def test_the_write_waits_while_the_model_runs_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pack_cache, "IDLE_BEFORE_WRITE_S", 1.0)
-    with pack_cache.session(tmp_path, SLOT, KEY) as session:
-        pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+    session = pack_cache.session(tmp_path, SLOT, KEY)
+    session.pack("p", [1], lambda: torch.ones(1 << 20))
     thread = session.finish()
     assert thread is not None
     for _ in range(30):  # a step every 50 ms for 1.5 s: never a second without one
@@ -173,8 +180,8 @@ def test_the_write_waits_while_the_model_runs_steps(tmp_path: Path, monkeypatch:
 
 def test_the_write_waits_for_a_long_step_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pack_cache, "IDLE_BEFORE_WRITE_S", 0.3)
-    with pack_cache.session(tmp_path, SLOT, KEY) as session:
-        pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+    session = pack_cache.session(tmp_path, SLOT, KEY)
+    session.pack("p", [1], lambda: torch.ones(1 << 20))
     with pack_cache.stepping():  # one step of 1.5 s, as a long prefill
         thread = session.finish()
         assert thread is not None
@@ -188,22 +195,22 @@ def test_a_second_load_of_the_slot_leaves_the_write_to_the_first(tmp_path: Path,
     monkeypatch.setattr(pack_cache, "IDLE_BEFORE_WRITE_S", 3600.0)  # the first write waits for idle time
     sessions = []
     for _ in range(2):
-        with pack_cache.session(tmp_path, SLOT, KEY) as session:
-            pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+        session = pack_cache.session(tmp_path, SLOT, KEY)
+        session.pack("p", [1], lambda: torch.ones(1 << 20))
         sessions.append(session)
     first, second = (s.finish() for s in sessions)
     assert first is not None and second is None
     pack_cache.wait_for_writes(timeout_s=60)
     assert [p.name for p in tmp_path.iterdir()] == [sessions[0].path.name]  # one whole file, no temporary one
-    with pack_cache.session(tmp_path, SLOT, KEY) as third:
-        mapped = pack_cache.through("p", [1], lambda: pytest.fail("packed again"))
+    third = pack_cache.session(tmp_path, SLOT, KEY)
+    mapped = third.pack("p", [1], lambda: pytest.fail("packed again"))
     assert third.complete and torch.equal(mapped, torch.ones(1 << 20))
 
 
 def test_waiting_for_the_writes_ends_their_pauses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pack_cache, "IDLE_BEFORE_WRITE_S", 3600.0)
-    with pack_cache.session(tmp_path, SLOT, KEY) as session:
-        pack_cache.through("p", [1], lambda: torch.ones(1 << 20))
+    session = pack_cache.session(tmp_path, SLOT, KEY)
+    session.pack("p", [1], lambda: torch.ones(1 << 20))
     session.finish()
     pack_cache.wait_for_writes(timeout_s=60)
     assert session.path.exists()
