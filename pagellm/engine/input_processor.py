@@ -48,7 +48,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.structured_output = structured_output  # compiles grammars, refusing bad ones before admission
-        # Tokenizing runs on the engine thread: an 8 MiB prompt takes seconds and stalls every
+        # Tokenizing runs on the engine thread: a prompt of megabytes takes long enough to stall every
         # stream, only to be refused as too long afterwards. Text that cannot fit the context
         # (twice over, for normalizers that merge characters) is refused before tokenizing.
         chars = max_chars_per_token(tokenizer)

@@ -283,7 +283,7 @@ def int8_types() -> frozenset[int]:
     """The GGML type ids (``gguf.GGMLQuantizationType``) whose blocks :func:`pack_weight_int8`
     takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K ... Q6_K; empty without the library or its int8 dot products."""
     global _int8_types
-    if _int8_types is None:  # asked per tensor at load (hundreds of times), and the op takes ~0.3 ms
+    if _int8_types is None:  # asked per tensor at load, hundreds of times, and each op call crosses into the library
         _int8_types = frozenset(int(t) for t in torch.ops.pagellm_gemm_int8.int8_types()) if available() else frozenset()
     return _int8_types
 

@@ -1,11 +1,11 @@
 """A GGUF file's model config, in transformers' field names, built without importing transformers.
 
-``import transformers`` alone reads the ``__all__`` of every model file it ships (over half a second
-of interpreter time, most of a second under a server's start-up), so the architectures whose config
-class adds nothing but defaults (Llama, Mistral, Qwen2) get a plain :class:`GGUFConfig` holding the
-file's metadata over those defaults. The newer architectures derive fields in their config classes
-(layer types, rotary per layer kind) and are still built through them. The tests hold the key table
-and the defaults to transformers' own (``GGUF_CONFIG_MAPPING`` and the config classes).
+``import transformers`` alone reads the ``__all__`` of every model file it ships, a noticeable share
+of a server's start-up, so the architectures whose config class adds nothing but defaults (Llama,
+Mistral, Qwen2) get a plain :class:`GGUFConfig` holding the file's metadata over those defaults.
+The newer architectures derive fields in their config classes (layer types, rotary per layer kind)
+and are still built through them. The tests hold the key table and the defaults to transformers'
+own (``GGUF_CONFIG_MAPPING`` and the config classes).
 """
 from __future__ import annotations
 

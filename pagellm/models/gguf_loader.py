@@ -1,7 +1,7 @@
 """Reading GGUF files: metadata and Hugging Face-named weights as stored (the config: gguf_config).
 
-``gguf.GGUFReader`` turns every vocabulary string into numpy views and takes seconds on a 49k-token
-vocabulary, so the header is parsed here directly (strings arrays are skipped unless asked for).
+``gguf.GGUFReader`` turns every vocabulary string into numpy views, slow on a vocabulary of tens of
+thousands of tokens, so the header is parsed here directly (strings arrays are skipped unless asked for).
 Tensor data is read as stored (GGUF blocks stay blocks), and llama.cpp's Q/K row permutation is
 undone on rows of blocks exactly as transformers does on values, so dequantized weights are
 bit-identical to transformers' GGUF load.
@@ -113,7 +113,7 @@ class GGUFFile:
     def cached(cls, path: str) -> "GGUFFile":
         """The file's table without its string arrays, parsed once per version of the file: the
         config, the memory plan, the loader and the EOS lookup all read it at start-up, and
-        walking past a large vocabulary costs tens of milliseconds each time."""
+        each would otherwise walk past a large vocabulary again."""
         stat = os.stat(path)
         return _cached_gguf_file(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
 

@@ -1,6 +1,6 @@
 """xgrammar behind a small interface: a request's spec in, a compiled grammar (cached) out.
 
-Compiling a JSON schema costs milliseconds to seconds, so grammars are compiled once per distinct
+Compiling a JSON schema is costly (more so the larger the schema), so grammars are compiled once per distinct
 spec text and kept in an LRU; a spec that cannot compile is the user's error (ValueError -> 400).
 """
 from __future__ import annotations

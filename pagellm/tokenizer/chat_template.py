@@ -1,5 +1,5 @@
 """Rendering a chat template as transformers' ``apply_chat_template(..., tokenize=False)`` does,
-without importing transformers (a second of a server's start-up, most of it its model registry).
+without importing transformers (a large share of a server's start-up, most of it its model registry).
 
 The Jinja environment is transformers' own: a sandbox that cannot mutate its inputs, ``trim_blocks``
 and ``lstrip_blocks``, loop controls, the ``{% generation %}`` tag (rendered as its body here, since

@@ -1,5 +1,5 @@
 """A ``tokenizers.Tokenizer`` with the part of transformers' tokenizer API the engine and server use,
-built without importing transformers (over a second of interpreter time at a server's start).
+built without importing transformers (whose import is a large share of a server's start).
 
 :class:`FastTokenizer` sets the backend up as ``PreTrainedTokenizerFast(tokenizer_object=...)``
 does (its special tokens added, its BOS/EOS post-processor), so encoding and decoding are the

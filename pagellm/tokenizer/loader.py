@@ -4,7 +4,7 @@ A GGUF file's byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``: Smo
 Qwen2) is built here with ``tokenizers`` from pagellm's own read of the file, as transformers'
 GGUF conversion builds it (tests compare the two byte for byte), and served as a
 :class:`~pagellm.tokenizer.fast.FastTokenizer`. That conversion, or transformers' tokenizer class
-alone, would import transformers: over a second of interpreter time that a server's start would
+alone, would import transformers: interpreter time that a server's start would otherwise
 spend beside the weights' packing. Other GGUF vocabularies go through ``PreTrainedTokenizerFast.from_pretrained(
 gguf_file=...)``; only Hugging Face directories import ``AutoTokenizer``.
 """

@@ -147,8 +147,8 @@ MADV_NOHUGEPAGE = 15
 MADV_COLLAPSE = 25  # Linux 6.1+: gather a populated range into 2 MiB pages, contents kept
 PREFAULT_CHUNK_BYTES = 4 * 2**20
 # A slice that faults in slower than this (seconds per MiB) means each 2 MiB page is costly to get
-# (compaction, or a VM host backing it: 4-16 ms a MiB seen, against ~0.2-1.3 for 4 KiB pages and
-# ~0.1 for free huge pages): the rest of the cache then faults in on small pages.
+# (compaction, or a VM host backing it): the rest of the cache then faults in on small pages.
+# The threshold sits between the two cases' costs (docs/benchmarks.md, "The KV cache's memory").
 SLOW_FAULT_S_PER_MIB = 2e-3
 
 

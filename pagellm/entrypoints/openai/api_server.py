@@ -249,7 +249,7 @@ def run_server(args: argparse.Namespace, async_llm: Optional[AsyncLLM] = None) -
     if async_llm is None:
         async_llm = start_engine(args)
     # The app and uvicorn's protocol modules are built while the engine loads on its thread: they
-    # need only the served name, and they are a few tenths of a second of a start.
+    # need only the served name, and building them meanwhile takes them off the start's critical path.
     metrics = EngineMetrics(async_llm.model_name)
     app = build_app(
         async_llm,
@@ -305,7 +305,7 @@ def run_server(args: argparse.Namespace, async_llm: Optional[AsyncLLM] = None) -
 
 
 def exit_now(code: int) -> None:
-    """Exits without the interpreter's teardown: collecting a loaded engine's objects takes seconds,
+    """Exits without the interpreter's teardown: collecting a loaded engine's many objects is slow,
     and a drained server should be gone at once (its state is all in memory, nothing to flush;
     ``AsyncLLM.shutdown`` has let a packed-weights file being written finish)."""
     logging.shutdown()
