@@ -315,8 +315,8 @@ void linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   const int64_t cols_per_panel = gate_up ? NR_BF16 / 2 : NR_BF16;
   // Row tiles of equal size (16 rows: 8 + 8, not 12 + 4). The first tile of a panel requests the
   // weights kPrefetchSteps k-pair steps ahead into L2 (into the next panel near its end): the
-  // hardware prefetcher alone left a decode step's weights streaming at 60-85% of the machine's
-  // read rate (docs/kernels.md). The widening build's tiles leave it to the hardware (not measured).
+  // hardware prefetcher alone left a decode step's weights streaming below the machine's read
+  // rate (docs/kernels.md). The widening build's tiles leave it to the hardware (not measured).
   const RowBlocks row_tiles(m, MR_BF16, MR_BF16);
   const int64_t panel_elems = k2 * NR_BF16 * 2;
   parallel_panels(panels, [&](int64_t begin, int64_t end) {
