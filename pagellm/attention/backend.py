@@ -16,7 +16,7 @@ import torch
 from pagellm.attention.kv_quant import KVScales
 
 if TYPE_CHECKING:
-    from pagellm.kernels.tuning import CpuTuning
+    from pagellm.kernels.context import KernelContext
 
 
 @dataclass
@@ -76,9 +76,10 @@ class AttentionBackend(ABC):
     # output, each token's heads contiguous); otherwise callers pass contiguous tensors.
     accepts_strided_qkv: bool = False
 
-    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
-        """Takes what was measured about this machine at start-up; only the C++ backend uses any."""
-        return None
+    def use_kernel_context(self, kernels: KernelContext) -> None:
+        """Reads what was measured about this machine at start-up from ``kernels`` (the model's,
+        pagellm.kernels.context) at each call from now on; only the C++ backend reads any."""
+        self.kernels = kernels
 
     @abstractmethod
     def forward(

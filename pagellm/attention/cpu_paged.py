@@ -16,6 +16,7 @@ from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, write_kv_cache
 from pagellm.attention.torch_sdpa import torch_attention
 from pagellm.attention.validation import check_attention_inputs, check_attention_options
 from pagellm.kernels import ops
+from pagellm.kernels.context import KernelContext
 from pagellm.kernels.tuning import CpuTuning
 
 
@@ -28,12 +29,13 @@ class CpuPagedBackend(AttentionBackend):
     def __init__(self, tuning: CpuTuning | None = None) -> None:
         if not ops.available():
             raise RuntimeError("the C++ paged attention kernel could not be built; use get_attn_backend() to fall back")
-        self.decode_prefetch_to_l2 = False
-        self.use_cpu_tuning(tuning or CpuTuning.untuned())
+        # Its own until the loader hands it the model's (use_kernel_context).
+        self.kernels = KernelContext(tuning)
 
-    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
+    @property
+    def decode_prefetch_to_l2(self) -> bool:
         # Which prefetch level decode runs faster with depends on the core, so it was measured.
-        self.decode_prefetch_to_l2 = tuning.decode_prefetch_to_l2
+        return self.kernels.tuning.decode_prefetch_to_l2
 
     def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return ops.paged_attention_supports(query, kv_cache)

@@ -18,7 +18,6 @@ from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import ops
 from pagellm.kernels.context import KernelContext
-from pagellm.kernels.tuning import CpuTuning
 from pagellm.layers.activation import canonical_activation, gated_activation
 from pagellm.layers.gguf_types import GGUFWeight
 from pagellm.layers.linear_method import LinearMethod, WeightSource, create_linear_method
@@ -197,10 +196,6 @@ class Linear(nn.Module):
         if weight is None:
             raise AttributeError(f"this layer holds its weight as {self.method.form if self.method else 'nothing yet'}")
         return weight
-
-    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
-        if self.method is not None:
-            self.method.use_cpu_tuning(tuning)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(x, self.bias)

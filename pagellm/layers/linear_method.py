@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from pagellm.config import LinearPrecision
 from pagellm.kernels import ops
 from pagellm.kernels.context import KernelContext
-from pagellm.kernels.tuning import F32_PANELS, CpuTuning
+from pagellm.kernels.tuning import F32_PANELS
 from pagellm.layers.gguf_types import GGUFWeight, kernel_takes
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 WeightSource = GGUFWeight | torch.Tensor
 
 # Up to this many rows float32 panels beat BLAS on the machines measured; beyond it BLAS's
-# blocking wins. The default until CpuTuning holds this machine's own crossover.
+# blocking wins. The default until the load's KernelContext holds this machine's own crossover.
 PACKED_MAX_ROWS = 96
 # The kernels' fused gated activations pair gate and up columns in groups of one vector (AVX-512).
 GATE_UP_GROUP = 16
@@ -80,21 +80,17 @@ class LinearMethod(ABC):
     def form(self) -> str:
         """A short name of the stored form, for logs and the memory plan."""
 
-    def use_cpu_tuning(self, tuning: CpuTuning) -> None:  # noqa: B027 - most forms measure nothing
-        """Takes this machine's measured limits, where the form has any."""
-
 
 class DenseMethod(LinearMethod):
     """The weight as a dense tensor (float32 on a CPU: the exact path), plus float32 panels for
     small batches where the CPU kernels take it. ``kernels``: the load's context, which the
-    panels are packed through."""
+    panels are packed through and the panels' row limit is read from at each call."""
 
     def __init__(self, weight: torch.Tensor, gate_up: bool, kernels: Optional[KernelContext] = None) -> None:
-        kernels = _context(kernels)
+        self.kernels = kernels = _context(kernels)
         self.weight = weight.contiguous()
         self.out_features = weight.shape[0]
         self.panels: Optional[torch.Tensor] = None
-        self.packed_max_rows = PACKED_MAX_ROWS
         if not ops.supports(self.weight):
             return
         shape = list(self.weight.shape)
@@ -106,6 +102,12 @@ class DenseMethod(LinearMethod):
             except ValueError:  # half the rows is not a whole number of vectors: two steps then
                 pass
         self.panels = kernels.pack("f32", [shape], lambda: ops.pack_weight(self.weight))
+
+    @property
+    def packed_max_rows(self) -> int:
+        """Up to how many rows the panels are used, BLAS beyond: this machine's measured crossover
+        once the loader has set it on the context, else PACKED_MAX_ROWS."""
+        return self.kernels.packed_max_rows(F32_PANELS, PACKED_MAX_ROWS)
 
     def apply(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.panels is not None and not self.fused_gate_up and x.shape[0] <= self.packed_max_rows and _rows_ok(x):
@@ -133,11 +135,6 @@ class DenseMethod(LinearMethod):
     def form(self) -> str:
         dtype = str(self.weight.dtype).removeprefix("torch.")
         return f"{dtype} + panels" if self.panels is not None else dtype
-
-    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
-        limits = tuning.limits_for(F32_PANELS)
-        if limits is not None and self.panels is not None:
-            self.packed_max_rows = limits.packed_max_rows
 
 
 class _PanelsMethod(LinearMethod):
@@ -266,10 +263,6 @@ class SegmentedMethod(LinearMethod):
     @property
     def form(self) -> str:
         return " | ".join(p.form for p in self.parts)
-
-    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
-        for part in self.parts:
-            part.use_cpu_tuning(tuning)
 
 
 def _as_dense(source: WeightSource) -> torch.Tensor:

@@ -23,7 +23,6 @@ from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import TPShard
 from pagellm.kernels import ops
 from pagellm.kernels.context import KernelContext
-from pagellm.kernels.tuning import CpuTuning
 from pagellm.layers.attention import Attention
 from pagellm.layers.embedding import VocabParallelEmbedding
 from pagellm.layers.gguf_types import GGUFWeight
@@ -260,11 +259,6 @@ class CausalLM(nn.Module):
         )
         embed_bytes = 0 if shared else embed.nbytes
         return linear + embed_bytes + sum(p.numel() * p.element_size() for p in self.parameters())
-
-    def use_cpu_tuning(self, tuning: CpuTuning) -> None:
-        """Takes the limits measured on this machine (the float32 panels' crossover to BLAS)."""
-        for _, layer in self.linear_layers():
-            layer.use_cpu_tuning(tuning)
 
     def packed_weights(self) -> list[tuple[torch.Tensor, DenseMethod]]:
         """``(weight, method)`` of every layer held as float32 panels (the form whose row limit

@@ -252,8 +252,10 @@ def load_model_for_engine(
         else None
     )
     tuning = measure_cpu_tuning(config.device, model.packed_weights(), decode_shape)
-    attn_backend.use_cpu_tuning(tuning)
-    model.use_cpu_tuning(tuning)
+    # Set once on the load's context, which every layer's kernels read at call time, and the
+    # attention backend reads from now on.
+    model.kernels.tuning = tuning
+    attn_backend.use_kernel_context(model.kernels)
     logger.info("CPU tuning: %s", tuning.to_json())
     return model, tuning
 

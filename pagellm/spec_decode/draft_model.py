@@ -171,5 +171,5 @@ def load_draft_model(config, model_path: str, attn_backend, target_vocab_size: i
     model = load_model(
         model_path, hf_config, config.dtype, config.device, attn_backend, precision, config.packed_weight_cache
     )
-    model.use_cpu_tuning(measure_cpu_tuning(config.device, model.packed_weights()))
+    model.kernels.tuning = measure_cpu_tuning(config.device, model.packed_weights())
     return model, shape

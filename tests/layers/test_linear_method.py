@@ -11,7 +11,7 @@ from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.kernels import ops
 from pagellm.layers.gguf_types import GGUFWeight
 from pagellm.layers.linear import GatedLinear, Linear, narrow
-from pagellm.layers.linear_method import BF16Method, DenseMethod, GGUFInt8Method, SegmentedMethod, create_linear_method
+from pagellm.layers.linear_method import PACKED_MAX_ROWS, BF16Method, DenseMethod, GGUFInt8Method, SegmentedMethod, create_linear_method
 
 INT8 = LinearPrecision(kind="int8", fallback="bfloat16")
 needs_int8 = pytest.mark.skipif(not ops.int8_matmul_available(), reason="no int8 dot products in this build")
@@ -112,12 +112,15 @@ def test_column_cuts_move_whole_blocks_or_dequantize() -> None:
 
 @pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
 def test_float32_panels_take_small_batches_up_to_the_measured_limit(monkeypatch) -> None:
+    from pagellm.kernels.context import KernelContext
     from pagellm.kernels.tuning import F32_PANELS, CpuTuning, RowLimits
 
     weight = torch.randn(48, 64)
-    method = create_linear_method([weight], EXACT_LINEAR, CPU, torch.float32)
+    kernels = KernelContext()
+    method = create_linear_method([weight], EXACT_LINEAR, CPU, torch.float32, kernels=kernels)
     assert isinstance(method, DenseMethod) and method.panels is not None
-    method.use_cpu_tuning(CpuTuning(row_limits=((F32_PANELS, RowLimits(8)),)))
+    assert method.packed_max_rows == PACKED_MAX_ROWS  # nothing measured yet: the default
+    kernels.tuning = CpuTuning(row_limits=((F32_PANELS, RowLimits(8)),))  # measured after the load
     assert method.packed_max_rows == 8
     calls: list[int] = []
     real = ops.linear_packed
