@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from pagellm.attention.kv_quant import FP8_DTYPES
-from pagellm.attention.triton_kernels.kv_codec import FORMAT_INT8, fp8_unit, kernel_view, kv_format, load_int8_row_scale, load_kv
-from pagellm.attention.triton_kernels.scores import LOG2E, soft_cap
+from pagellm.attention.triton_kernels.kv_codec import fp8_unit, kernel_view, kv_format
+from pagellm.attention.triton_kernels.kv_loop import attend_kv_tiles, normalize
+from pagellm.attention.triton_kernels.scores import LOG2E
 
 _LOG2E = 1.4426950408889634
 
@@ -85,13 +86,6 @@ def _decode_kernel(
         mask=mask_rows[:, None] & mask_dims[None, :],
         other=0.0,
     )
-    if DOT_F32:
-        q = q.to(tl.float32)
-    if IS_FP8:
-        # fp8's per-layer scales fold into the scores and the output.
-        qk_scale = qk_scale * (tl.load(scales_ptr) * FP8_UNIT)
-        v_scale = tl.load(scales_ptr + 1) * FP8_UNIT
-
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     if HAS_SINKS:
@@ -100,38 +94,15 @@ def _decode_kernel(
         m_i = tl.where(split == 0, sink, m_i)
         l_i = tl.where((split == 0) & mask_rows, 1.0, l_i)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    k_base = cache_ptr + kv_head * stride_cache_head
-    table = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(start, end, BLOCK_N):
-        pos = start_n + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok
-        kv_mask = valid[:, None] & mask_dims[None, :]
-        # other=0: slots past the context may hold anything (even NaN), and 0 * NaN would leak.
-        k_row = k_base + slot
-        k = load_kv(k_row[:, None] + dims[None, :], kv_mask, q.dtype, KV_FORMAT)
-        v = load_kv(k_row[:, None] + stride_cache_kv + dims[None, :], kv_mask, q.dtype, KV_FORMAT)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        if KV_FORMAT == FORMAT_INT8:
-            s = s * load_int8_row_scale(k_row, valid, HEAD_DIM)[None, :]
-        if HAS_CAP:
-            s = soft_cap(s, cap_log2)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_FORMAT == FORMAT_INT8:
-            # l_i sums the softmax weights; the dot takes them times each value row's scale.
-            p = p * load_int8_row_scale(k_row + stride_cache_kv, valid, HEAD_DIM)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    # Every key of the split is in the context and in the token's window: no per-row mask.
+    m_i, l_i, acc = attend_kv_tiles(
+        q, m_i, l_i, acc, cache_ptr + kv_head * stride_cache_head, block_table_ptr + seq.to(tl.int64) * stride_bt,
+        start, end, end, window, qk_scale, scales_ptr, cap_log2, stride_cache_kv, stride_cache_block, stride_cache_tok,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_F32, KV_FORMAT, IS_FP8, FP8_UNIT, HAS_CAP, CAUSAL=False, HAS_WINDOW=False,
+    )
 
     # An empty split (or a padding sequence of length 0) has l == 0: its output is 0, its weight 0.
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if IS_FP8:
-        out = out * v_scale
+    out = normalize(acc, l_i, scales_ptr, IS_FP8, FP8_UNIT)
     mask_out = mask_rows[:, None] & mask_dims[None, :]
     if SINGLE_SPLIT:
         tl.store(

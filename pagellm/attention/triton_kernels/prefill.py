@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from pagellm.attention.kv_quant import FP8_DTYPES
-from pagellm.attention.triton_kernels.kv_codec import FORMAT_INT8, fp8_unit, kernel_view, kv_format, load_int8_row_scale, load_kv
-from pagellm.attention.triton_kernels.scores import LOG2E, soft_cap
+from pagellm.attention.triton_kernels.kv_codec import fp8_unit, kernel_view, kv_format
+from pagellm.attention.triton_kernels.kv_loop import attend_kv_tiles, normalize
+from pagellm.attention.triton_kernels.scores import LOG2E
 
 _LOG2E = 1.4426950408889634
 
@@ -81,62 +82,25 @@ def _prefill_kernel(
         mask=mask_rows[:, None] & mask_dims[None, :],
         other=0.0,
     )
-    if DOT_F32:
-        q = q.to(tl.float32)
-    if IS_FP8:
-        # fp8's per-layer scales fold into the scores and the output.
-        qk_scale = qk_scale * (tl.load(scales_ptr) * FP8_UNIT)
-        v_scale = tl.load(scales_ptr + 1) * FP8_UNIT
-    q_pos = prefix + rows
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if HAS_SINKS:  # a score with no value
         m_i = tl.full([BLOCK_M], 1.0, tl.float32) * (tl.load(sinks_ptr + head) * LOG2E)
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    k_base = cache_ptr + (head // GROUP) * stride_cache_head
-    table = block_table_ptr + seq.to(tl.int64) * stride_bt
     # Causal: no query of this tile looks past its last row's position.
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
     kv_start = 0
     if HAS_WINDOW:
         # Nor before its first row's window.
         kv_start = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
-    for start_n in range(kv_start, kv_end, BLOCK_N):
-        pos = start_n + tl.arange(0, BLOCK_N)
-        in_context = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
-        slot = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok
-        kv_mask = in_context[:, None] & mask_dims[None, :]
-        # other=0: slots past the context may hold anything (even NaN), and 0 * NaN would leak.
-        k_row = k_base + slot
-        k = load_kv(k_row[:, None] + dims[None, :], kv_mask, q.dtype, KV_FORMAT)
-        v = load_kv(k_row[:, None] + stride_cache_kv + dims[None, :], kv_mask, q.dtype, KV_FORMAT)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        if KV_FORMAT == FORMAT_INT8:
-            s = s * load_int8_row_scale(k_row, in_context, HEAD_DIM)[None, :]
-        if HAS_CAP:
-            s = soft_cap(s, cap_log2)
-        visible = in_context[None, :] & (pos[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Padding rows past q_len may see nothing yet; keep their arithmetic NaN-free.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_FORMAT == FORMAT_INT8:
-            # l_i sums the softmax weights; the dot takes them times each value row's scale.
-            p = p * load_int8_row_scale(k_row + stride_cache_kv, in_context, HEAD_DIM)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    m_i, l_i, acc = attend_kv_tiles(
+        q, m_i, l_i, acc, cache_ptr + (head // GROUP) * stride_cache_head, block_table_ptr + seq.to(tl.int64) * stride_bt,
+        kv_start, kv_end, prefix + rows, window, qk_scale, scales_ptr, cap_log2, stride_cache_kv, stride_cache_block, stride_cache_tok,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_F32, KV_FORMAT, IS_FP8, FP8_UNIT, HAS_CAP, CAUSAL=True, HAS_WINDOW=HAS_WINDOW,
+    )
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if IS_FP8:
-        out = out * v_scale
+    out = normalize(acc, l_i, scales_ptr, IS_FP8, FP8_UNIT)
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
