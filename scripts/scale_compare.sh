@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pagellm against llama.cpp's server and vLLM on checkpoints of the sizes people serve, one engine at
 # a time on a quiet machine, with the peers' scale_bench.sh (vLLM's own `bench serve` client; time
-# to ready and resident memory of the process tree): docs/benchmarks.md, "Checkpoints at real sizes".
+# to ready and resident memory of the process tree): docs/benchmarks.md, the sections per CPU.
 # usage: scripts/scale_compare.sh OUTDIR [STEPS]   STEPS: any of q4km q4km1 bf16 big (default: all)
 # Needs ../shared/peers (PEERS_DIR): build-llama-cpp.sh, make-scale-models.sh (BIG=1 for the 8B),
 # vllm-install.sh for the bf16 step.
