@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from pagellm.config import LinearPrecision
 from pagellm.kernels import ops
 from pagellm.kernels.context import KernelContext
-from pagellm.kernels.tuning import F32_PANELS
+from pagellm.kernels.tuning import F32_PANELS, PackedForms, TuningKey
 from pagellm.layers.gguf_types import GGUFWeight, kernel_takes
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,18 @@ class LinearMethod(ABC):
     @abstractmethod
     def form(self) -> str:
         """A short name of the stored form, for logs and the memory plan."""
+
+    def rows_as_bf16_panels(self) -> Optional[torch.Tensor]:
+        """The weight as ``ops.pack_weight_bf16`` panels packed unfused, from which its rows read
+        back (a tied embedding then reads its rows there rather than keep the table twice); None
+        for a form that holds none."""
+        return None
+
+    def tuning_probe(self, key: TuningKey) -> Optional[tuple[torch.Tensor, PackedForms]]:
+        """``(weight, packed)`` on which the start-up measurement of ``key`` (pagellm.kernels.tuning)
+        times this form's kernel against BLAS, where that measurement decides this form's kernel;
+        else None."""
+        return None
 
 
 class DenseMethod(LinearMethod):
@@ -135,6 +147,11 @@ class DenseMethod(LinearMethod):
     def form(self) -> str:
         dtype = str(self.weight.dtype).removeprefix("torch.")
         return f"{dtype} + panels" if self.panels is not None else dtype
+
+    def tuning_probe(self, key: TuningKey) -> Optional[tuple[torch.Tensor, PackedForms]]:
+        if key == F32_PANELS and self.panels is not None and not self.fused_gate_up:
+            return self.weight, self  # type: ignore[return-value]  # panels is set
+        return None
 
 
 class _PanelsMethod(LinearMethod):
@@ -197,6 +214,9 @@ class BF16Method(_PanelsMethod):
     @property
     def form(self) -> str:
         return "bf16 panels"
+
+    def rows_as_bf16_panels(self) -> Optional[torch.Tensor]:
+        return None if self.fused_gate_up else self.packed
 
 
 class GGUFInt8Method(_PanelsMethod):

@@ -23,11 +23,12 @@ from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import TPShard
 from pagellm.kernels import ops
 from pagellm.kernels.context import KernelContext
+from pagellm.kernels.tuning import F32_PANELS, PackedForms
 from pagellm.layers.attention import Attention
 from pagellm.layers.embedding import VocabParallelEmbedding
 from pagellm.layers.gguf_types import GGUFWeight
 from pagellm.layers.linear import Linear, TPSplit
-from pagellm.layers.linear_method import BF16Method, DenseMethod, WeightSource
+from pagellm.layers.linear_method import WeightSource
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryArgs, RotaryEmbedding
 
@@ -242,9 +243,9 @@ class CausalLM(nn.Module):
             return
         self.lm_head.load_shard(None, embed.source_rows(self.lm_head.out_features))
         self.lm_head.process_weights_after_loading(precision, device, dtype, self.kernels)
-        method = self.lm_head.method
-        if isinstance(method, BF16Method) and not method.fused_gate_up:
-            embed.share_head_panels(method.packed)  # one copy of a bfloat16 table
+        panels = self.lm_head.method.rows_as_bf16_panels()
+        if panels is not None:
+            embed.share_head_panels(panels)  # one copy of a bfloat16 table
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold, every form counted once."""
@@ -260,15 +261,12 @@ class CausalLM(nn.Module):
         embed_bytes = 0 if shared else embed.nbytes
         return linear + embed_bytes + sum(p.numel() * p.element_size() for p in self.parameters())
 
-    def packed_weights(self) -> list[tuple[torch.Tensor, DenseMethod]]:
-        """``(weight, method)`` of every layer held as float32 panels (the form whose row limit
-        :func:`pagellm.kernels.tuning.measure_cpu_tuning` measures), the vocabulary head first."""
-        pairs = []
-        for _, layer in self.linear_layers():
-            method = layer.method
-            if isinstance(method, DenseMethod) and method.panels is not None and not method.fused_gate_up:
-                pairs.append((method.weight, method))
-        return pairs
+    def packed_weights(self) -> list[tuple[torch.Tensor, PackedForms]]:
+        """``(weight, packed)`` of every layer whose form the start-up measurement of the float32
+        panels' row limit decides (:func:`pagellm.kernels.tuning.measure_cpu_tuning` times its
+        kernel on them), the vocabulary head first."""
+        probes = (layer.method.tuning_probe(F32_PANELS) for _, layer in self.linear_layers() if layer.method is not None)
+        return [probe for probe in probes if probe is not None]
 
     def checkpoint_target(self, name: str) -> tuple[str, Optional[str]]:
         """(our parameter name, fused shard) for a checkpoint tensor name."""
