@@ -1,4 +1,9 @@
-"""Engine configuration: every knob a user can set, validated in one place."""
+"""Engine configuration: every knob a user can set, validated in one place.
+
+An ``EngineConfig`` is what the user asked for (vLLM's ``EngineArgs``), frozen once validated.
+What the engine then runs (dtypes, the linear layers' arithmetic, the memory plan, the parallel
+layout) is decided from it and the model once, by ``pagellm.plan.resolve_config``.
+"""
 from __future__ import annotations
 
 import logging
@@ -103,7 +108,7 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: Optional[str] = None  # HF directory or GGUF file; None -> the packaged SmolLM2-135M-Instruct
     tokenizer: Optional[str] = None
@@ -171,33 +176,34 @@ class EngineConfig:
     auto_dtype: bool = field(default=False, init=False, repr=False)
     auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
     auto_lora_dtype: bool = field(default=False, init=False, repr=False)
-    # What the linear layers compute in, once resolved for the model and machine
-    # (pagellm.models.precision); kept here so that every rank and rebuild uses the same.
-    linear_precision: Optional[LinearPrecision] = field(default=None, init=False, repr=False)
+
+    def _set(self, name: str, value: Any) -> None:
+        """Validation normalises a field while the config is built; afterwards it is never edited."""
+        object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
-        self.auto_dtype = isinstance(self.dtype, str) and self.dtype == "auto"
+        self._set("auto_dtype", isinstance(self.dtype, str) and self.dtype == "auto")
         if self.quantization is not None:
-            self.quantization = str(self.quantization).lower()
+            self._set("quantization", str(self.quantization).lower())
             if self.quantization not in QUANTIZATION_METHODS:
                 raise ValueError(f"unsupported quantization {self.quantization!r}; choose one of {list(QUANTIZATION_METHODS)}")
-        self.auto_kv_cache_dtype = isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype == "auto"
-        self.dtype = parse_dtype(self.dtype)
+        self._set("auto_kv_cache_dtype", isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype == "auto")
+        self._set("dtype", parse_dtype(self.dtype))
         if self.kv_cache_dtype == "auto":
-            self.kv_cache_dtype = self.dtype
+            self._set("kv_cache_dtype", self.dtype)
         elif isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype.lower() in KV_CACHE_DTYPE_NAMES:
-            self.kv_cache_dtype = KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype.lower()]
+            self._set("kv_cache_dtype", KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype.lower()])
         elif self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES.values():
             try:
-                self.kv_cache_dtype = parse_dtype(self.kv_cache_dtype)
+                self._set("kv_cache_dtype", parse_dtype(self.kv_cache_dtype))
             except ValueError:
                 raise ValueError(
                     f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose auto (the model's dtype), "
                     "float16, bfloat16, float32, fp8 (= fp8_e4m3), fp8_e5m2 or int8"
                 ) from None
-        self.device = torch.device(self.device) if self.device is not None else default_device()
+        self._set("device", torch.device(self.device) if self.device is not None else default_device())
         if self.kv_cache_memory_bytes is not None:
-            self.kv_cache_memory_bytes = parse_memory_size(self.kv_cache_memory_bytes)
+            self._set("kv_cache_memory_bytes", parse_memory_size(self.kv_cache_memory_bytes))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -215,7 +221,7 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+            self._set("distributed_executor_backend", "uni" if self.tensor_parallel_size == 1 else "mp")
         if self.distributed_executor_backend not in ("uni", "mp", "ray"):
             raise ValueError(
                 f"distributed_executor_backend must be mp or ray (uni: one rank), got {self.distributed_executor_backend!r}"
@@ -224,7 +230,7 @@ class EngineConfig:
             raise ValueError("the uni executor runs one rank; use mp or ray for tensor_parallel_size > 1")
         from pagellm.speculative_config import SpeculativeConfig
 
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._set("speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._resolve_pooling()
         self._check_lora()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -233,18 +239,18 @@ class EngineConfig:
     def _resolve_pooling(self) -> None:
         from pagellm.pooling_params import PoolerConfig, resolve_runner
 
-        self.runner = resolve_runner(self.runner, self.task)
-        self.task = None
+        self._set("runner", resolve_runner(self.runner, self.task))
+        self._set("task", None)
         if self.runner != "pooling":
             if self.pooler_config is not None:
                 raise ValueError("pooler_config needs runner='pooling'")
             return
-        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        self._set("pooler_config", PoolerConfig.parse(self.pooler_config))
         if self.speculative_config is not None:
             raise ValueError("the pooling runner generates no tokens; speculative_config does not apply")
         if self.enable_prefix_caching and not self.pooler_config.supports_prefix_caching:
             logger.info("prefix caching is off: %s pooling reads positions a cache hit would skip", self.pooler_config.pooling_type)
-            self.enable_prefix_caching = False
+            self._set("enable_prefix_caching", False)
 
     @property
     def model_name(self) -> str:
@@ -261,38 +267,12 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_cpu_loras is None:
-            self.max_cpu_loras = self.max_loras
+            self._set("max_cpu_loras", self.max_loras)
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        self.auto_lora_dtype = isinstance(self.lora_dtype, str) and self.lora_dtype == "auto"
-        self.lora_dtype = torch.float32 if self.auto_lora_dtype else parse_dtype(self.lora_dtype)
+        self._set("auto_lora_dtype", isinstance(self.lora_dtype, str) and self.lora_dtype == "auto")
+        self._set("lora_dtype", torch.float32 if self.auto_lora_dtype else parse_dtype(self.lora_dtype))
         if self.lora_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype}")
         if self.enable_lora and self.runner == "pooling":
             raise ValueError("LoRA adapters serve the generate runner; enable_lora does not apply to runner='pooling'")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA under tensor parallelism is not supported yet; use tensor_parallel_size=1 with enable_lora")
-
-    def apply_linear_precision(self, precision: LinearPrecision) -> None:
-        """Records the resolved precision. On a CPU the model's tensors are float32 whatever the
-        linear layers compute in (a requested bfloat16 goes to the products only), and an "auto"
-        KV cache is bfloat16 under low-precision products, where decode attention reads half the bytes."""
-        self.linear_precision = precision
-        if self.auto_lora_dtype and not precision.exact:
-            self.lora_dtype = torch.bfloat16
-        if self.device.type != "cpu":
-            return
-        if self.dtype == torch.bfloat16:
-            self.dtype = torch.float32
-            if self.auto_kv_cache_dtype:
-                self.kv_cache_dtype = torch.float32
-        if self.auto_kv_cache_dtype and not precision.exact:
-            self.kv_cache_dtype = torch.bfloat16
-
-    def apply_model_dtype(self, dtype: torch.dtype) -> None:
-        """Resolves ``dtype="auto"`` on an accelerator to the model's dtype (the KV cache's too, if auto)."""
-        if not self.auto_dtype or self.device.type == "cpu":
-            return
-        self.dtype = dtype
-        if self.auto_kv_cache_dtype:
-            self.kv_cache_dtype = dtype

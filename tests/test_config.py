@@ -102,20 +102,22 @@ def test_lora_settings_are_checked():
     assert EngineConfig(lora_dtype="bfloat16", device="cpu").lora_dtype == torch.bfloat16
     # auto follows the linear layers: bfloat16 slots under int8/bf16 products, float32 on the exact path.
     from pagellm.config import EXACT_LINEAR, LinearPrecision
+    from pagellm.kernels import ops
+    from pagellm.models.precision import resolve_precision
 
-    for precision, want in ((LinearPrecision("int8", "bfloat16"), torch.bfloat16), (EXACT_LINEAR, torch.float32)):
-        auto = EngineConfig(enable_lora=True, device="cpu")
-        auto.apply_linear_precision(precision)
-        assert auto.lora_dtype == want
+    int8_bf16 = LinearPrecision("int8", "bfloat16")
+    fast = ops.int8_matmul_available() and ops.bf16_matmul_available()
+    for dtype, precision in (("auto", int8_bf16 if fast else EXACT_LINEAR), ("float32", EXACT_LINEAR)):
+        resolved = resolve_precision(EngineConfig(enable_lora=True, device="cpu", dtype=dtype), torch.bfloat16, True)
+        assert resolved.linear == precision
+        assert resolved.lora_dtype == (torch.float32 if precision.exact else torch.bfloat16)
     chosen = EngineConfig(enable_lora=True, device="cpu", lora_dtype="float32")
-    chosen.apply_linear_precision(LinearPrecision("int8", "bfloat16"))
-    assert chosen.lora_dtype == torch.float32
+    assert resolve_precision(chosen, torch.bfloat16, True).lora_dtype == torch.float32
     for kwargs, message in [
         (dict(max_loras=0), "max_loras"),
         (dict(max_lora_rank=-1), "max_lora_rank"),
         (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
         (dict(lora_dtype="float16"), "lora_dtype"),
-        (dict(enable_lora=True, tensor_parallel_size=2), "tensor parallelism is not supported"),
         (dict(enable_lora=True, runner="pooling"), "generate runner"),
     ]:
         with pytest.raises(ValueError, match=message):

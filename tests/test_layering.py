@@ -40,16 +40,19 @@ ALLOWED: dict[str, set[str]] = {
     "worker": SHARED | {"kernels", "attention", "sample", "core", "structured_output", "distributed", "lora"},
     # Speculative decoding's proposers: above the runner, whose batch they read.
     "spec_decode": SHARED | {"kernels", "attention", "sample", "models", "layers", "worker", "distributed", "lora"},
+    # The resolved configuration: what the model, the machine and the user's config decide,
+    # before anything loads; the executors' workers and the engine read it.
+    "plan": SHARED | {"kernels", "attention", "models", "layers", "worker", "core", "distributed"},
     "executor": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output", "distributed"}
-    | {"spec_decode", "lora"},
+    | {"spec_decode", "lora", "plan"},
     "engine": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output"}
-    | {"distributed", "executor", "spec_decode", "lora"},
-    "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer", "lora"},
+    | {"distributed", "executor", "spec_decode", "lora", "plan"},
+    "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer", "lora", "plan"},
     "bench": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"}
-    | {"structured_output", "distributed", "executor", "spec_decode", "lora"},
+    | {"structured_output", "distributed", "executor", "spec_decode", "lora", "plan"},
 }
 # Subpackages that must not pull in torch: the scheduler and block pool are pure bookkeeping.
 NO_TORCH = {"core"}

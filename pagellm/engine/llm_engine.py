@@ -11,62 +11,32 @@ import itertools
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
 from pagellm.attention.kv_quant import kv_cache_dtype_name
-from pagellm.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, LinearPrecision, model_dtype
+from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_base import KVCacheManagerBase
-from pagellm.core.kv_cache_groups import group_layers
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagellm.engine.stats import EngineStats
+from pagellm.executor.base import Executor
+from pagellm.executor.factory import create_executor
 from pagellm.lora.request import LoRARequest
+from pagellm.models.loader import eos_token_ids
 from pagellm.models.shape import ModelShape
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagellm.plan.memory_plan import MemoryPlan
+from pagellm.plan.resolved_config import ResolvedConfig, resolve_config, resolve_with_model
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output import StructuredOutputManager
-from pagellm.worker.kv_cache import activation_reserve_bytes, bytes_per_block
-
-if TYPE_CHECKING:
-    from pagellm.engine.memory_plan import MemoryPlan
+from pagellm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def plan_memory(
-    config: EngineConfig, model_path: str, hf_config, shape: ModelShape, precision: LinearPrecision
-) -> MemoryPlan:
-    """What the model, its KV cache and a step's activations will take, before any is allocated."""
-    from pagellm.engine.memory_plan import MemoryPlan, available_memory_bytes, estimate_weight_bytes
-    from pagellm.models.loader import checkpoint_files, is_gguf, resolve_model_path
-
-    files = checkpoint_files(model_path)
-    file_bytes, weight_bytes = estimate_weight_bytes(files, precision, is_gguf(resolve_model_path(model_path)))
-    layout = group_layers(shape.layer_sliding_windows)  # a block is one group's page: group_size layers
-    block_bytes = bytes_per_block(layout.group_size, config.block_size, shape.num_kv_heads, shape.head_dim, config.kv_cache_dtype)
-    if config.num_kv_blocks is not None:
-        kv_bytes = config.num_kv_blocks * block_bytes
-    else:
-        kv_bytes = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-        kv_bytes -= kv_bytes % block_bytes
-    activations = activation_reserve_bytes(
-        config.max_num_batched_tokens,
-        config.max_num_seqs,
-        hf_config.hidden_size,
-        getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
-        shape.vocab_size,
-        4,
-    )
-    available = available_memory_bytes() if config.device.type == "cpu" else None
-    num_blocks = kv_bytes // block_bytes
-    kv_tokens = (num_blocks - layout.num_reserved_blocks) // layout.num_groups * config.block_size
-    described = "" if layout.plain else layout.describe()
-    return MemoryPlan(file_bytes, weight_bytes, kv_bytes, activations, available, kv_tokens, kv_cache_layout=described)
 
 
 def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -89,114 +59,87 @@ def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, Sam
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from pagellm.attention.selector import get_attn_backend
-        from pagellm.distributed.partition import check_tp_size
-        from pagellm.executor.factory import create_executor
-        from pagellm.models.loader import (
-            default_model_path,
-            eos_token_ids,
-            get_max_model_len,
-            is_gguf,
-            load_hf_config,
-            load_model_for_engine,
-            resolve_model_path,
-        )
-        from pagellm.models.precision import resolve_linear_precision
-        from pagellm.tokenizer import load_tokenizer
-
         t0 = time.perf_counter()
-        self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        model_path = config.model or default_model_path()
-        self.model_path = model_path
-        self.model_name = config.model_name
-        self.hf_config = load_hf_config(model_path)
-        config.apply_model_dtype(model_dtype(self.hf_config))
-        precision = resolve_linear_precision(config, model_dtype(self.hf_config), is_gguf(resolve_model_path(model_path)))
+        self.config = config
+        # Everything that depends on the model and the machine, decided before anything large loads.
+        self.resolved = resolved = resolve_config(config)
         # Built beside the weights: its conversion is Python, their packing native code that lets
         # go of the interpreter, so the two overlap (about half a second of a 1-2B GGUF's start).
         tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenizer")
-        tokenizer_future = tokenizer_pool.submit(load_tokenizer, config.tokenizer or model_path)
+        tokenizer_future = tokenizer_pool.submit(load_tokenizer, config.tokenizer or resolved.model.path)
         tokenizer_pool.shutdown(wait=False)
-        model_max_len = get_max_model_len(self.hf_config)
-        if config.max_model_len is not None and config.max_model_len > model_max_len:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len}")
-        self.max_model_len = config.max_model_len or model_max_len
-        self.shape = ModelShape.from_hf_config(self.hf_config)
-        self.cpu_tuning = None
-        # Checked before anything large is allocated: a model that cannot fit is refused here.
-        plan = plan_memory(config, model_path, self.hf_config, self.shape, precision)
-        logger.info("memory plan: %s", plan.describe())
-        plan.check()
-        if config.distributed_executor_backend == "uni":
-            attn_backend = get_attn_backend(config.attention_backend, config.device)
-            model, self.cpu_tuning = load_model_for_engine(config, model_path, self.hf_config, attn_backend)
-            attn_name = attn_backend.name
-            self.model = model
-            self._executor_factory = None
-        draft = None
-        spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            if config.distributed_executor_backend != "uni":
-                raise ValueError("a speculative draft model runs with tensor_parallel_size 1; use 'ngram' under tensor parallelism")
-            from pagellm.spec_decode.draft_model import load_draft_model
-
-            draft = load_draft_model(config, spec.model, attn_backend, self.shape.vocab_size)
+        executor = self._start_executor(resolved, tokenizer_future)
         self.tokenizer = tokenizer_future.result()
-        self.eos_token_ids = eos_token_ids(model_path, self.hf_config, self.tokenizer)
-        if config.distributed_executor_backend != "uni":
-            # Tensor parallelism: the ranks load their own shards; this process keeps the scheduler.
-            hf = self.hf_config
-            check_tp_size(
-                config.tensor_parallel_size,
-                hf.num_attention_heads,
-                self.shape.num_kv_heads,
-                hf.intermediate_size,
-            )
-            self.model = None
-            tp, backend = config.tensor_parallel_size, config.distributed_executor_backend
-            attn_name = f"{config.attention_backend or 'default'} on {tp} ranks ({backend})"
-            eos = self.eos_token_ids
-
-            def executor_factory(num_blocks: int, max_len: int):
-                return create_executor(config, model_path, num_blocks, max_len, eos)
-
-            self._executor_factory = executor_factory
-        # Shared by the input processor (compiles, refusing bad grammars) and the runner (masks).
+        self.eos_token_ids = eos_token_ids(resolved.model.path, resolved.model.hf_config, self.tokenizer)
+        # Shared by the input processor (compiles, refusing bad grammars) and an in-process runner (masks).
         self.structured_output = StructuredOutputManager(self.tokenizer, self.shape.vocab_size, self.eos_token_ids)
-        self.core = EngineCore(
-            config,
-            self.model,
-            self.shape,
-            self.max_model_len,
-            executor_factory=self._executor_factory,
-            structured_output=self.structured_output,
-            draft=draft,
-        )
+        self.core = EngineCore(resolved, executor, structured_output=self.structured_output)
         self.max_model_len = self.core.max_model_len  # may be lowered to what the KV cache holds
-        self.memory_plan = replace(
-            plan,
-            weight_bytes=self.model.weight_bytes() if self.model is not None else plan.weight_bytes,
-            kv_cache_bytes=self.core.kv_cache_bytes,
-            kv_cache_tokens=self.core.kv_cache_tokens,
-            kv_cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype),
-        )
-        logger.info("memory: %s", self.memory_plan.describe())
+        self.memory_plan = self._measured_memory_plan()
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, self.shape.vocab_size, self.eos_token_ids, self.structured_output
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         self.load_time_s = time.perf_counter() - t0
+        logger.info("memory: %s", self.memory_plan.describe())
         logger.info(
             "engine ready in %.1f s: %s, linear layers %s, KV cache %s, attention %s",
             self.load_time_s,
-            model_path,
-            precision.describe(),
-            kv_cache_dtype_name(config.kv_cache_dtype),
-            attn_name,
+            resolved.model.path,
+            resolved.precision.linear.describe(),
+            kv_cache_dtype_name(resolved.precision.kv_cache_dtype),
+            resolved.describe_attention(),
+        )
+
+    def _start_executor(self, resolved: ResolvedConfig, tokenizer_future: concurrent.futures.Future) -> Executor:
+        """The ranks with their models loaded. Remote ranks need the stop tokens (their rank 0
+        masks grammars), so they start once the tokenizer is in; the in-process worker loads
+        beside it."""
+        if resolved.args.distributed_executor_backend == "uni":
+            return create_executor(resolved, set())
+        tokenizer = tokenizer_future.result()
+        return create_executor(resolved, eos_token_ids(resolved.model.path, resolved.model.hf_config, tokenizer))
+
+    @property
+    def model_path(self) -> str:
+        return self.resolved.model.path
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def hf_config(self):
+        return self.resolved.model.hf_config
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.resolved.model.shape
+
+    @property
+    def model(self) -> Optional[torch.nn.Module]:
+        """The in-process worker's model (None when tensor-parallel ranks hold the shards)."""
+        worker = getattr(self.core.executor, "worker", None)
+        return worker.model if worker is not None else None
+
+    @property
+    def cpu_tuning(self):
+        worker = getattr(self.core.executor, "worker", None)
+        return worker.cpu_tuning if worker is not None else None
+
+    def _measured_memory_plan(self) -> MemoryPlan:
+        """The resolved estimate with what loading measured: resident weights (in-process) and the KV cache."""
+        plan = self.resolved.memory
+        model = self.model
+        return replace(
+            plan,
+            weight_bytes=model.weight_bytes() if model is not None else plan.weight_bytes,
+            kv_cache_bytes=self.core.kv_cache_bytes,
+            kv_cache_tokens=self.core.kv_cache_tokens,
         )
 
     def next_request_id(self) -> str:
@@ -320,27 +263,27 @@ class LLMEngine:
     def rebuild_core(
         self, config: EngineConfig, kv_cache_manager: str = "paged", scheduler_cls: type[Scheduler] = Scheduler
     ) -> EngineCore:
-        """A fresh core (KV cache, scheduler, runner) around the same model, with no request in flight.
+        """A fresh core (KV cache, scheduler, the workers' runners) around the same loaded model,
+        with no request in flight; ``config`` may change only what needs no reload (block size, budget, batch limits).
 
         For benchmarks that compare designs or block sizes without loading the model again.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("cannot rebuild the engine core while requests are in flight")
+        resolved = resolve_with_model(config, self.resolved.model, self.resolved.draft, check_memory=False)
+        if (resolved.precision, resolved.attention_backend, resolved.tensor_parallel_size) != (
+            self.resolved.precision,
+            self.resolved.attention_backend,
+            self.resolved.tensor_parallel_size,
+        ):
+            raise ValueError("rebuild_core keeps the loaded model: its precision, attention backend and ranks cannot change")
         # Drop the old cache first: two full KV budgets at once may not fit in memory.
-        self.core.shutdown()
+        executor = self.core.executor
+        executor.release_kv_cache()
         self.core = None
         gc.collect()
-        self.core = EngineCore(
-            config,
-            self.model,
-            self.shape,
-            self.max_model_len,
-            kv_cache_manager,
-            scheduler_cls,
-            self._executor_factory,
-            self.structured_output,
-        )
-        self.config = config
+        self.core = EngineCore(resolved, executor, kv_cache_manager, scheduler_cls, self.structured_output)
+        self.config, self.resolved = config, resolved
         return self.core
 
     def check_health(self) -> None:

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagellm.core.scheduler import SchedulerStats
 from pagellm.core.spec_decode_stats import SpecDecodingStats
-from pagellm.engine.memory_plan import MemoryPlan
 from pagellm.engine.stats import EngineStats
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagellm.plan.memory_plan import MemoryPlan
 
 logger = logging.getLogger(__name__)
 

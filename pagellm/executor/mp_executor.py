@@ -32,7 +32,8 @@ from typing import Any
 
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.executor.base import Executor, WorkerDiedError
-from pagellm.executor.worker import TPWorker, WorkerSpec, rank_cpus
+from pagellm.executor.worker import RankSpec, Worker, join_rank, rank_cpus, rpc_results, serve_rpc
+from pagellm.plan.resolved_config import ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +75,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
+def _worker_main(rank: RankSpec, resolved: ResolvedConfig, eos_token_ids: set[int], conn: Connection) -> None:
     _die_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank.rank} %(name)s: %(message)s")
     try:
-        worker = TPWorker(rank, spec)
+        join_rank(resolved, rank)
+        worker = Worker(resolved, rank.rank, eos_token_ids=eos_token_ids)
         conn.send(("ready", os.getpid()))
     except BaseException:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send(("error", traceback.format_exc()))
@@ -91,7 +93,11 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         if kind == "shutdown":
             break
         try:
-            conn.send(("ok", worker.execute(payload)))
+            if kind == "exec":
+                reply = worker.execute_and_time(pickle.loads(payload))
+            else:
+                reply = serve_rpc(worker, *payload)
+            conn.send(("ok", reply))
         except BaseException:  # noqa: BLE001
             try:
                 conn.send(("error", traceback.format_exc()))
@@ -109,7 +115,10 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, spec_base: dict[str, Any], world_size: int, execute_timeout_s: float = EXECUTE_TIMEOUT_S) -> None:
+    def __init__(
+        self, resolved: ResolvedConfig, eos_token_ids: set[int], execute_timeout_s: float = EXECUTE_TIMEOUT_S
+    ) -> None:
+        world_size = resolved.tensor_parallel_size
         self.world_size = world_size
         self.execute_timeout_s = execute_timeout_s
         self.last_timings: dict[str, float] = {}
@@ -120,9 +129,11 @@ class MultiprocExecutor(Executor):
         self.conns: list[Connection] = []
         for rank in range(world_size):
             threads, cpus = rank_cpus(rank, world_size)
-            spec = WorkerSpec(world_size=world_size, init_method=init_method, num_threads=threads, cpus=cpus, **spec_base)
+            spec = RankSpec(rank, world_size, init_method, threads, cpus)
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"pagellm-tp{rank}", daemon=True)
+            proc = ctx.Process(
+                target=_worker_main, args=(spec, resolved, set(eos_token_ids), child), name=f"pagellm-tp{rank}", daemon=True
+            )
             with _main_not_reimported():
                 proc.start()
             child.close()
@@ -173,16 +184,22 @@ class MultiprocExecutor(Executor):
                 raise self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
         return replies
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _broadcast(self, message: tuple[str, Any]) -> list[Any]:
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
-        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send(("exec", payload))
+                conn.send(message)
             except (BrokenPipeError, OSError) as e:
                 raise self._fail(f"tensor-parallel rank {rank} is unreachable: {e!r}") from None
-        output, timings = self._collect("ok", self.execute_timeout_s)[0]
+        return self._collect("ok", self.execute_timeout_s)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return rpc_results(self._broadcast(("call", (method, args))))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        output, timings = self._broadcast(("exec", payload))[0]
         self.last_timings = timings
         return output
 

@@ -18,16 +18,17 @@ from typing import Any
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.executor.base import Executor, WorkerDiedError
 from pagellm.executor.mp_executor import EXECUTE_TIMEOUT_S, READY_TIMEOUT_S
-from pagellm.executor.worker import TPWorker, WorkerSpec
+from pagellm.executor.worker import RankSpec, Worker, join_rank, rpc_results, serve_rpc
+from pagellm.plan.resolved_config import ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
 
 class RayRank:
-    """The actor body: one rank (a TPWorker once ``init`` ran)."""
+    """The actor body: one rank (a Worker once ``init`` ran)."""
 
     def __init__(self) -> None:
-        self.worker: TPWorker | None = None
+        self.worker: Worker | None = None
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this actor's node, for the process group."""
@@ -41,14 +42,18 @@ class RayRank:
             port = s.getsockname()[1]
         return f"tcp://{ip}:{port}"
 
-    def init(self, rank: int, spec: WorkerSpec) -> int:
+    def init(self, rank: RankSpec, resolved: ResolvedConfig, eos_token_ids: set[int]) -> int:
         import os
 
-        self.worker = TPWorker(rank, spec)
+        join_rank(resolved, rank)
+        self.worker = Worker(resolved, rank.rank, eos_token_ids=eos_token_ids)
         return os.getpid()
 
     def execute(self, payload: bytes) -> Any:
-        return self.worker.execute(payload)
+        return self.worker.execute_and_time(pickle.loads(payload))
+
+    def call(self, method: str, args: tuple) -> tuple[str, Any]:
+        return serve_rpc(self.worker, method, args)
 
 
 def _import_ray():
@@ -60,28 +65,28 @@ def _import_ray():
 
 
 class RayExecutor(Executor):
-    def __init__(self, spec_base: dict[str, Any], world_size: int, execute_timeout_s: float = EXECUTE_TIMEOUT_S) -> None:
+    def __init__(
+        self, resolved: ResolvedConfig, eos_token_ids: set[int], execute_timeout_s: float = EXECUTE_TIMEOUT_S
+    ) -> None:
         ray = _import_ray()
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True, log_to_driver=True)
         self.ray = ray
+        world_size = resolved.tensor_parallel_size
         self.world_size = world_size
         self.execute_timeout_s = execute_timeout_s
         self.last_timings: dict[str, float] = {}
         self._dead: str | None = None
-        config = spec_base["config"]
-        gpus = 1 if config.device.type == "cuda" else 0
+        gpus = 1 if resolved.device.type == "cuda" else 0
         actor_cls = ray.remote(num_cpus=0, num_gpus=gpus)(RayRank)
         self.actors = [actor_cls.remote() for _ in range(world_size)]
         try:
             init_method = ray.get(self.actors[0].rendezvous.remote(), timeout=READY_TIMEOUT_S)
             # One node's cores shared by its ranks (a multi-node cluster: set num_threads instead).
             threads = max(1, int(ray.available_resources().get("CPU", 1)) // world_size)
-            specs = [
-                WorkerSpec(world_size=world_size, init_method=init_method, num_threads=threads, cpus=None, **spec_base)
-                for _ in range(world_size)
-            ]
-            self.worker_pids = self._gather([a.init.remote(r, s) for r, (a, s) in enumerate(zip(self.actors, specs))], READY_TIMEOUT_S)
+            ranks = [RankSpec(r, world_size, init_method, threads) for r in range(world_size)]
+            eos = set(eos_token_ids)
+            self.worker_pids = self._gather([a.init.remote(r, resolved, eos) for a, r in zip(self.actors, ranks)], READY_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
@@ -110,6 +115,11 @@ class RayExecutor(Executor):
             except Exception as e:  # noqa: BLE001 - RayActorError, RayTaskError: the rank is gone or failed
                 raise self._fail(f"tensor-parallel rank {rank_of[ref]} (Ray actor) failed: {e}") from None
         return results
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+        return rpc_results(self._gather([a.call.remote(method, args) for a in self.actors], self.execute_timeout_s))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._dead is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -21,6 +21,18 @@ logger = logging.getLogger(__name__)
 
 # The fused layers an adapter's modules land in (their shards: q/k/v, gate/up).
 ADAPTED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def rank_part(lora_a: torch.Tensor, lora_b: torch.Tensor, split: Any, shard: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of an adapter on one shard, cut as the layer's weight is: a column-parallel
+    layer (``split.dim`` 0) keeps its output rows of B, a row-parallel one its input columns of A,
+    whose partial deltas the layer's all-reduce then sums with its partial products."""
+    if split is None:
+        return lora_a, lora_b
+    start, length = split.ranges[shard]
+    if split.dim == 0:
+        return lora_a, lora_b.narrow(0, start, length)
+    return lora_a.narrow(1, start, length), lora_b
 
 
 class AdaptableModel(Protocol):
@@ -49,11 +61,15 @@ class LoRAModelManager:
         self._checkpoint_target = model.checkpoint_target
         self._loader = loader
         self.layers: dict[str, LoRALayerWeights] = {}
+        # Under tensor parallelism, each layer's part of the checkpoint tensor on this rank
+        # (pagellm.layers.linear.TPSplit): an adapter is cut the same way as the layer's weight.
+        self._splits: dict[str, Any] = {}
         for name, layer in model.linear_layers():
             if name.rsplit(".", 1)[-1] in ADAPTED_LAYERS:
                 weights = LoRALayerWeights(layer.in_features, layer.shard_sizes, max_loras, max_lora_rank, self.context, dtype, device)
                 layer.lora = weights
                 self.layers[name] = weights
+                self._splits[name] = getattr(layer, "tp_split", None)
         if not self.layers:
             raise ValueError("this model has no layers LoRA adapters can target")
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recently used first
@@ -118,7 +134,7 @@ class LoRAModelManager:
         per_layer: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, weights in adapter.modules.items():
             name, shard = self._layer_and_shard(module)
-            per_layer.setdefault(name, {})[shard or ""] = (weights.lora_a, weights.lora_b)
+            per_layer.setdefault(name, {})[shard or ""] = rank_part(weights.lora_a, weights.lora_b, self._splits[name], shard or "")
         for name, layer in self.layers.items():
             if name in per_layer:
                 layer.set_slot(slot, per_layer[name])

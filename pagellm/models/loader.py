@@ -21,7 +21,7 @@ from torch import nn
 
 from pagellm import envs
 from pagellm.attention.backend import AttentionBackend
-from pagellm.config import EXACT_LINEAR, EngineConfig, LinearPrecision
+from pagellm.config import EXACT_LINEAR, LinearPrecision
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import max_kv_heads_per_rank
 from pagellm.kernels import build, pack_cache
@@ -229,29 +229,35 @@ def _return_freed_heap() -> None:
 
 
 def load_model_for_engine(
-    config: EngineConfig, model_path: str, hf_config: PretrainedConfig, attn_backend: AttentionBackend
+    model_path: str,
+    hf_config: PretrainedConfig,
+    attn_backend: AttentionBackend,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    precision: LinearPrecision,
+    kv_cache_dtype: torch.dtype,
+    tensor_parallel_size: int = 1,
+    packed_weight_cache: bool = False,
 ) -> tuple[nn.Module, CpuTuning]:
-    """The model as an engine or a tensor-parallel rank runs it: loaded for the precision resolved
-    into ``config``, with this machine's :class:`CpuTuning` measured on its own weights and handed
+    """The model as an engine's worker runs it (one rank's shard): loaded for the resolved
+    ``precision``, with this machine's :class:`CpuTuning` measured on its own weights and handed
     to the model and the attention backend."""
-    precision = config.linear_precision or EXACT_LINEAR
-    model = load_model(
-        model_path, hf_config, config.dtype, config.device, attn_backend, precision, config.packed_weight_cache
-    )
+    model = load_model(model_path, hf_config, dtype, device, attn_backend, precision, packed_weight_cache)
     shape = ModelShape.from_hf_config(hf_config)
     # The rank with the most kv heads, as the KV cache is sized; each keeps its query heads' group.
-    kv_heads = max_kv_heads_per_rank(shape.num_kv_heads, config.tensor_parallel_size)
+    kv_heads = max_kv_heads_per_rank(shape.num_kv_heads, tensor_parallel_size)
     decode_shape = (
         DecodeShape(
             num_heads=kv_heads * (hf_config.num_attention_heads // shape.num_kv_heads),
             num_kv_heads=kv_heads,
             head_dim=shape.head_dim,
-            cache_dtype=config.kv_cache_dtype,
+            cache_dtype=kv_cache_dtype,
         )
         if attn_backend.name == "cpu_paged"
         else None
     )
-    tuning = measure_cpu_tuning(config.device, model.packed_weights(), decode_shape)
+    tuning = measure_cpu_tuning(device, model.packed_weights(), decode_shape)
     # Set once on the load's context, which every layer's kernels read at call time, and the
     # attention backend reads from now on.
     model.kernels.tuning = tuning

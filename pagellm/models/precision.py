@@ -14,39 +14,59 @@ and for a GGUF file, whose config names none), and a GGUF model is served with
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from pagellm.config import EngineConfig, LinearKind, LinearPrecision
+from pagellm.config import EXACT_LINEAR, EngineConfig, LinearKind, LinearPrecision
 from pagellm.kernels import ops
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_linear_precision(config: EngineConfig, checkpoint_dtype: torch.dtype, is_gguf: bool) -> LinearPrecision:
-    """The linear layers' arithmetic for this model on ``config.device``, recorded in ``config``
-    (which also settles the tensors' and an "auto" KV cache's dtype); a config that already holds
-    one keeps it. ``checkpoint_dtype`` is what the checkpoint names. ValueError for
-    ``quantization="gguf"`` on a model that is not GGUF."""
-    if config.linear_precision is not None:
-        return config.linear_precision
-    quantization = config.quantization
-    if quantization == "gguf" and not is_gguf:
+@dataclass(frozen=True)
+class ResolvedPrecision:
+    """What an engine computes in, decided once: the linear layers' arithmetic, the model's tensors,
+    the KV cache and the LoRA slots."""
+
+    linear: LinearPrecision
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    lora_dtype: torch.dtype
+
+
+def resolve_precision(config: EngineConfig, checkpoint_dtype: torch.dtype, is_gguf: bool) -> ResolvedPrecision:
+    """The arithmetic of this model on ``config.device``. ``checkpoint_dtype`` is what the
+    checkpoint names. On a CPU the tensors stay float32 whatever the linear layers compute in (a
+    requested bfloat16 goes to the products only), and an "auto" KV cache is bfloat16 under
+    low-precision products, where decode attention reads half the bytes; on an accelerator "auto"
+    is the model's own dtype. ValueError for ``quantization="gguf"`` on a model that is not GGUF."""
+    if config.quantization == "gguf" and not is_gguf:
         raise ValueError("quantization='gguf' needs a GGUF model file")
-    precision = LinearPrecision()
-    if config.device.type == "cpu":
-        requested = None if config.auto_dtype else config.dtype
-        precision = _cpu_precision(requested, checkpoint_dtype, quantization, is_gguf)
-    config.apply_linear_precision(precision)
-    return precision
-
-
-def draft_linear_precision(config: EngineConfig, checkpoint_dtype: torch.dtype, is_gguf: bool) -> LinearPrecision:
-    """A speculative draft model's linear layers: its own checkpoint's "auto" choice on a CPU
-    (what makes it cheap), whatever the target asked for; ``config`` is left as it is."""
+    dtype, kv_cache_dtype = config.dtype, config.kv_cache_dtype
     if config.device.type != "cpu":
-        return LinearPrecision()
+        linear = EXACT_LINEAR
+        if config.auto_dtype:
+            dtype = checkpoint_dtype
+            kv_cache_dtype = checkpoint_dtype if config.auto_kv_cache_dtype else kv_cache_dtype
+    else:
+        requested = None if config.auto_dtype else config.dtype
+        linear = _cpu_precision(requested, checkpoint_dtype, config.quantization, is_gguf)
+        if dtype == torch.bfloat16:
+            dtype = torch.float32
+            kv_cache_dtype = torch.float32 if config.auto_kv_cache_dtype else kv_cache_dtype
+        if config.auto_kv_cache_dtype and not linear.exact:
+            kv_cache_dtype = torch.bfloat16
+    lora_dtype = torch.bfloat16 if config.auto_lora_dtype and not linear.exact else config.lora_dtype
+    return ResolvedPrecision(linear, dtype, kv_cache_dtype, lora_dtype)
+
+
+def draft_linear_precision(device: torch.device, checkpoint_dtype: torch.dtype, is_gguf: bool) -> LinearPrecision:
+    """A speculative draft model's linear layers: its own checkpoint's "auto" choice on a CPU
+    (what makes it cheap), whatever the target asked for."""
+    if device.type != "cpu":
+        return EXACT_LINEAR
     return _cpu_precision(None, checkpoint_dtype, None, is_gguf)
 
 

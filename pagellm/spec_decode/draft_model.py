@@ -148,28 +148,22 @@ class DraftModelProposer:
         return int(torch.multinomial(q, 1, generator=generator))
 
 
-def load_draft_model(config, model_path: str, attn_backend, target_vocab_size: int):
-    """The draft checkpoint as the engine runs it, at its own checkpoint's precision (a GGUF
-    draft keeps its int8 blocks under a float32 target), and its shape. ValueError when its
-    vocabulary is not the target's."""
-    from pagellm.config import model_dtype
+def load_draft_model(
+    model_path: str,
+    hf_config,
+    attn_backend,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    precision,
+    packed_weight_cache: bool = False,
+):
+    """The draft checkpoint as the engine runs it, at the precision resolved for it (its own
+    checkpoint's: a GGUF draft keeps its int8 blocks under a float32 target). Its vocabulary and
+    layers were checked when the configuration was resolved, before anything loaded."""
     from pagellm.kernels.tuning import measure_cpu_tuning
-    from pagellm.models.loader import is_gguf, load_hf_config, load_model, resolve_model_path
-    from pagellm.models.precision import draft_linear_precision
-    from pagellm.models.shape import ModelShape
+    from pagellm.models.loader import load_model
 
-    hf_config = load_hf_config(model_path)
-    shape = ModelShape.from_hf_config(hf_config)
-    if shape.vocab_size != target_vocab_size:
-        raise ValueError(
-            f"the draft model {model_path!r} has a vocabulary of {shape.vocab_size} tokens, the target {target_vocab_size}: "
-            "a draft must share the target's tokenizer"
-        )
-    if any(w is not None for w in shape.layer_sliding_windows):
-        raise ValueError("a draft model with sliding-window layers is not supported; use a full-attention draft")
-    precision = draft_linear_precision(config, model_dtype(hf_config), is_gguf(resolve_model_path(model_path)))
-    model = load_model(
-        model_path, hf_config, config.dtype, config.device, attn_backend, precision, config.packed_weight_cache
-    )
-    model.kernels.tuning = measure_cpu_tuning(config.device, model.packed_weights())
-    return model, shape
+    model = load_model(model_path, hf_config, dtype, device, attn_backend, precision, packed_weight_cache)
+    model.kernels.tuning = measure_cpu_tuning(device, model.packed_weights())
+    return model

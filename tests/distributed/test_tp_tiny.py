@@ -70,3 +70,41 @@ def test_tp_from_a_script_without_a_main_guard(tiny_model, tmp_path):
     finally:
         llm.shutdown()
     assert tokens == [f"TOKENS {expected}"]
+
+
+def _greedy(llm: LLM, prompts: list[dict], max_tokens: int, lora_request=None) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_tiny_tp2_with_a_lora_adapter_matches_tp1(tiny_model, tmp_path):
+    # Every adapted layer kind: q/k/v and gate/up are column-parallel (each rank's rows of B), o and
+    # down row-parallel (each rank's columns of A, its partial delta summed by the all-reduce).
+    from pagellm.bench.lora_adapters import write_random_adapter
+    from pagellm.lora.request import LoRARequest
+    from pagellm.models.loader import load_hf_config
+
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    path = write_random_adapter(tmp_path / "adapter", load_hf_config(tiny_model), 8, targets, seed=3, std=0.3)
+    lora = LoRARequest("tiny", 1, path)
+    prompts = [{"prompt_token_ids": [5 + 7 * i + j for j in range(3 + 9 * i)]} for i in range(4)]
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(model=tiny_model, tokenizer=default_model_path(), num_kv_blocks=64, max_num_seqs=4, max_model_len=128,
+                  dtype="float32", enable_lora=True, max_lora_rank=8, tensor_parallel_size=tp)
+        try:
+            results[tp] = (_greedy(llm, prompts, 8), _greedy(llm, prompts, 8, lora_request=lora))
+        finally:
+            llm.shutdown()
+    base, adapted = results[1]
+    assert adapted != base  # the adapter changes the tokens, so equality below says it was applied
+    assert results[2] == results[1]
+
+
+def test_tp_refuses_a_draft_model_at_start_up(tiny_model):
+    import pytest
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        LLM(model=tiny_model, tokenizer=default_model_path(), tensor_parallel_size=2,
+            speculative_config={"model": tiny_model, "num_speculative_tokens": 2})

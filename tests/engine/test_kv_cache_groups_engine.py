@@ -4,13 +4,17 @@ one full-attention group, and the context cap follows what one request can hold.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pagellm.config import EngineConfig
 from pagellm.engine.engine_core import EngineCore
+from pagellm.executor.base import UniProcExecutor
+from pagellm.executor.worker import Worker
 from pagellm.models.shape import ModelShape
+from pagellm.plan.resolved_config import ModelSpec, resolve_with_model
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.kv_cache import bytes_per_block
 
@@ -38,9 +42,16 @@ def shape(windows) -> ModelShape:
     return ModelShape(num_layers=len(windows), num_kv_heads=1, head_dim=16, vocab_size=32, layer_sliding_windows=tuple(windows))
 
 
+def core_for(config: EngineConfig, windows, max_model_len: int, kv_cache_manager: str = "paged") -> EngineCore:
+    """An engine core over the stand-in model, resolved as a checkpoint of this shape would be."""
+    model = ModelSpec("", SimpleNamespace(hidden_size=32, intermediate_size=64), shape(windows), torch.float32, False)
+    resolved = resolve_with_model(config, model, max_model_len=max_model_len)
+    return EngineCore(resolved, UniProcExecutor(Worker(resolved, model=ConstantModel())), kv_cache_manager)
+
+
 def engine(windows, kv_bytes: int = 4 << 20, max_model_len: int = 8192, **kw) -> EngineCore:
     config = EngineConfig(kv_cache_memory_bytes=kv_bytes, block_size=16, max_num_batched_tokens=1024, **kw)
-    return EngineCore(config, ConstantModel(), shape(windows), max_model_len)
+    return core_for(config, windows, max_model_len)
 
 
 def run_request(core: EngineCore, num_prompt: int, max_tokens: int, watch_at: int):
@@ -92,7 +103,7 @@ def test_the_contiguous_baseline_keeps_whole_contexts_in_one_group():
     import pagellm.bench.baseline  # noqa: F401  (registers "contiguous")
 
     config = EngineConfig(kv_cache_memory_bytes=4 << 20, block_size=16)
-    core = EngineCore(config, ConstantModel(), shape(GEMMA3_6), 2048, kv_cache_manager="contiguous")
+    core = core_for(config, GEMMA3_6, 2048, kv_cache_manager="contiguous")
     assert core.kv_cache_layout.plain and core.kv_block_bytes == bytes_per_block(6, 16, 1, 16, torch.float32)
 
 
@@ -105,4 +116,4 @@ def test_the_context_is_capped_by_what_one_request_can_hold(caplog):
         assert engine(GEMMA3_6, kv_bytes=budget - one_layer, max_model_len=4096).max_model_len == 4080
     config = EngineConfig(kv_cache_memory_bytes=budget - one_layer, block_size=16, max_model_len=4096)
     with pytest.raises(ValueError, match=r"does not fit in the KV cache, which holds 4080 tokens \(741 blocks of 16, 6 groups"):
-        EngineCore(config, ConstantModel(), shape(GEMMA3_6), 4096)
+        core_for(config, GEMMA3_6, 4096)

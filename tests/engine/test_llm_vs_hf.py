@@ -131,7 +131,7 @@ def run_and_check(llm: LLM, name: str, prompts, references) -> int:
 def test_low_precision_paths_meet_vllms_rule(name, prompts, references):
     llm = LLM(**LOW_PRECISION[name])
     num_identical = run_and_check(llm, name, prompts, references)
-    print(f"{name} ({llm.llm_engine.config.linear_precision.describe()}): {num_identical}/{len(prompts)} identical")
+    print(f"{name} ({llm.llm_engine.resolved.precision.linear.describe()}): {num_identical}/{len(prompts)} identical")
 
 
 @pytest.mark.parametrize("name", list(EIGHT_BIT_KV))
@@ -169,7 +169,7 @@ def test_greedy_matches_transformers(name, prompts, references):
     print(f"{name}: {num_identical}/{len(prompts)} identical")
     # Near-ties may flip under a different batch shape, but almost everything must be identical.
     assert num_identical >= len(prompts) - 2, f"only {num_identical} of {len(prompts)} identical"
-    assert llm.llm_engine.config.linear_precision.exact
+    assert llm.llm_engine.resolved.precision.linear.exact
     core = llm.llm_engine.core
     if name == "preemption":
         assert core.stats().scheduler.num_preemptions > 0

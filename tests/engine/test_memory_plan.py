@@ -7,9 +7,9 @@ import pytest
 
 from pagellm import LLM
 from pagellm.config import EXACT_LINEAR, LinearPrecision
-from pagellm.engine.memory_plan import GiB, MemoryPlan, available_memory_bytes, estimate_weight_bytes
 from pagellm.kernels import ops
 from pagellm.models.loader import default_model_path
+from pagellm.plan.memory_plan import GiB, MemoryPlan, available_memory_bytes, estimate_weight_bytes
 
 
 def test_a_plan_that_does_not_fit_names_its_parts() -> None:

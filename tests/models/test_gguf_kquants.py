@@ -119,7 +119,7 @@ def test_float32_path_equals_transformers(case, prompts) -> None:
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name]), name
     llm = LLM(model=path, dtype="float32")
-    assert llm.llm_engine.config.linear_precision.exact
+    assert llm.llm_engine.resolved.precision.linear.exact
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outputs, references)):
         assert out.outputs[0].token_ids == ref.token_ids, f"{recipe}/{i}"
@@ -136,7 +136,7 @@ def test_int8_path_meets_vllms_rule(case, prompts) -> None:
         parts = method.parts if isinstance(method, SegmentedMethod) else [method]
         if all(isinstance(p, GGUFInt8Method) for p in parts):
             kernel_types |= {p.ggml_type for p in parts}
-    precision = llm.llm_engine.config.linear_precision
+    precision = llm.llm_engine.resolved.precision.linear
     if precision.kind == "int8":  # where the CPU has int8 dot products: every block type on the kernel
         assert kernel_types == set(types.values()) - {T.F32}
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)

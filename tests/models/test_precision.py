@@ -1,6 +1,7 @@
 """Which arithmetic the linear layers use, resolved from --dtype, --quantization, the model and the CPU."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from pagellm.config import EngineConfig, LinearPrecision
 from pagellm.kernels import ops
-from pagellm.models.precision import resolve_linear_precision
+from pagellm.models.precision import ResolvedPrecision, resolve_precision
 
 
 @pytest.fixture
@@ -20,16 +21,15 @@ def cpu_has(monkeypatch):
     return set_features
 
 
-def resolve(is_gguf: bool = True, checkpoint: torch.dtype = torch.bfloat16, **kwargs) -> tuple[LinearPrecision, EngineConfig]:
-    config = EngineConfig(device="cpu", **kwargs)
-    return resolve_linear_precision(config, checkpoint, is_gguf), config
+def resolve(is_gguf: bool = True, checkpoint: torch.dtype = torch.bfloat16, **kwargs) -> tuple[LinearPrecision, ResolvedPrecision]:
+    resolved = resolve_precision(EngineConfig(device="cpu", **kwargs), checkpoint, is_gguf)
+    return resolved.linear, resolved
 
 
 def test_auto_on_a_gguf_model_takes_int8_blocks_and_a_bfloat16_cache(cpu_has) -> None:
     cpu_has(bf16=True, int8=True)
     precision, config = resolve()
     assert precision == LinearPrecision(kind="int8", fallback="bfloat16") and not precision.exact
-    assert config.linear_precision is precision
     assert config.dtype == torch.float32 and config.kv_cache_dtype == torch.bfloat16
     # an explicit cache dtype is kept
     assert resolve(kv_cache_dtype="float32")[1].kv_cache_dtype == torch.float32
@@ -71,12 +71,15 @@ def test_bad_quantization_and_other_devices(cpu_has) -> None:
         EngineConfig(device="cpu", quantization="awq")
     with pytest.raises(ValueError, match="GGUF model"):
         resolve(is_gguf=False, quantization="gguf")
-    config = EngineConfig(device="cuda")
-    assert resolve_linear_precision(config, torch.bfloat16, True).exact
+    gpu = resolve_precision(EngineConfig(device="cuda"), torch.bfloat16, True)
+    assert gpu.linear.exact and gpu.dtype == torch.bfloat16 and gpu.kv_cache_dtype == torch.bfloat16
 
 
-def test_a_resolved_config_keeps_its_choice(cpu_has) -> None:
+def test_resolving_leaves_the_users_config_as_it_was(cpu_has) -> None:
     cpu_has(bf16=True, int8=True)
-    precision, config = resolve(dtype="bfloat16")
-    cpu_has(bf16=False, int8=False)  # e.g. a rank that re-reads the config: it never re-decides
-    assert resolve_linear_precision(config, torch.float32, False) is precision
+    config = EngineConfig(device="cpu")
+    resolved = resolve_precision(config, torch.bfloat16, True)
+    assert resolved.kv_cache_dtype == torch.bfloat16 and resolved.lora_dtype == torch.bfloat16
+    assert config.auto_kv_cache_dtype and config.kv_cache_dtype == torch.float32 and config.lora_dtype == torch.float32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.dtype = torch.bfloat16  # type: ignore[misc]

@@ -1,5 +1,5 @@
 """n-gram speculation under tensor parallelism (two gloo ranks): rank 0 verifies, every rank takes
-its tokens, and greedy output equals the same ranks' plain decoding on the float32 path."""
+its tokens, and greedy output equals plain decoding on the float32 path, on two ranks and on one."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +19,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 
 def _generate(**kwargs):
-    llm = LLM(**ENGINE, **kwargs)
+    llm = LLM(**{**ENGINE, **kwargs})
     try:
         outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         return outputs, llm.llm_engine.core.scheduler.stats().spec_decoding
@@ -27,8 +27,10 @@ def _generate(**kwargs):
         llm.shutdown()
 
 
-def test_tp2_speculation_equals_tp2_plain():
+def test_tp2_speculation_equals_tp2_plain_and_tp1():
     plain, _ = _generate()
     spec, stats = _generate(speculative_config=NGRAM)
+    one_rank, _ = _generate(tensor_parallel_size=1)
     assert spec == plain
+    assert spec == one_rank
     assert stats.num_drafts > 5 and stats.num_accepted_tokens > 0, stats

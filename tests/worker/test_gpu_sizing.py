@@ -36,18 +36,16 @@ def test_bad_utilization_is_a_value_error() -> None:
 
 
 def test_dtype_auto_is_float32_on_cpu_and_the_models_on_gpu() -> None:
-    cpu = EngineConfig(device="cpu")
-    cpu.apply_model_dtype(torch.bfloat16)
-    assert cpu.dtype == torch.float32 and cpu.kv_cache_dtype == torch.float32
-    gpu = EngineConfig(device="cuda")  # no allocation: the device is only named
-    gpu.apply_model_dtype(torch.bfloat16)
-    assert gpu.dtype == torch.bfloat16 and gpu.kv_cache_dtype == torch.bfloat16
-    explicit = EngineConfig(device="cuda", dtype="float32", kv_cache_dtype="auto")
-    explicit.apply_model_dtype(torch.bfloat16)
-    assert explicit.dtype == torch.float32 and explicit.kv_cache_dtype == torch.float32
-    kv_set = EngineConfig(device="cuda", kv_cache_dtype="float16")
-    kv_set.apply_model_dtype(torch.bfloat16)
-    assert kv_set.dtype == torch.bfloat16 and kv_set.kv_cache_dtype == torch.float16
+    from pagellm.models.precision import resolve_precision
+
+    def dtypes(**kwargs):
+        resolved = resolve_precision(EngineConfig(**kwargs), torch.bfloat16, False)
+        return resolved.dtype, resolved.kv_cache_dtype
+
+    assert dtypes(device="cpu", dtype="float32") == (torch.float32, torch.float32)
+    assert dtypes(device="cuda") == (torch.bfloat16, torch.bfloat16)  # no allocation: the device is only named
+    assert dtypes(device="cuda", dtype="float32", kv_cache_dtype="auto") == (torch.float32, torch.float32)
+    assert dtypes(device="cuda", kv_cache_dtype="float16") == (torch.bfloat16, torch.float16)
 
 
 def test_model_dtype_from_config() -> None:

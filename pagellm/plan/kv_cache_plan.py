@@ -1,0 +1,91 @@
+"""How many KV cache blocks an engine gets, what each costs, and how long a context they hold.
+
+The one place this arithmetic lives: the resolved configuration plans the cache from its budget
+before anything loads, and the engine core plans it again only when the budget is known later (a
+GPU's free memory after the weights are in) or a benchmark swaps the KV cache manager.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagellm.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from pagellm.core.kv_cache_base import kv_cache_manager_class
+from pagellm.core.kv_cache_groups import KVCacheLayout, group_layers, single_group_layout
+from pagellm.core.kv_cache_manager import KVCacheManager  # noqa: F401  (registers "paged")
+from pagellm.distributed.partition import max_kv_heads_per_rank
+from pagellm.models.shape import ModelShape
+from pagellm.worker.kv_cache import bytes_per_block, determine_num_blocks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """One rank's KV cache: ``num_blocks`` pool blocks of ``block_bytes`` (the rank holding the
+    most KV heads; a draft model's layers share each block), laid out by attention kind."""
+
+    layout: KVCacheLayout
+    block_size: int
+    num_kv_heads: int  # per rank
+    block_bytes: int
+    num_blocks: int
+    max_model_len: int  # the model's or the user's, lowered to what one request can hold
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of full context (vLLM's count: the usable blocks shared evenly by the groups)."""
+        layout = self.layout
+        return (self.num_blocks - layout.num_reserved_blocks) // layout.num_groups * self.block_size
+
+
+def kv_cache_layout_for(shape: ModelShape, kv_cache_manager: str = "paged") -> KVCacheLayout:
+    """The model's KV cache groups; a manager that keeps whole contexts gets one full-attention group."""
+    if kv_cache_manager_class(kv_cache_manager).supports_sliding_window:
+        return group_layers(shape.layer_sliding_windows)
+    return single_group_layout(shape.num_layers)
+
+
+def plan_kv_cache(
+    config: EngineConfig,
+    shape: ModelShape,
+    kv_cache_dtype: torch.dtype,
+    max_model_len: int,
+    layout: KVCacheLayout,
+    draft_shape: Optional[ModelShape] = None,
+    budget_bytes: Optional[int] = None,
+) -> KVCachePlan:
+    """Blocks from ``num_kv_blocks``, else from ``budget_bytes`` (a GPU's free memory), else the
+    configured or default budget. A ``max_model_len`` the cache cannot hold for one request is an
+    error when the user set it, and is lowered with a warning when it was the model's own."""
+    kv_heads = max_kv_heads_per_rank(shape.num_kv_heads, config.tensor_parallel_size)
+    block_size = config.block_size
+    block_bytes = bytes_per_block(layout.group_size, block_size, kv_heads, shape.head_dim, kv_cache_dtype)
+    if draft_shape is not None:
+        if not layout.plain:
+            raise ValueError("a speculative draft model needs a target whose layers all attend in full; use 'ngram'")
+        # The draft's cache has the same blocks, so a block of the budget holds both models' KV.
+        block_bytes += bytes_per_block(draft_shape.num_layers, block_size, draft_shape.num_kv_heads, draft_shape.head_dim, kv_cache_dtype)
+    budget = budget_bytes if budget_bytes is not None else config.kv_cache_memory_bytes
+    num_blocks = determine_num_blocks(config.num_kv_blocks, budget, DEFAULT_KV_CACHE_MEMORY_BYTES, block_bytes, block_size, max_model_len)
+    # A request longer than the whole cache could never be scheduled and would wait forever.
+    chunk = config.max_num_batched_tokens
+    needed = layout.max_blocks_per_request(max_model_len, block_size, chunk) + layout.num_reserved_blocks
+    if needed > num_blocks:
+        capacity = layout.max_tokens_that_fit(num_blocks, block_size, chunk, max_model_len)
+        groups = "" if layout.plain else f", {layout.describe()}"
+        if config.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len={max_model_len} does not fit in the KV cache, which holds {capacity} tokens "
+                f"({num_blocks} blocks of {block_size}{groups}); raise the KV cache budget or lower max_model_len"
+            )
+        logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d to %d", capacity, max_model_len, capacity)
+        max_model_len = capacity
+    return KVCachePlan(layout, block_size, kv_heads, block_bytes, num_blocks, max_model_len)
