@@ -126,11 +126,6 @@ class LLMEngine:
         worker = getattr(self.core.executor, "worker", None)
         return worker.model if worker is not None else None
 
-    @property
-    def cpu_tuning(self):
-        worker = getattr(self.core.executor, "worker", None)
-        return worker.cpu_tuning if worker is not None else None
-
     def _measured_memory_plan(self) -> MemoryPlan:
         """The resolved estimate with what loading measured: resident weights (in-process) and the KV cache."""
         plan = self.resolved.memory

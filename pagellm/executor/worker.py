@@ -102,9 +102,8 @@ class Worker:
         config = resolved.args
         self.device = torch.device("cuda", rank) if resolved.device.type == "cuda" and config.tensor_parallel_size > 1 else resolved.device
         self.attn_backend = get_attn_backend(resolved.attention_backend, self.device)
-        self.cpu_tuning = None
         if model is None:
-            model, self.cpu_tuning = load_model_for_engine(
+            model, _ = load_model_for_engine(
                 resolved.model.path,
                 resolved.model.hf_config,
                 self.attn_backend,
@@ -164,8 +163,8 @@ class Worker:
                 self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, resolved.precision.lora_dtype, self.device
             )
             logger.info("LoRA: %d slots of rank <= %d (%.1f MiB)", config.max_loras, config.max_lora_rank, lora_manager.nbytes / 2**20)
-        if structured_output is None and self.rank == 0 and not config.is_pooling and self.eos_token_ids:
-            structured_output = self._structured_output()
+        if structured_output is None and self.rank == 0 and config.tensor_parallel_size > 1 and not config.is_pooling:
+            structured_output = self._structured_output()  # the driver's stays in its process
         self.runner = ModelRunner(
             self.model,
             kv_caches,
