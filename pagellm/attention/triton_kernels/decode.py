@@ -17,12 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.attention.kv_quant import FP8_DTYPES
-from pagellm.attention.triton_kernels.kv_codec import fp8_unit, kernel_view, kv_format
-from pagellm.attention.triton_kernels.kv_loop import attend_kv_tiles, normalize
+from pagellm.attention.triton_kernels.kv_codec import kernel_view
+from pagellm.attention.triton_kernels.kv_loop import attend_kv_tiles, normalize, shared_launch_args
 from pagellm.attention.triton_kernels.scores import LOG2E
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -32,39 +29,20 @@ def _decode_kernel(
     block_table_ptr,
     seq_lens_ptr,
     out_ptr,
-    scales_ptr,  # fp8: float32 [k_scale, v_scale], read here so that CUDA graphs see updates
     part_out_ptr,
     part_lse_ptr,
-    sinks_ptr,  # float32 [num_heads], read with HAS_SINKS
-    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
-    window,  # sliding window in tokens, read with HAS_WINDOW
-    cap_log2,  # the soft cap times log2(e), read with HAS_CAP
     num_splits,
     partition,  # KV tokens per split, a multiple of BLOCK_N
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cache_kv,
-    stride_cache_block,
-    stride_cache_tok,
-    stride_cache_head,
-    stride_bt,
+    # kv_loop.shared_launch_args: runtime arguments, then (after this kernel's own) compile-time switches.
+    scales_ptr, sinks_ptr, qk_scale, window, cap_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    KV_FORMAT: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    FP8_UNIT: tl.constexpr,  # 256 for e4m3 (decode_fp8 leaves it 2^-8 small), 1 for e5m2
-    HAS_WINDOW: tl.constexpr,
-    HAS_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr, KV_FORMAT: tl.constexpr, IS_FP8: tl.constexpr, FP8_UNIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -169,55 +147,33 @@ def decode_attention(
 ) -> None:
     """``num_splits`` x ``partition`` must cover min(max_seq_len, window) keys (split_plan)."""
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    head_dim_pad = triton.next_power_of_2(head_dim)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused
-    cache = kernel_view(kv_cache)
+    args, constexprs = shared_launch_args(
+        out, query, kv_cache, block_table, scales, scale, block_n, dot_f32, window, logits_soft_cap, sinks
+    )
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
-        cache,
+        kernel_view(kv_cache),
         block_table,
         seq_lens,
         out,
-        scales,
         part_out,
         part_lse,
-        sinks if sinks is not None else scales,  # a placeholder pointer without sinks
-        scale * _LOG2E,
-        window or 0,
-        (logits_soft_cap or 0.0) * _LOG2E,
         num_splits,
         partition,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_table.stride(0),
+        *args,
         NUM_HEADS=num_heads,
         GROUP=group,
         # tl.dot needs at least 16 rows; padding rows are masked out.
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1,
-        DOT_F32=dot_f32,
-        KV_FORMAT=kv_format(kv_cache.dtype),
-        IS_FP8=kv_cache.dtype in FP8_DTYPES,
-        FP8_UNIT=fp8_unit(kv_cache.dtype),
-        HAS_WINDOW=window is not None,
-        HAS_CAP=logits_soft_cap is not None,
-        HAS_SINKS=sinks is not None,
+        **constexprs,
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
@@ -229,6 +185,6 @@ def decode_attention(
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
             SPLITS_PAD=triton.next_power_of_2(num_splits),
         )

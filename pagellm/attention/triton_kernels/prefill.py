@@ -18,12 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.attention.kv_quant import FP8_DTYPES
-from pagellm.attention.triton_kernels.kv_codec import fp8_unit, kernel_view, kv_format
-from pagellm.attention.triton_kernels.kv_loop import attend_kv_tiles, normalize
+from pagellm.attention.triton_kernels.kv_codec import kernel_view
+from pagellm.attention.triton_kernels.kv_loop import attend_kv_tiles, normalize, shared_launch_args
 from pagellm.attention.triton_kernels.scores import LOG2E
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -34,33 +31,14 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
-    scales_ptr,  # fp8: float32 [k_scale, v_scale], read here so that CUDA graphs see updates
-    sinks_ptr,  # float32 [num_heads], read with HAS_SINKS
-    qk_scale,  # softmax scale * log2(e)
-    window,  # sliding window in tokens, read with HAS_WINDOW
-    cap_log2,  # the soft cap times log2(e), read with HAS_CAP
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cache_kv,
-    stride_cache_block,
-    stride_cache_tok,
-    stride_cache_head,
-    stride_bt,
+    # kv_loop.shared_launch_args: runtime arguments, then (after this kernel's own) compile-time switches.
+    scales_ptr, sinks_ptr, qk_scale, window, cap_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    KV_FORMAT: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    FP8_UNIT: tl.constexpr,  # 256 for e4m3 (decode_fp8 leaves it 2^-8 small), 1 for e5m2
-    HAS_WINDOW: tl.constexpr,
-    HAS_CAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr, KV_FORMAT: tl.constexpr, IS_FP8: tl.constexpr, FP8_UNIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -126,42 +104,19 @@ def prefill_attention(
     sinks: Optional[torch.Tensor] = None,  # float32 [num_heads] on the device
 ) -> None:
     num_seqs = seq_lens.shape[0]
-    _, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
-    cache = kernel_view(kv_cache)
-    _prefill_kernel[grid](
+    num_heads = query.shape[1]
+    args, constexprs = shared_launch_args(
+        out, query, kv_cache, block_table, scales, scale, block_n, dot_f32, window, logits_soft_cap, sinks
+    )
+    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, num_heads)](
         query,
-        cache,
+        kernel_view(kv_cache),
         block_table,
         query_start_loc,
         seq_lens,
         out,
-        scales,
-        sinks if sinks is not None else scales,  # a placeholder pointer without sinks
-        scale * _LOG2E,
-        window or 0,
-        (logits_soft_cap or 0.0) * _LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_table.stride(0),
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache.shape[2],
+        *args,
+        GROUP=num_heads // kv_cache.shape[3],
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_F32=dot_f32,
-        KV_FORMAT=kv_format(kv_cache.dtype),
-        IS_FP8=kv_cache.dtype in FP8_DTYPES,
-        FP8_UNIT=fp8_unit(kv_cache.dtype),
-        HAS_WINDOW=window is not None,
-        HAS_CAP=logits_soft_cap is not None,
-        HAS_SINKS=sinks is not None,
+        **constexprs,
     )
