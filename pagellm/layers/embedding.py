@@ -64,15 +64,20 @@ class VocabParallelEmbedding(nn.Module):
             return pad_rows(self.blocks.dequantize(), self.num_embeddings)
         return self.dense.float()
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The tensors the table keeps resident: its int8 panels or a tied head's bfloat16 panels
+        (the head's too), its GGUF blocks as stored, or its dense rows (a tied dense head's too)."""
+        if self.packed is not None:
+            return self.packed.resident_tensors()
+        if self.head_panels is not None:
+            return [self.head_panels]
+        if self.blocks is not None:
+            return [self.blocks.stored]  # rows narrowed or padded, never permuted: the blocks' bytes
+        return [] if self.dense is None else [self.dense]
+
     @property
     def nbytes(self) -> int:
-        if self.packed is not None:
-            return self.packed.nbytes
-        if self.head_panels is not None:
-            return self.head_panels.nbytes
-        if self.blocks is not None:
-            return self.blocks.nbytes
-        return 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
+        return sum(t.nbytes for t in self.resident_tensors())
 
     def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: WeightSource) -> None:
         """Takes the whole checkpoint table; under tensor parallelism this rank's rows are cut here."""

@@ -189,6 +189,10 @@ class Linear(nn.Module):
         )
         return self.method.nbytes
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The weight's tensors as its method keeps them (the bias is a parameter)."""
+        return [] if self.method is None else self.method.resident_tensors()
+
     @property
     def weight(self) -> torch.Tensor:
         """The dense weight, for a layer whose method keeps one (the exact path)."""

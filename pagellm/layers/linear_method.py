@@ -70,10 +70,15 @@ class LinearMethod(ABC):
         LoRA delta, which must reach gate and up before the activation."""
         return self.apply(x, bias)
 
-    @property
     @abstractmethod
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The tensors this form keeps resident (one may be another holder's too: a tied head's
+        table is the embedding's)."""
+
+    @property
     def nbytes(self) -> int:
         """Bytes this form keeps resident."""
+        return sum(t.nbytes for t in self.resident_tensors())
 
     @property
     @abstractmethod
@@ -138,10 +143,8 @@ class DenseMethod(LinearMethod):
     def apply_gate_up(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return F.linear(x, self.weight, bias) if self.fused_gate_up else self.apply(x, bias)
 
-    @property
-    def nbytes(self) -> int:
-        panels = 0 if self.panels is None else self.panels.numel() * self.panels.element_size()
-        return self.weight.numel() * self.weight.element_size() + panels
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return [self.weight] if self.panels is None else [self.weight, self.panels]
 
     @property
     def form(self) -> str:
@@ -187,9 +190,8 @@ class _PanelsMethod(LinearMethod):
         out = torch.cat((groups[:, :, 0].reshape(x.shape[0], -1), groups[:, :, 1].reshape(x.shape[0], -1)), dim=1)
         return out if bias is None else out + bias
 
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return [self.packed]
 
 
 class BF16Method(_PanelsMethod):
@@ -276,9 +278,8 @@ class SegmentedMethod(LinearMethod):
             start = end
         return out
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.resident_tensors()]
 
     @property
     def form(self) -> str:

@@ -62,6 +62,25 @@ _KV_SCALE_SUFFIXES = {
 }
 
 
+def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the tensors' data cover, memory that several of them hold (a tied head's table is
+    the embedding's) counted once: the union of their byte ranges on each device, a tensor's range
+    its ``nbytes`` from its first byte. Views of one storage (the panels mapped from one
+    packed-weights file) count each its own bytes."""
+    ranges: dict[torch.device, list[tuple[int, int]]] = {}
+    for tensor in tensors:
+        if tensor.nbytes:
+            start = tensor.data_ptr()
+            ranges.setdefault(tensor.device, []).append((start, start + tensor.nbytes))
+    total = 0
+    for spans in ranges.values():
+        covered = 0  # the end of what is counted so far (addresses only grow in sorted order)
+        for start, end in sorted(spans):
+            total += max(0, end - max(start, covered))
+            covered = max(covered, end)
+    return total
+
+
 def tp_shard_of(hf_config: PretrainedConfig) -> TPShard:
     """This process's slice of the model under its tensor-parallel group (all of it without one)."""
     tp = get_tp_group()
@@ -248,18 +267,14 @@ class CausalLM(nn.Module):
             embed.share_head_panels(panels)  # one copy of a bfloat16 table
 
     def weight_bytes(self) -> int:
-        """Bytes the model's weights hold, every form counted once."""
-        linear = sum(layer.method.nbytes for _, layer in self.linear_layers() if layer.method is not None)
-        embed = self.model.embed_tokens
-        dense_head = getattr(self.lm_head.method, "weight", None)
-        head_panels = getattr(self.lm_head.method, "packed", None)
-        shared = (
-            (dense_head is not None and embed.dense is dense_head)
-            or (embed.packed is not None and embed.packed is self.lm_head.method)
-            or (embed.head_panels is not None and embed.head_panels is head_panels)
-        )
-        embed_bytes = 0 if shared else embed.nbytes
-        return linear + embed_bytes + sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes the model's weights hold resident: its parameters and what every layer that keeps
+        weights beside them reports (``resident_tensors``), memory two of them share counted once."""
+        tensors = list(self.parameters())
+        for module in self.modules():
+            resident = getattr(module, "resident_tensors", None)
+            if resident is not None:
+                tensors += resident()
+        return distinct_bytes(tensors)
 
     def packed_weights(self) -> list[tuple[torch.Tensor, PackedForms]]:
         """``(weight, packed)`` of every layer whose form the start-up measurement of the float32
