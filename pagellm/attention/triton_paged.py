@@ -77,11 +77,12 @@ class TritonPagedBackend(AttentionBackend):
         if not triton_available():
             raise RuntimeError("the triton_paged backend needs Triton: pip install 'pagellm[gpu]'")
         # Imported here: importing triton costs a second, and the kernels compile on first launch.
-        from pagellm.attention.triton_kernels import cache_write, decode, prefill
+        from pagellm.attention.triton_kernels import cache_write, decode, kv_loop, prefill
 
         self._cache_write = cache_write
         self._decode = decode
         self._prefill = prefill
+        self._kernel_options = kv_loop.KernelOptions
         self.partition = partition
         self.block_n = block_n
         self.block_m = block_m
@@ -118,33 +119,28 @@ class TritonPagedBackend(AttentionBackend):
         self._cache_write.write_kv_cache(key, value, kv_cache, metadata.slot_mapping, scales)
         if metadata.num_tokens == 0:
             return output
-        # The interpreter computes bf16 dot products wrongly (numpy has no bf16); it upcasts them.
-        dot_f32 = envs.triton_interpret() and torch.bfloat16 in (query.dtype, kv_cache.dtype)
         window = cap = sinks = None
         if options is not None:
             window, cap = options.sliding_window, options.logits_soft_cap
             sinks = options.sinks.float() if options.sinks is not None else None
             if window is not None:
                 window = min(window, 2**31 - 1)  # an int32 launch argument; any window past every context is the same
+        kernel_options = self._kernel_options(
+            scales,
+            scale,
+            self.block_n,
+            # The interpreter computes bf16 dot products wrongly (numpy has no bf16); it upcasts them.
+            dot_f32=envs.triton_interpret() and torch.bfloat16 in (query.dtype, kv_cache.dtype),
+            window=window,
+            logits_soft_cap=cap,
+            sinks=sinks,
+        )
         if metadata.max_query_len <= 1 and metadata.num_tokens == metadata.num_seqs:
             # A decode reads at most its window: the splits cover that much.
             span = metadata.max_seq_len if window is None else min(metadata.max_seq_len, window)
             num_splits, per_split = split_plan(span, self.partition, self.block_n)
             self._decode.decode_attention(
-                output,
-                query,
-                kv_cache,
-                block_table,
-                metadata.seq_lens,
-                scales,
-                num_splits,
-                per_split,
-                scale,
-                self.block_n,
-                dot_f32,
-                window,
-                cap,
-                sinks,
+                output, query, kv_cache, block_table, metadata.seq_lens, num_splits, per_split, kernel_options
             )
         else:
             self._prefill.prefill_attention(
@@ -154,14 +150,8 @@ class TritonPagedBackend(AttentionBackend):
                 block_table,
                 metadata.query_start_loc,
                 metadata.seq_lens,
-                scales,
                 metadata.max_query_len,
-                scale,
                 self.block_m,
-                self.block_n,
-                dot_f32,
-                window,
-                cap,
-                sinks,
+                kernel_options,
             )
         return output

@@ -11,14 +11,12 @@ the first split's softmax as a score with no value (so once for the merged outpu
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
 from pagellm.attention.triton_kernels.kv_codec import kernel_view
-from pagellm.attention.triton_kernels.kv_loop import attend_kv_tiles, normalize, shared_launch_args
+from pagellm.attention.triton_kernels.kv_loop import KernelOptions, attend_kv_tiles, normalize
 from pagellm.attention.triton_kernels.scores import LOG2E
 
 
@@ -33,7 +31,7 @@ def _decode_kernel(
     part_lse_ptr,
     num_splits,
     partition,  # KV tokens per split, a multiple of BLOCK_N
-    # kv_loop.shared_launch_args: runtime arguments, then (after this kernel's own) compile-time switches.
+    # KernelOptions.launch_args: runtime arguments, then (after this kernel's own) compile-time switches.
     scales_ptr, sinks_ptr, qk_scale, window, cap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     NUM_HEADS: tl.constexpr,
@@ -135,15 +133,9 @@ def decode_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, row_width]
     block_table: torch.Tensor,  # int32 [S, max_blocks], last dim contiguous
     seq_lens: torch.Tensor,  # int32 [S]
-    scales: torch.Tensor,  # float32 [k_scale, v_scale] on the device; read for an fp8 cache only
     num_splits: int,
     partition: int,
-    scale: float,
-    block_n: int,
-    dot_f32: bool,
-    window: Optional[int] = None,  # AttentionOptions, already validated; None: off
-    logits_soft_cap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,  # float32 [num_heads] on the device
+    options: KernelOptions,
 ) -> None:
     """``num_splits`` x ``partition`` must cover min(max_seq_len, window) keys (split_plan)."""
     num_seqs, num_heads, head_dim = query.shape
@@ -154,9 +146,7 @@ def decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused
-    args, constexprs = shared_launch_args(
-        out, query, kv_cache, block_table, scales, scale, block_n, dot_f32, window, logits_soft_cap, sinks
-    )
+    args, constexprs = options.launch_args(out, query, kv_cache, block_table)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         kernel_view(kv_cache),

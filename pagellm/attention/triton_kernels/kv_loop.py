@@ -7,6 +7,7 @@ through the block table, decoded in registers (kv_codec) and scored in base 2.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -108,50 +109,53 @@ def normalize(acc, l_i, scales_ptr, IS_FP8: tl.constexpr, FP8_UNIT: tl.constexpr
     return out
 
 
-def shared_launch_args(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    scales: torch.Tensor,  # float32 [k_scale, v_scale] on the device; read for an fp8 cache only
-    scale: float,
-    block_n: int,
-    dot_f32: bool,
-    window: Optional[int],  # AttentionOptions, already validated; None: off
-    logits_soft_cap: Optional[float],
-    sinks: Optional[torch.Tensor],  # float32 [num_heads] on the device
-) -> tuple[tuple, dict]:
-    """The arguments both kernels take, as (runtime arguments, compile-time switches).
+@dataclass(frozen=True)
+class KernelOptions:
+    """What the backend passes the decode and prefill kernels alike."""
 
-    The runtime ones follow each kernel's own, in this order: ``scales_ptr`` (fp8's scales, read in
-    the kernel so that CUDA graphs see updates), ``sinks_ptr`` (read with HAS_SINKS), ``qk_scale``
-    (the softmax scale times log2(e): the kernels work in base 2), ``window`` (read with HAS_WINDOW),
-    ``cap_log2`` (the soft cap times log2(e), read with HAS_CAP), then the strides of the query and
-    output (token, head), of the cache (K/V, block, token, head) and of the block table (sequence).
-    """
-    args = (
-        scales,
-        sinks if sinks is not None else scales,  # a placeholder pointer without sinks
-        scale * LOG2E.value,
-        window or 0,
-        (logits_soft_cap or 0.0) * LOG2E.value,
-        *query.stride()[:2],
-        *out.stride()[:2],
-        *kv_cache.stride()[:4],
-        block_table.stride(0),
-    )
-    head_dim = query.shape[2]
-    constexprs = dict(
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_N=block_n,
-        DOT_F32=dot_f32,
-        KV_FORMAT=kv_format(kv_cache.dtype),
-        IS_FP8=kv_cache.dtype in FP8_DTYPES,
-        FP8_UNIT=fp8_unit(kv_cache.dtype),  # 256 for e4m3 (decode_fp8 leaves it 2^-8 small), 1 for e5m2
-        HAS_WINDOW=window is not None,
-        HAS_CAP=logits_soft_cap is not None,
-        HAS_SINKS=sinks is not None,
-    )
-    return args, constexprs
+    scales: torch.Tensor  # float32 [k_scale, v_scale] on the device; read for an fp8 cache only
+    scale: float  # the softmax scale
+    block_n: int  # KV tokens per tile
+    dot_f32: bool  # take the dot products in float32 (the interpreter gets bf16 ones wrong)
+    window: Optional[int] = None  # AttentionOptions, already validated; None: off
+    logits_soft_cap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None  # float32 [num_heads] on the device
+
+    def launch_args(
+        self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor
+    ) -> tuple[tuple, dict]:
+        """The arguments both kernels take, as (runtime arguments, compile-time switches).
+
+        The runtime ones follow each kernel's own, in this order: ``scales_ptr`` (fp8's scales, read in
+        the kernel so that CUDA graphs see updates), ``sinks_ptr`` (read with HAS_SINKS), ``qk_scale``
+        (the softmax scale times log2(e): the kernels work in base 2), ``window`` (read with HAS_WINDOW),
+        ``cap_log2`` (the soft cap times log2(e), read with HAS_CAP), then the strides of the query and
+        output (token, head), of the cache (K/V, block, token, head) and of the block table (sequence).
+        """
+        scales, window, cap, sinks = self.scales, self.window, self.logits_soft_cap, self.sinks
+        args = (
+            scales,
+            sinks if sinks is not None else scales,  # a placeholder pointer without sinks
+            self.scale * LOG2E.value,
+            window or 0,
+            (cap or 0.0) * LOG2E.value,
+            *query.stride()[:2],
+            *out.stride()[:2],
+            *kv_cache.stride()[:4],
+            block_table.stride(0),
+        )
+        head_dim = query.shape[2]
+        constexprs = dict(
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=kv_cache.shape[2],
+            BLOCK_N=self.block_n,
+            DOT_F32=self.dot_f32,
+            KV_FORMAT=kv_format(kv_cache.dtype),
+            IS_FP8=kv_cache.dtype in FP8_DTYPES,
+            FP8_UNIT=fp8_unit(kv_cache.dtype),  # 256 for e4m3 (decode_fp8 leaves it 2^-8 small), 1 for e5m2
+            HAS_WINDOW=window is not None,
+            HAS_CAP=cap is not None,
+            HAS_SINKS=sinks is not None,
+        )
+        return args, constexprs

@@ -12,14 +12,12 @@ bends the scores before the mask; the sink starts each row's softmax as a score 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
 from pagellm.attention.triton_kernels.kv_codec import kernel_view
-from pagellm.attention.triton_kernels.kv_loop import attend_kv_tiles, normalize, shared_launch_args
+from pagellm.attention.triton_kernels.kv_loop import KernelOptions, attend_kv_tiles, normalize
 from pagellm.attention.triton_kernels.scores import LOG2E
 
 
@@ -31,7 +29,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
-    # kv_loop.shared_launch_args: runtime arguments, then (after this kernel's own) compile-time switches.
+    # KernelOptions.launch_args: runtime arguments, then (after this kernel's own) compile-time switches.
     scales_ptr, sinks_ptr, qk_scale, window, cap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     GROUP: tl.constexpr,
@@ -93,21 +91,13 @@ def prefill_attention(
     block_table: torch.Tensor,  # int32 [S, max_blocks], last dim contiguous
     query_start_loc: torch.Tensor,  # int32 [S + 1]
     seq_lens: torch.Tensor,  # int32 [S]
-    scales: torch.Tensor,  # float32 [k_scale, v_scale] on the device; read for an fp8 cache only
     max_query_len: int,
-    scale: float,
     block_m: int,
-    block_n: int,
-    dot_f32: bool,
-    window: Optional[int] = None,  # AttentionOptions, already validated; None: off
-    logits_soft_cap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,  # float32 [num_heads] on the device
+    options: KernelOptions,
 ) -> None:
     num_seqs = seq_lens.shape[0]
     num_heads = query.shape[1]
-    args, constexprs = shared_launch_args(
-        out, query, kv_cache, block_table, scales, scale, block_n, dot_f32, window, logits_soft_cap, sinks
-    )
+    args, constexprs = options.launch_args(out, query, kv_cache, block_table)
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, num_heads)](
         query,
         kernel_view(kv_cache),
