@@ -221,7 +221,7 @@ def run_engine(args: argparse.Namespace) -> dict:
         "rank": args.rank,
         "aten_min_rows": ops.LORA_ATEN_MIN_ROWS,
         "targets": list(targets),
-        "linear_layers": llm.llm_engine.config.linear_precision.describe(),
+        "linear_layers": llm.llm_engine.resolved.precision.linear.describe(),
         **summary,
         "throughput_ratio": summary["lora"]["output_tok_s"] / summary["base"]["output_tok_s"],
         "lora_ms_per_decode_step": summary["lora"]["decode_step_ms"] - summary["base"]["decode_step_ms"],
