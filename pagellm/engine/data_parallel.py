@@ -14,7 +14,7 @@ tokenizer instance, so it never runs on an engine thread.
 from __future__ import annotations
 
 import asyncio
-import copy
+import dataclasses
 import logging
 import os
 import threading
@@ -132,9 +132,9 @@ class DPAsyncLLM(StreamingFrontEnd):
         replicas = []
         try:
             for i in range(data_parallel_size):
-                c = copy.deepcopy(config)
-                if c.num_threads is None and c.device.type == "cpu":
-                    c.num_threads = max(1, len(os.sched_getaffinity(0)) // data_parallel_size)
+                c = config
+                if config.num_threads is None and config.device.type == "cpu":
+                    c = dataclasses.replace(config, num_threads=max(1, len(os.sched_getaffinity(0)) // data_parallel_size))
                 replicas.append(AsyncLLM.from_config(c))
                 logger.info("data parallel: replica %d/%d ready", i + 1, data_parallel_size)
         except BaseException:
