@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from pagellm.attention.kv_quant import KVScales
+from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, write_kv_cache
+from pagellm.attention.validation import check_attention_inputs, check_attention_options
 
 if TYPE_CHECKING:
     from pagellm.kernels.context import KernelContext
@@ -69,7 +70,11 @@ class AttentionOptions:
 
 
 class AttentionBackend(ABC):
-    """Writes the new keys/values into the paged cache, then attends over each sequence's context."""
+    """Writes the new keys/values into the paged cache, then attends over each sequence's context.
+
+    ``forward`` is the same for every backend: the shared input checks, the backend's own
+    (``check_supported``), the cache write (``write_cache``), then ``attend``.
+    """
 
     name: str = "base"
     # Whether forward takes q/k/v whose tokens are strided (views into one fused q/k/v projection
@@ -81,7 +86,6 @@ class AttentionBackend(ABC):
         pagellm.kernels.context) at each call from now on; only the C++ backend reads any."""
         self.kernels = kernels
 
-    @abstractmethod
     def forward(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
@@ -93,5 +97,30 @@ class AttentionBackend(ABC):
         kv_scales: Optional[KVScales] = None,  # an fp8 cache's per-layer scales (kv_quant); None: 1.0
         options: Optional[AttentionOptions] = None,  # this layer's window, soft cap, sinks; None: plain
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        ...
+        """Bad input raises ValueError before anything is written."""
+        check_attention_inputs(query, key, value, kv_cache, metadata)
+        options = check_attention_options(options, query)
+        self.check_supported(query, kv_cache)
+        kv_scales = kv_scales or UNIT_SCALES
+        self.write_cache(query, key, value, kv_cache, metadata, kv_scales)
+        return self.attend(query, kv_cache, metadata, scale, kv_scales, options)
+
+    def check_supported(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Raises ValueError for inputs (already through the shared checks) this backend cannot take."""
+        return None
+
+    def write_cache(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+        kv_scales: KVScales,
+    ) -> None:
+        """Scatters the new keys and values into their slots (torch's kv_quant.write_kv_cache here)."""
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+
+    @abstractmethod
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, kv_scales: KVScales,
+        options: Optional[AttentionOptions],
+    ) -> torch.Tensor:
+        """Attention over the cache with this step's keys and values written; ``options`` are None
+        when plain (check_attention_options)."""
 

@@ -12,9 +12,8 @@ from typing import Optional
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
-from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, write_kv_cache
+from pagellm.attention.kv_quant import KVScales
 from pagellm.attention.torch_sdpa import torch_attention
-from pagellm.attention.validation import check_attention_inputs, check_attention_options
 from pagellm.kernels import ops
 from pagellm.kernels.context import KernelContext
 from pagellm.kernels.tuning import CpuTuning
@@ -40,27 +39,22 @@ class CpuPagedBackend(AttentionBackend):
     def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return ops.paged_attention_supports(query, kv_cache)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        kv_scales: Optional[KVScales] = None,
-        options: Optional[AttentionOptions] = None,
-    ) -> torch.Tensor:
-        check_attention_inputs(query, key, value, kv_cache, metadata)
-        options = check_attention_options(options, query)
-        kv_scales = kv_scales or UNIT_SCALES
-        if not self.supports(query, kv_cache):
-            write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
-            return torch_attention(query.contiguous(), kv_cache, metadata, scale, kv_scales, options)
-        if ops.write_kv_cache_supports(key, value, kv_cache, metadata.slot_mapping):
+    def write_cache(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+        kv_scales: KVScales,
+    ) -> None:
+        # The C++ write where the C++ kernel attends and it takes these tensors; torch's otherwise.
+        if self.supports(query, kv_cache) and ops.write_kv_cache_supports(key, value, kv_cache, metadata.slot_mapping):
             ops.write_kv_cache(kv_cache, key, value, metadata.slot_mapping, kv_scales.k_scale, kv_scales.v_scale)
         else:
-            write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+            super().write_cache(query, key, value, kv_cache, metadata, kv_scales)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, kv_scales: KVScales,
+        options: Optional[AttentionOptions],
+    ) -> torch.Tensor:
+        if not self.supports(query, kv_cache):
+            return torch_attention(query.contiguous(), kv_cache, metadata, scale, kv_scales, options)
         if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
             query = query.contiguous()
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -12,8 +12,7 @@ from typing import Optional
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
-from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize, write_kv_cache
-from pagellm.attention.validation import check_attention_inputs, check_attention_options
+from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize
 
 
 def gather_context(
@@ -94,20 +93,10 @@ class TorchReferenceBackend(AttentionBackend):
 
     name = "torch_ref"
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        kv_scales: Optional[KVScales] = None,
-        options: Optional[AttentionOptions] = None,
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, kv_scales: KVScales,
+        options: Optional[AttentionOptions],
     ) -> torch.Tensor:
-        check_attention_inputs(query, key, value, kv_cache, metadata)
-        options = check_attention_options(options, query)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         for i, context_len in enumerate(metadata.seq_lens_cpu):

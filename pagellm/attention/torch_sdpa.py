@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
-from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize, write_kv_cache
+from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize
 from pagellm.attention.torch_ref import first_visible_position
-from pagellm.attention.validation import check_attention_inputs, check_attention_options
 
 # Cap on the gathered K (and V) bytes per decode sub-batch, so that long contexts in big
 # batches do not allocate gigabytes at once.
@@ -271,18 +270,8 @@ class TorchSdpaBackend(AttentionBackend):
 
     name = "torch_sdpa"
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        kv_scales: Optional[KVScales] = None,
-        options: Optional[AttentionOptions] = None,
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, kv_scales: KVScales,
+        options: Optional[AttentionOptions],
     ) -> torch.Tensor:
-        check_attention_inputs(query, key, value, kv_cache, metadata)
-        options = check_attention_options(options, query)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         return torch_attention(query, kv_cache, metadata, scale, kv_scales, options)

@@ -26,8 +26,7 @@ import torch
 
 from pagellm import envs
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
-from pagellm.attention.kv_quant import FP8_DTYPES, QUANTIZED_DTYPES, UNIT_SCALES, KVScales
-from pagellm.attention.validation import check_attention_inputs, check_attention_options
+from pagellm.attention.kv_quant import FP8_DTYPES, QUANTIZED_DTYPES, KVScales
 
 # Decode: KV tokens per split before a context is split across programs (flash-decoding), and
 # the most splits one sequence gets (longer contexts get longer partitions instead).
@@ -59,6 +58,17 @@ def split_plan(max_seq_len: int, partition: int, block_n: int, max_splits: int =
     return num_splits, per_split
 
 
+def _contiguous_head_dim(t: torch.Tensor) -> torch.Tensor:
+    """The kernels take any token/head strides (views into the fused qkv) but a contiguous head_dim."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _kernel_scales(query: torch.Tensor, kv_cache: torch.Tensor, kv_scales: KVScales, metadata: AttentionMetadata) -> torch.Tensor:
+    """fp8's scales as the kernels read them (the same device tensor every step, so CUDA graphs see
+    updates); for any other cache a placeholder pointer."""
+    return kv_scales.device_tensor(query.device) if kv_cache.dtype in FP8_DTYPES else metadata.seq_lens
+
+
 class TritonPagedBackend(AttentionBackend):
     """Triton kernels for the cache write, decode and prefill; fp32, fp16, bf16, fp8 and int8 caches; GQA."""
 
@@ -87,38 +97,33 @@ class TritonPagedBackend(AttentionBackend):
         self.block_n = block_n
         self.block_m = block_m
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        kv_scales: Optional[KVScales] = None,
-        options: Optional[AttentionOptions] = None,
-    ) -> torch.Tensor:
-        check_attention_inputs(query, key, value, kv_cache, metadata)
-        options = check_attention_options(options, query)
+    def check_supported(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         if not runs_on(query.device):
             raise ValueError(f"attention backend 'triton_paged' runs on CUDA (or with TRITON_INTERPRET=1), not on {query.device}")
         if kv_cache.dtype not in _SUPPORTED_CACHE_DTYPES:
             raise ValueError(f"triton_paged supports float32, float16, bfloat16, fp8 and int8 KV caches, not {kv_cache.dtype}")
         if kv_cache.stride(-1) != 1:
             raise ValueError("triton_paged needs a KV cache whose head_dim is contiguous")
-        # The kernels take any token/head strides (views into the fused qkv) but a contiguous head_dim.
-        query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+
+    def write_cache(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+        kv_scales: KVScales,
+    ) -> None:
+        key, value = (_contiguous_head_dim(t) for t in (key, value))
+        scales = _kernel_scales(query, kv_cache, kv_scales, metadata)
+        self._cache_write.write_kv_cache(key, value, kv_cache, metadata.slot_mapping, scales)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, kv_scales: KVScales,
+        options: Optional[AttentionOptions],
+    ) -> torch.Tensor:
+        query = _contiguous_head_dim(query)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if metadata.num_tokens == 0:
+            return output
         block_table = metadata.block_table
         if block_table.stride(-1) != 1:
             block_table = block_table.contiguous()
-        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if kv_cache.dtype in FP8_DTYPES:
-            scales = (kv_scales or UNIT_SCALES).device_tensor(query.device)
-        else:
-            scales = metadata.seq_lens  # a placeholder pointer: only fp8 kernels read scales
-        self._cache_write.write_kv_cache(key, value, kv_cache, metadata.slot_mapping, scales)
-        if metadata.num_tokens == 0:
-            return output
         window = cap = sinks = None
         if options is not None:
             window, cap = options.sliding_window, options.logits_soft_cap
@@ -126,7 +131,7 @@ class TritonPagedBackend(AttentionBackend):
             if window is not None:
                 window = min(window, 2**31 - 1)  # an int32 launch argument; any window past every context is the same
         kernel_options = self._kernel_options(
-            scales,
+            _kernel_scales(query, kv_cache, kv_scales, metadata),
             scale,
             self.block_n,
             # The interpreter computes bf16 dot products wrongly (numpy has no bf16); it upcasts them.

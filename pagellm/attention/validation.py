@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from pagellm.attention.backend import AttentionMetadata, AttentionOptions
 from pagellm.attention.kv_quant import row_width
+
+if TYPE_CHECKING:  # backend.py calls these checks
+    from pagellm.attention.backend import AttentionMetadata, AttentionOptions
 
 # The per-sequence checks walk Python lists; one metadata object serves every layer of a step,
 # so it is checked once and marked rather than re-walked per layer.
