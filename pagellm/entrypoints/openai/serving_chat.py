@@ -66,6 +66,9 @@ class ChatRun:
     role: str
     echo: str
     tool_mode: str  # "none", "auto", "required" or "named"
+    # As the engine last reported them, for the usage.
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -83,25 +86,24 @@ class ChatDelta:
 def make_chat_prompt(
     tokenizer: Any,
     messages: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    chat_template: Optional[str],
-    chat_template_kwargs: Optional[dict[str, Any]],
+    request: Any,
     add_special_tokens: bool,
     cache_salt: Optional[str],
     input_processor: Any = None,
 ) -> dict[str, Any]:
     """Renders and tokenizes a conversation (runs on the engine thread); template errors -> ValueError.
 
-    With ``input_processor``, a rendering too long for the context is refused before tokenizing.
+    ``request`` (a chat or tokenize request) gives the template's options: ``add_generation_prompt``,
+    ``continue_final_message``, ``chat_template`` and ``chat_template_kwargs``. With
+    ``input_processor``, a rendering too long for the context is refused before tokenizing.
     """
     from pagellm.tokenizer import render_chat
 
-    kwargs = dict(chat_template_kwargs or {})
-    if continue_final_message:
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.continue_final_message:
         kwargs["continue_final_message"] = True
     try:
-        text = render_chat(tokenizer, messages, add_generation_prompt, chat_template, **kwargs)
+        text = render_chat(tokenizer, messages, request.add_generation_prompt, request.chat_template, **kwargs)
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - jinja and template errors are the request's fault
@@ -172,15 +174,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def prompt() -> dict[str, Any]:
             return make_chat_prompt(
-                tokenizer,
-                messages,
-                request.add_generation_prompt,
-                request.continue_final_message,
-                request.chat_template,
-                request.chat_template_kwargs,
-                request.add_special_tokens,
-                request.cache_salt,
-                self.async_llm.engine.input_processor,
+                tokenizer, messages, request, request.add_special_tokens, request.cache_salt, self.async_llm.engine.input_processor
             )
 
         role = "assistant" if request.add_generation_prompt else messages[-1]["role"]
@@ -273,18 +267,22 @@ class OpenAIServingChat(OpenAIServing):
             deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]))
         return deltas
 
-    async def _full(self, run: ChatRun) -> ChatCompletionResponse:
-        request, n, role, echo, tool_mode = run.request, run.n, run.role, run.echo, run.tool_mode
-        choices = [_Choice() for _ in range(n)]
-        num_prompt = num_cached = 0
+    async def _completions(self, run: ChatRun, choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, CompletionOutput]]:
+        """Each new piece of a sample not yet finished, with its choice; keeps the run's token counts."""
         async for _, output in self.iterate_streams([run.stream]):
             if output.error is not None:
                 raise APIError(f"the engine failed on this request: {output.error}", 500)
-            num_prompt, num_cached = len(output.prompt_token_ids), output.num_cached_tokens
+            run.num_prompt_tokens, run.num_cached_tokens = len(output.prompt_token_ids), output.num_cached_tokens
             for completion in output.outputs:
                 choice = choices[completion.index]
                 if choice.finish_reason is None:  # finished samples of n > 1 repeat in later outputs
-                    self._update_choice(request, choice, completion)
+                    yield choice, completion
+
+    async def _full(self, run: ChatRun) -> ChatCompletionResponse:
+        request, n, role, echo, tool_mode = run.request, run.n, run.role, run.echo, run.tool_mode
+        choices = [_Choice() for _ in range(n)]
+        async for choice, completion in self._completions(run, choices):
+            self._update_choice(request, choice, completion)
         messages = [self._message(request, c, role, echo, tool_mode) for c in choices]
         return ChatCompletionResponse(
             id=run.request_id,
@@ -300,7 +298,7 @@ class OpenAIServingChat(OpenAIServing):
                 )
                 for j, (c, message) in enumerate(zip(choices, messages))
             ],
-            usage=make_usage(num_prompt, sum(c.num_tokens for c in choices), num_cached),
+            usage=make_usage(run.num_prompt_tokens, sum(c.num_tokens for c in choices), run.num_cached_tokens),
         )
 
     async def stream_deltas(self, run: ChatRun) -> AsyncIterator[ChatDelta]:
@@ -310,40 +308,33 @@ class OpenAIServingChat(OpenAIServing):
         if tool_mode == "auto" and self.tool_parser_cls is not None:
             for c in choices:
                 c.parser = self.tool_parser_cls()
-        num_prompt = num_cached = 0
         # The role goes first, at once: clients see the stream open before the first token.
         for j in range(n):
             yield ChatDelta(j, DeltaMessage(role=run.role, content=""))
             if run.echo:
                 yield ChatDelta(j, DeltaMessage(content=run.echo))
-        async for _, output in self.iterate_streams([run.stream]):
-            if output.error is not None:
-                raise APIError(f"the engine failed on this request: {output.error}", 500)
-            num_prompt, num_cached = len(output.prompt_token_ids), output.num_cached_tokens
-            for completion in output.outputs:
-                choice = choices[completion.index]
-                if choice.finish_reason is not None:
-                    continue
-                text, logprobs = self._update_choice(request, choice, completion)
-                finish_reason = completion.finish_reason
-                if tool_mode != "none":
-                    text, calls = self._stream_tool_calls(request, choice, text, tool_mode, finish_reason is not None)
-                    for delta in self._tool_call_deltas(choice, calls):
-                        yield ChatDelta(completion.index, delta)
-                    if calls and tool_mode != "named" and finish_reason == "stop":
-                        finish_reason = "tool_calls"
-                    if choice.num_tool_calls and finish_reason == "stop" and tool_mode != "named":
-                        finish_reason = "tool_calls"
-                if not text and not logprobs and finish_reason is None:
-                    continue
-                yield ChatDelta(
-                    completion.index,
-                    DeltaMessage(content=text) if text or finish_reason is None else DeltaMessage(),
-                    ChatCompletionLogProbs(content=logprobs) if request.logprobs else None,
-                    finish_reason,
-                    completion.stop_reason,
-                )
-        yield ChatDelta(0, DeltaMessage(), usage=make_usage(num_prompt, sum(c.num_tokens for c in choices), num_cached))
+        async for choice, completion in self._completions(run, choices):
+            text, logprobs = self._update_choice(request, choice, completion)
+            finish_reason = completion.finish_reason
+            if tool_mode != "none":
+                text, calls = self._stream_tool_calls(request, choice, text, tool_mode, finish_reason is not None)
+                for delta in self._tool_call_deltas(choice, calls):
+                    yield ChatDelta(completion.index, delta)
+                if calls and tool_mode != "named" and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+                if choice.num_tool_calls and finish_reason == "stop" and tool_mode != "named":
+                    finish_reason = "tool_calls"
+            if not text and not logprobs and finish_reason is None:
+                continue
+            yield ChatDelta(
+                completion.index,
+                DeltaMessage(content=text) if text or finish_reason is None else DeltaMessage(),
+                ChatCompletionLogProbs(content=logprobs) if request.logprobs else None,
+                finish_reason,
+                completion.stop_reason,
+            )
+        usage = make_usage(run.num_prompt_tokens, sum(c.num_tokens for c in choices), run.num_cached_tokens)
+        yield ChatDelta(0, DeltaMessage(), usage=usage)
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
         request = run.request

@@ -19,17 +19,7 @@ class OpenAIServingTokenization(OpenAIServing):
             tokenizer = engine.tokenizer
             if messages is not None:
                 add_special = bool(request.add_special_tokens)
-                ids = make_chat_prompt(
-                    tokenizer,
-                    messages,
-                    request.add_generation_prompt,
-                    request.continue_final_message,
-                    request.chat_template,
-                    request.chat_template_kwargs,
-                    add_special,
-                    None,
-                    engine.input_processor,
-                )["prompt_token_ids"]
+                ids = make_chat_prompt(tokenizer, messages, request, add_special, None, engine.input_processor)["prompt_token_ids"]
             else:
                 add_special = True if request.add_special_tokens is None else request.add_special_tokens
                 ids = engine.input_processor.tokenize(request.prompt, add_special_tokens=add_special)
