@@ -14,6 +14,14 @@ from pagellm.bench.compare import DesignResult, SweepPoint
 _COLORS = ["tab:blue", "tab:red", "tab:orange", "tab:purple", "tab:green"]
 
 
+def _save(fig: plt.Figure, path: str) -> str:
+    """Writes the chart to ``path`` and frees it; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_kv_timeline(designs: Sequence[DesignResult], path: str) -> str:
     """Utilization, tokens held vs reserved, and requests in flight over time, per design."""
     fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
@@ -37,10 +45,7 @@ def plot_kv_timeline(designs: Sequence[DesignResult], path: str) -> str:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_throughput_latency(designs: Sequence[DesignResult], path: str) -> str:
@@ -58,10 +63,7 @@ def plot_throughput_latency(designs: Sequence[DesignResult], path: str) -> str:
         ax.set_title(title)
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_block_size_sweep(points: Sequence[SweepPoint], path: str) -> str:
@@ -78,10 +80,7 @@ def plot_block_size_sweep(points: Sequence[SweepPoint], path: str) -> str:
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.set_xlabel("block size (tokens)")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_compare(designs: Sequence[DesignResult], sweep: Sequence[SweepPoint], out_dir: str) -> list[str]:
