@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
 from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize
-from pagellm.attention.torch_ref import first_visible_position
+from pagellm.attention.torch_ref import first_visible_position, gather_context
 
 # Cap on the gathered K (and V) bytes per decode sub-batch, so that long contexts in big
 # batches do not allocate gigabytes at once.
@@ -108,16 +108,9 @@ def prefill_attention(
     options: Optional[AttentionOptions] = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's last q_len positions over its context (or their windows)."""
-    block_size = kv_cache.shape[2]
     first = first_visible_position(context_len, query.shape[0], options)
-    first_block = first // block_size
-    num_blocks = -(-context_len // block_size) - first_block
-    blocks = block_ids[first_block:first_block + num_blocks].long()
-    skip, end = first - first_block * block_size, context_len - first_block * block_size
-    keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[skip:end]  # [L, kvh, row_width]
-    values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[skip:end]
-    if keys.element_size() == 1:  # an 8-bit cache: widened here, the compute dtype below
-        keys, values = dequantize(keys, kv_scales.k_scale), dequantize(values, kv_scales.v_scale)
+    # An 8-bit cache comes widened to float32 here, to the compute dtype below.
+    keys, values = gather_context(kv_cache, block_ids, context_len, kv_scales, first)
     # SDPA has no soft cap or sinks: those take the float32 matmul path on every device.
     if query.device.type == "cpu" or (options is not None and (options.logits_soft_cap is not None or options.sinks is not None)):
         return _prefill_matmul(query, keys, values, scale, options, first)
@@ -270,8 +263,5 @@ class TorchSdpaBackend(AttentionBackend):
 
     name = "torch_sdpa"
 
-    def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, kv_scales: KVScales,
-        options: Optional[AttentionOptions],
-    ) -> torch.Tensor:
-        return torch_attention(query, kv_cache, metadata, scale, kv_scales, options)
+    # Attention over the written cache, decodes batched: torch_attention is all this backend adds.
+    attend = staticmethod(torch_attention)
