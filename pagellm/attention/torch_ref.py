@@ -46,6 +46,19 @@ def first_visible_position(context_len: int, q_len: int, options: Optional[Atten
     return max(0, context_len - q_len - options.sliding_window + 1)
 
 
+def causal_mask(
+    q_len: int, context_len: int, device: torch.device, window: Optional[int] = None, key_start: int = 0
+) -> torch.Tensor:
+    """[q_len, context_len - key_start], True where new token i (at position context_len - q_len + i)
+    may look at key position key_start + j: causal, and inside its window if there is one."""
+    query_pos = torch.arange(context_len - q_len, context_len, device=device)
+    key_pos = torch.arange(key_start, context_len, device=device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    return mask
+
+
 def causal_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -73,12 +86,8 @@ def causal_attention(
         # transformers (Gemma 2) caps before masking.
         cap = options.logits_soft_cap
         scores = torch.tanh(scores / cap) * cap
-    query_pos = torch.arange(context_len - q_len, context_len, device=query.device)
-    key_pos = torch.arange(key_start, context_len, device=query.device)
-    visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, L]
-    if options is not None and options.sliding_window is not None:
-        visible &= key_pos[None, :] > query_pos[:, None] - options.sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
+    window = options.sliding_window if options is not None else None
+    scores = scores.masked_fill(~causal_mask(q_len, context_len, query.device, window, key_start), float("-inf"))
     if options is not None and options.sinks is not None:
         # gpt-oss: the sink is one more logit per head in the softmax, dropped afterwards.
         sinks = options.sinks.float()[:, None, None].expand(num_heads, q_len, 1)

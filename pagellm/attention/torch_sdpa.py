@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, AttentionOptions
 from pagellm.attention.kv_quant import UNIT_SCALES, KVScales, dequantize
-from pagellm.attention.torch_ref import first_visible_position, gather_context
+from pagellm.attention.torch_ref import causal_mask, first_visible_position, gather_context
 
 # Cap on the gathered K (and V) bytes per decode sub-batch, so that long contexts in big
 # batches do not allocate gigabytes at once.
@@ -117,19 +117,6 @@ def prefill_attention(
     return _prefill_sdpa(query, keys, values, scale, options, first)
 
 
-def _causal_mask(
-    q_len: int, context_len: int, device: torch.device, window: Optional[int] = None, key_start: int = 0
-) -> torch.Tensor:
-    """[q_len, context_len - key_start], True where new token i (at position context_len - q_len + i)
-    may look at key position key_start + j: causal, and inside its window if there is one."""
-    query_pos = torch.arange(context_len - q_len, context_len, device=device)
-    key_pos = torch.arange(key_start, context_len, device=device)
-    mask = key_pos[None, :] <= query_pos[:, None]
-    if window is not None:
-        mask &= key_pos[None, :] > query_pos[:, None] - window
-    return mask
-
-
 def _prefill_sdpa(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -155,7 +142,7 @@ def _prefill_sdpa(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         # SDPA's is_causal aligns the corners top-left; a cached prefix needs bottom-right.
-        mask = _causal_mask(q_len, context_len, query.device, window, key_start)
+        mask = causal_mask(q_len, context_len, query.device, window, key_start)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(0, 1).to(query.dtype)
 
@@ -188,7 +175,7 @@ def _prefill_matmul(
     q = query.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kvh, g, q_len, D]
     k_t = keys.float().permute(1, 2, 0)  # [kvh, D, L]
     v = values.float().transpose(0, 1)  # [kvh, L, D]
-    mask = _causal_mask(q_len, context_len, query.device, window, key_start)
+    mask = causal_mask(q_len, context_len, query.device, window, key_start)
     out = torch.empty(num_kv_heads, group, q_len, head_dim, dtype=torch.float32, device=query.device)
     rows_per_chunk = max(1, _PREFILL_SCORE_BYTES // (4 * num_heads * num_keys))
     if window is not None:
