@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from pagellm.attention.backend import AttentionOptions
 from pagellm.attention.selector import get_attn_backend
 from pagellm.attention.synthetic import make_batch
 from pagellm.kernels import ops
@@ -65,6 +66,21 @@ def test_slot_mapping_length(name: str) -> None:
     meta = dataclasses.replace(batch.metadata, slot_mapping=batch.metadata.slot_mapping[:-1])
     with pytest.raises(ValueError, match="slot_mapping"):
         call(name, batch, metadata=meta)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("bad", ["metadata", "options"])
+def test_a_rejected_call_writes_nothing(name: str, bad: str) -> None:
+    # AttentionBackend.forward checks the inputs and the options before the backend's cache write.
+    batch = make_batch(SEQS, 4, 2, 32, 8)
+    before = batch.kv_cache.clone()
+    if bad == "metadata":
+        overrides = dict(metadata=dataclasses.replace(batch.metadata, seq_lens_cpu=[2, 5]))
+    else:
+        overrides = dict(options=AttentionOptions(sliding_window=0))
+    with pytest.raises(ValueError):
+        call(name, batch, **overrides)
+    assert torch.equal(batch.kv_cache.view(torch.uint8), before.view(torch.uint8))  # bytes: unused slots hold NaN
 
 
 @pytest.mark.skipif(not ops.available(), reason="C++ kernel unavailable")
