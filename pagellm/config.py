@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -104,6 +104,10 @@ def model_dtype(hf_config: Any) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def _is_auto(value: Union[str, torch.dtype]) -> bool:
+    return isinstance(value, str) and value.lower() == "auto"
+
+
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -172,25 +176,22 @@ class EngineConfig:
     # The slots' element type (vLLM's --lora-dtype): "auto" is bfloat16 under low-precision linear
     # layers (it halves what each step reads of its adapters) and float32 on the exact path.
     lora_dtype: Union[str, torch.dtype] = "auto"
-    # Whether dtype / kv_cache_dtype were "auto", so that a GPU engine may refine them.
-    auto_dtype: bool = field(default=False, init=False, repr=False)
-    auto_kv_cache_dtype: bool = field(default=False, init=False, repr=False)
-    auto_lora_dtype: bool = field(default=False, init=False, repr=False)
-
     def _set(self, name: str, value: Any) -> None:
         """Validation normalises a field while the config is built; afterwards it is never edited."""
         object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
-        self._set("auto_dtype", isinstance(self.dtype, str) and self.dtype == "auto")
+        # Dtype names are normalised to torch dtypes; "auto" stays "auto", for the resolution
+        # (pagellm.models.precision) to decide from the model and the machine, also in a copy
+        # made with dataclasses.replace.
         if self.quantization is not None:
             self._set("quantization", str(self.quantization).lower())
             if self.quantization not in QUANTIZATION_METHODS:
                 raise ValueError(f"unsupported quantization {self.quantization!r}; choose one of {list(QUANTIZATION_METHODS)}")
-        self._set("auto_kv_cache_dtype", isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype == "auto")
-        self._set("dtype", parse_dtype(self.dtype))
-        if self.kv_cache_dtype == "auto":
-            self._set("kv_cache_dtype", self.dtype)
+        if not self.auto_dtype:
+            self._set("dtype", parse_dtype(self.dtype))
+        if self.auto_kv_cache_dtype:
+            pass
         elif isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype.lower() in KV_CACHE_DTYPE_NAMES:
             self._set("kv_cache_dtype", KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype.lower()])
         elif self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES.values():
@@ -258,6 +259,18 @@ class EngineConfig:
         return self.served_model_name or self.model or "SmolLM2-135M-Instruct"
 
     @property
+    def auto_dtype(self) -> bool:
+        return _is_auto(self.dtype)
+
+    @property
+    def auto_kv_cache_dtype(self) -> bool:
+        return _is_auto(self.kv_cache_dtype)
+
+    @property
+    def auto_lora_dtype(self) -> bool:
+        return _is_auto(self.lora_dtype)
+
+    @property
     def is_pooling(self) -> bool:
         return self.runner == "pooling"
 
@@ -270,9 +283,9 @@ class EngineConfig:
             self._set("max_cpu_loras", self.max_loras)
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        self._set("auto_lora_dtype", isinstance(self.lora_dtype, str) and self.lora_dtype == "auto")
-        self._set("lora_dtype", torch.float32 if self.auto_lora_dtype else parse_dtype(self.lora_dtype))
-        if self.lora_dtype not in (torch.float32, torch.bfloat16):
+        if not self.auto_lora_dtype:
+            self._set("lora_dtype", parse_dtype(self.lora_dtype))
+        if not self.auto_lora_dtype and self.lora_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype}")
         if self.enable_lora and self.runner == "pooling":
             raise ValueError("LoRA adapters serve the generate runner; enable_lora does not apply to runner='pooling'")

@@ -14,8 +14,8 @@ from pagellm.worker.kv_cache import bytes_per_block
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype", "expected"),
     [
-        ("float32", "auto", torch.float32),
-        ("bfloat16", "auto", torch.bfloat16),
+        ("float32", "auto", "auto"),  # decided with the model and the machine (tests/models/test_precision.py)
+        ("bfloat16", "auto", "auto"),
         ("float32", "float16", torch.float16),
         ("float32", "fp16", torch.float16),
         ("float32", "bfloat16", torch.bfloat16),
@@ -49,7 +49,7 @@ def test_cli_flag_reaches_the_config() -> None:
     add_engine_args(parser)
     assert engine_kwargs(parser.parse_args([]))["kv_cache_dtype"] == "auto"
     config = EngineConfig(**engine_kwargs(parser.parse_args(["--kv-cache-dtype", "float16", "--device", "cpu"])))
-    assert config.kv_cache_dtype == torch.float16 and config.dtype == torch.float32
+    assert config.kv_cache_dtype == torch.float16 and config.dtype == "auto"
 
 
 def test_half_precision_blocks_take_half_the_bytes() -> None:
@@ -98,7 +98,7 @@ def test_pooling_params_validation():
 
 def test_lora_settings_are_checked():
     config = EngineConfig(enable_lora=True, max_loras=3, device="cpu")
-    assert config.max_cpu_loras == 3 and config.lora_dtype == torch.float32 and config.max_lora_rank == 16
+    assert config.max_cpu_loras == 3 and config.lora_dtype == "auto" and config.max_lora_rank == 16
     assert EngineConfig(lora_dtype="bfloat16", device="cpu").lora_dtype == torch.bfloat16
     # auto follows the linear layers: bfloat16 slots under int8/bf16 products, float32 on the exact path.
     from pagellm.config import EXACT_LINEAR, LinearPrecision

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from pagellm.config import EXACT_LINEAR, EngineConfig, LinearKind, LinearPrecision
+from pagellm.config import EXACT_LINEAR, EngineConfig, LinearKind, LinearPrecision, parse_dtype
 from pagellm.kernels import ops
 
 logger = logging.getLogger(__name__)
@@ -44,21 +44,25 @@ def resolve_precision(config: EngineConfig, checkpoint_dtype: torch.dtype, is_gg
     is the model's own dtype. ValueError for ``quantization="gguf"`` on a model that is not GGUF."""
     if config.quantization == "gguf" and not is_gguf:
         raise ValueError("quantization='gguf' needs a GGUF model file")
-    dtype, kv_cache_dtype = config.dtype, config.kv_cache_dtype
+    dtype = parse_dtype(config.dtype)  # "auto" is float32 until the device's rules below
+    kv_cache_dtype = dtype if config.auto_kv_cache_dtype else config.kv_cache_dtype
     if config.device.type != "cpu":
         linear = EXACT_LINEAR
         if config.auto_dtype:
             dtype = checkpoint_dtype
             kv_cache_dtype = checkpoint_dtype if config.auto_kv_cache_dtype else kv_cache_dtype
     else:
-        requested = None if config.auto_dtype else config.dtype
+        requested = None if config.auto_dtype else dtype
         linear = _cpu_precision(requested, checkpoint_dtype, config.quantization, is_gguf)
         if dtype == torch.bfloat16:
             dtype = torch.float32
             kv_cache_dtype = torch.float32 if config.auto_kv_cache_dtype else kv_cache_dtype
         if config.auto_kv_cache_dtype and not linear.exact:
             kv_cache_dtype = torch.bfloat16
-    lora_dtype = torch.bfloat16 if config.auto_lora_dtype and not linear.exact else config.lora_dtype
+    if config.auto_lora_dtype:
+        lora_dtype = torch.float32 if linear.exact else torch.bfloat16
+    else:
+        lora_dtype = config.lora_dtype
     return ResolvedPrecision(linear, dtype, kv_cache_dtype, lora_dtype)
 
 

@@ -80,6 +80,8 @@ def test_resolving_leaves_the_users_config_as_it_was(cpu_has) -> None:
     config = EngineConfig(device="cpu")
     resolved = resolve_precision(config, torch.bfloat16, True)
     assert resolved.kv_cache_dtype == torch.bfloat16 and resolved.lora_dtype == torch.bfloat16
-    assert config.auto_kv_cache_dtype and config.kv_cache_dtype == torch.float32 and config.lora_dtype == torch.float32
+    assert (config.dtype, config.kv_cache_dtype, config.lora_dtype) == ("auto", "auto", "auto")
+    # a copy keeps what was asked for, so resolving it decides the same
+    assert resolve_precision(dataclasses.replace(config, block_size=32), torch.bfloat16, True) == resolved
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.dtype = torch.bfloat16  # type: ignore[misc]

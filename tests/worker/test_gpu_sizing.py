@@ -63,4 +63,4 @@ def test_gpu_flags() -> None:
     assert defaults["dtype"] == "auto" and defaults["gpu_memory_utilization"] == 0.9 and not defaults["enforce_eager"]
     kwargs = engine_kwargs(parser.parse_args(["--gpu-memory-utilization", "0.5", "--enforce-eager", "--device", "cpu"]))
     config = EngineConfig(**kwargs)
-    assert config.gpu_memory_utilization == 0.5 and config.enforce_eager and config.dtype == torch.float32
+    assert config.gpu_memory_utilization == 0.5 and config.enforce_eager and config.dtype == "auto"
