@@ -157,8 +157,9 @@ def pagellm_logits(llm: LLM, prompt_ids: list[int]) -> torch.Tensor:
     n, block_size = len(prompt_ids), 16
     num_blocks = -(-n // block_size)
     shape = engine.shape
+    cache_dtype = engine.resolved.precision.kv_cache_dtype
     caches = [
-        torch.zeros(2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim, dtype=engine.config.kv_cache_dtype, device=device)
+        torch.zeros(2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim, dtype=cache_dtype, device=device)
         for _ in range(shape.num_layers)
     ]
     md = AttentionMetadata(
