@@ -6,7 +6,7 @@ block sizes 8/16/32, a KV budget so small that requests get preempted, and chunk
 tiny token budget, a float16 or bfloat16 KV cache, all on the exact float32 path. Each must match
 transformers by vLLM's rule. Then each low-precision path of the linear layers (the default: int8
 dot products on the GGUF blocks, and bfloat16), which must meet vLLM's rule on every prompt;
-how many stay identical is reported (``scripts/precision_quality.py`` prints the table).
+how many stay identical is printed (``pytest -s -k low_precision``).
 """
 from __future__ import annotations
 
