@@ -10,6 +10,7 @@ from typing import Iterable, Optional
 from pagellm.attention.kv_quant import kv_cache_dtype_name
 from pagellm.core.block_hash import make_block_hasher
 from pagellm.core.kv_cache_base import create_kv_cache_manager
+from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.kv_cache_manager import KVCacheManager  # noqa: F401  (registers "paged")
 from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.core.scheduler import Scheduler
@@ -61,9 +62,6 @@ class EngineCore:
         self.executor = executor
         kv = self._plan_kv_cache(resolved, executor, kv_cache_manager)
         self.kv_cache_plan = kv
-        self.kv_cache_layout = kv.layout
-        self.num_blocks, self.kv_block_bytes, self.max_model_len = kv.num_blocks, kv.block_bytes, kv.max_model_len
-        self.kv_cache_bytes, self.kv_cache_tokens = kv.num_bytes, kv.num_tokens
         executor.initialize_kv_cache(kv, structured_output)
         self.kv_cache_manager = create_kv_cache_manager(
             kv_cache_manager,
@@ -109,6 +107,31 @@ class EngineCore:
         config = resolved.args
         max_model_len = config.max_model_len or resolved.model_max_len
         return plan_kv_cache(config, resolved.model.shape, resolved.precision.kv_cache_dtype, max_model_len, layout, draft, budget)
+
+    # The plan's figures, as the benchmarks and the server read them.
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        return self.kv_cache_plan.layout
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_plan.num_blocks
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self.kv_cache_plan.block_bytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache_plan.num_bytes
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.kv_cache_plan.num_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        return self.kv_cache_plan.max_model_len
 
     @property
     def runner(self):
