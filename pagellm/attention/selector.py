@@ -19,7 +19,7 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> AttentionB
     device = torch.device(device)
     if name is None and device.type == "cpu":
         name = "cpu_paged" if ops.available() else "torch_sdpa"
-    if name == "cpu_paged":  # before the Triton module, whose import is a tenth of a second of a CPU start
+    if name == "cpu_paged":  # before the Triton module, whose import a CPU start need not pay
         if device.type != "cpu":
             raise ValueError(f"attention backend 'cpu_paged' runs on CPU only, not on {device}")
         from pagellm.attention.cpu_paged import CpuPagedBackend

@@ -70,7 +70,7 @@ def decode_attention(
             blocks = block_table[start:end].long().gather(1, columns).flatten()
             key_pos = first_block * block_size + positions[None, :]
             valid = (key_pos < lens) & (key_pos >= lens - window)  # [n, L]
-        # index_select is several times faster than advanced indexing for this gather (a copy).
+        # index_select, not advanced indexing: a plain gather copy, without indexing's general machinery.
         keys = dequantize(kv_cache[0].index_select(0, blocks), kv_scales.k_scale, dtype).view(n, padded_len, num_kv_heads, head_dim)
         values = dequantize(kv_cache[1].index_select(0, blocks), kv_scales.v_scale, dtype).view(n, padded_len, num_kv_heads, head_dim)
         # Padding slots may hold anything (even NaN): zero the values so 0-probability stays 0.

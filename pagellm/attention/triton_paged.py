@@ -86,7 +86,7 @@ class TritonPagedBackend(AttentionBackend):
             raise ValueError(f"partition ({partition}) must be at least block_n ({block_n})")
         if not triton_available():
             raise RuntimeError("the triton_paged backend needs Triton: pip install 'pagellm[gpu]'")
-        # Imported here: importing triton costs a second, and the kernels compile on first launch.
+        # Imported here: importing triton is slow, and the kernels compile on first launch.
         from pagellm.attention.triton_kernels import cache_write, decode, kv_loop, prefill
 
         self._cache_write = cache_write

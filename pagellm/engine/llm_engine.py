@@ -67,7 +67,7 @@ class LLMEngine:
         # Everything that depends on the model and the machine, decided before anything large loads.
         self.resolved = resolved = resolve_config(config)
         # Built beside the weights: its conversion is Python, their packing native code that lets
-        # go of the interpreter, so the two overlap (about half a second of a 1-2B GGUF's start).
+        # go of the interpreter, so the two overlap.
         tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenizer")
         tokenizer_future = tokenizer_pool.submit(load_tokenizer, config.tokenizer or resolved.model.path)
         tokenizer_pool.shutdown(wait=False)
@@ -279,6 +279,7 @@ class LLMEngine:
         gc.collect()
         self.core = EngineCore(resolved, executor, kv_cache_manager, scheduler_cls, self.structured_output)
         self.config, self.resolved = config, resolved
+        self.memory_plan = self._measured_memory_plan()
         return self.core
 
     def check_health(self) -> None:

@@ -8,13 +8,13 @@ instruction set would be wrong on some machine (docs/kernels.md has the measurem
   weight's ggml type and packed layout, :class:`TuningKey`; float32 panels are the one layout
   measured today).
 
-:func:`measure_cpu_tuning` times each on the model's own weights (a few hundred milliseconds);
+:func:`measure_cpu_tuning` times each on the model's own weights;
 the engine calls it once and hands the result to the attention backend and the model. The decode
 prefetch level depends on the machine and on the model's attention (its heads and the cache's
-element size: on one CPU L1 won for SmolLM2-135M's 3 kv heads, L2 by 1.4x for 32), so its answer
+element size: the best level differs between few and many kv heads), so its answer
 is kept per :class:`DecodeShape` beside the kernel library built for this CPU
 (``decode_prefetch.json``) and read at later starts: its probe allocates ~100 MiB whose first
-touch, in a VM that backs memory lazily, took up to a second of a server's start.
+touch is slow in a VM that backs memory lazily.
 ``PAGELLM_RETUNE=1`` measures it again. The row limits depend on the model's shapes and are
 measured at every start. ``python -m pagellm.kernels.tuning`` prints what this machine measures,
 as JSON.

@@ -94,7 +94,7 @@ def _inverse_frequencies(
         dim = rotary_dim_of(hf_config, layer_type)
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
         return inv_freq, 1.0
-    # The scaled variants' table imports most of transformers (a second of a server's start-up):
+    # The scaled variants' table imports most of transformers (slow at a server's start-up):
     # only configs that scale need it.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -140,7 +140,7 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
     """Gives a model built on the meta device uninitialised storage on ``device``, floating tensors
     in ``dtype``: what ``model.to(dtype).to_empty(device)`` does, without their route through
-    torch's Python reference ops, whose first use imports sympy (most of a second of start-up)."""
+    torch's Python reference ops, whose first use imports sympy (slow to import at start-up)."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             empty = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype, device=device)
@@ -220,7 +220,7 @@ def load_model(
 def _return_freed_heap() -> None:
     """Gives the C heap's free memory back to the system: a load frees gigabytes of tensors read
     from the checkpoint (every one, when the packed weights are mapped), and glibc keeps the freed
-    pieces below its mmap threshold in its heap (0.1 GiB at 1.7B bf16, docs/benchmarks.md)."""
+    pieces below its mmap threshold in its heap."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc_trim(0)
