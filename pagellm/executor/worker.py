@@ -146,8 +146,9 @@ class Worker:
         self.release_kv_cache()
         resolved, config = self.resolved, self.resolved.args
         cache_dtype = resolved.precision.kv_cache_dtype
+        head_dim = resolved.model.shape.head_dim
         kv_caches = allocate_grouped_kv_caches(
-            kv_cache.layout, kv_cache.num_blocks, kv_cache.block_size, self._num_kv_heads(), self._head_dim(), cache_dtype, self.device
+            kv_cache.layout, kv_cache.num_blocks, kv_cache.block_size, self._num_kv_heads(), head_dim, cache_dtype, self.device
         )
         drafter = NgramProposer.from_config(config.speculative_config)
         draft_caches: list[torch.Tensor] = []
@@ -227,9 +228,6 @@ class Worker:
     def _num_kv_heads(self) -> int:
         shard = getattr(self.model, "shard", None)
         return shard.num_kv_heads if shard is not None else self.resolved.model.shape.num_kv_heads
-
-    def _head_dim(self) -> int:
-        return self.resolved.model.shape.head_dim
 
     def _enforce_eager(self) -> bool:
         """Decode steps replay CUDA graphs unless asked not to, or where a replay would be wrong."""

@@ -17,7 +17,6 @@ import torch
 from pagellm.attention.kv_quant import kv_cache_dtype_name
 from pagellm.attention.selector import get_attn_backend
 from pagellm.config import EngineConfig, LinearPrecision, model_dtype
-from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.distributed.partition import check_tp_size
 from pagellm.models.loader import (
     checkpoint_files,
@@ -71,14 +70,6 @@ class ResolvedConfig:
     @property
     def device(self) -> torch.device:
         return self.args.device
-
-    @property
-    def max_model_len(self) -> int:
-        return self.kv_cache.max_model_len
-
-    @property
-    def kv_cache_layout(self) -> KVCacheLayout:
-        return self.kv_cache.layout
 
     @property
     def tensor_parallel_size(self) -> int:
