@@ -78,6 +78,21 @@ def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}") from None
 
 
+def parse_kv_cache_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
+    """A --kv-cache-dtype name (other than "auto") -> the cache's element type."""
+    if isinstance(value, str) and value.lower() in KV_CACHE_DTYPE_NAMES:
+        return KV_CACHE_DTYPE_NAMES[value.lower()]
+    if value in KV_CACHE_DTYPE_NAMES.values():
+        return value
+    try:
+        return parse_dtype(value)
+    except ValueError:
+        raise ValueError(
+            f"unsupported kv_cache_dtype {value!r}; choose auto (the model's dtype), "
+            "float16, bfloat16, float32, fp8 (= fp8_e4m3), fp8_e5m2 or int8"
+        ) from None
+
+
 def parse_memory_size(value: Union[str, int, float]) -> int:
     """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -190,18 +205,8 @@ class EngineConfig:
                 raise ValueError(f"unsupported quantization {self.quantization!r}; choose one of {list(QUANTIZATION_METHODS)}")
         if not self.auto_dtype:
             self._set("dtype", parse_dtype(self.dtype))
-        if self.auto_kv_cache_dtype:
-            pass
-        elif isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype.lower() in KV_CACHE_DTYPE_NAMES:
-            self._set("kv_cache_dtype", KV_CACHE_DTYPE_NAMES[self.kv_cache_dtype.lower()])
-        elif self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES.values():
-            try:
-                self._set("kv_cache_dtype", parse_dtype(self.kv_cache_dtype))
-            except ValueError:
-                raise ValueError(
-                    f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose auto (the model's dtype), "
-                    "float16, bfloat16, float32, fp8 (= fp8_e4m3), fp8_e5m2 or int8"
-                ) from None
+        if not self.auto_kv_cache_dtype:
+            self._set("kv_cache_dtype", parse_kv_cache_dtype(self.kv_cache_dtype))
         self._set("device", torch.device(self.device) if self.device is not None else default_device())
         if self.kv_cache_memory_bytes is not None:
             self._set("kv_cache_memory_bytes", parse_memory_size(self.kv_cache_memory_bytes))

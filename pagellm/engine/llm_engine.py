@@ -23,14 +23,13 @@ from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagellm.engine.stats import EngineStats
-from pagellm.executor.base import Executor
 from pagellm.executor.factory import create_executor
 from pagellm.lora.request import LoRARequest
 from pagellm.models.loader import eos_token_ids
 from pagellm.models.shape import ModelShape
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.plan.memory_plan import MemoryPlan
-from pagellm.plan.resolved_config import ResolvedConfig, resolve_config, resolve_with_model
+from pagellm.plan.resolved_config import resolve_config, resolve_with_model
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output import StructuredOutputManager
@@ -71,9 +70,13 @@ class LLMEngine:
         tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenizer")
         tokenizer_future = tokenizer_pool.submit(load_tokenizer, config.tokenizer or resolved.model.path)
         tokenizer_pool.shutdown(wait=False)
-        executor = self._start_executor(resolved, tokenizer_future)
+        # The in-process worker loads beside the tokenizer; remote ranks start once the stop tokens
+        # are known (their rank 0 masks grammars).
+        in_process = resolved.args.distributed_executor_backend == "uni"
+        executor = create_executor(resolved, set()) if in_process else None
         self.tokenizer = tokenizer_future.result()
         self.eos_token_ids = eos_token_ids(resolved.model.path, resolved.model.hf_config, self.tokenizer)
+        executor = executor or create_executor(resolved, self.eos_token_ids)
         # Shared by the input processor (compiles, refusing bad grammars) and an in-process runner (masks).
         self.structured_output = StructuredOutputManager(self.tokenizer, self.shape.vocab_size, self.eos_token_ids)
         self.core = EngineCore(resolved, executor, structured_output=self.structured_output)
@@ -94,15 +97,6 @@ class LLMEngine:
             kv_cache_dtype_name(resolved.precision.kv_cache_dtype),
             resolved.describe_attention(),
         )
-
-    def _start_executor(self, resolved: ResolvedConfig, tokenizer_future: concurrent.futures.Future) -> Executor:
-        """The ranks with their models loaded. Remote ranks need the stop tokens (their rank 0
-        masks grammars), so they start once the tokenizer is in; the in-process worker loads
-        beside it."""
-        if resolved.args.distributed_executor_backend == "uni":
-            return create_executor(resolved, set())
-        tokenizer = tokenizer_future.result()
-        return create_executor(resolved, eos_token_ids(resolved.model.path, resolved.model.hf_config, tokenizer))
 
     @property
     def model_path(self) -> str:
