@@ -486,3 +486,94 @@ def lora_shrink_expand_reference(
             continue
         shrunk = x[a:b] @ lora_a[slot].float().T
         y[a:b] += shrunk @ lora_b[slot].float().T
+
+
+# --- recurrent layers (recurrent.cpp): causal conv1d and the gated delta rule ----------------------
+
+
+def _recurrent_ops_loaded() -> bool:
+    return available() and hasattr(torch.ops.pagellm_recurrent, "gated_delta_rule")
+
+
+def causal_conv1d_supports(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> bool:
+    """Whether :func:`causal_conv1d` covers these tensors: CPU, x float32 or bfloat16 with the state in its dtype."""
+    return (
+        all(t.device.type == "cpu" for t in (x, weight, conv_state))
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and conv_state.dtype == x.dtype
+        and conv_state.is_contiguous()
+        and _recurrent_ops_loaded()
+    )
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    checkpoints: torch.Tensor,
+    activation: Optional[str],
+) -> torch.Tensor:
+    """pagellm.kernels.recurrent.causal_conv1d's C++ kernel (check :func:`causal_conv1d_supports`); returns out."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    torch.ops.pagellm_recurrent.causal_conv1d(
+        out,
+        x.contiguous(),
+        weight.to(torch.float32).t().contiguous(),  # [K, C]: one row per tap, vectorised over channels
+        None if bias is None else bias.to(torch.float32).contiguous(),
+        conv_state,
+        query_start_loc.to(torch.int64).contiguous(),
+        slot_ids.to(torch.int64).contiguous(),
+        has_initial_state.to(torch.bool).contiguous(),
+        checkpoints.to(torch.int64).reshape(-1, 3).contiguous(),
+        activation is not None,
+    )
+    return out
+
+
+def gated_delta_rule_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> bool:
+    """Whether :func:`gated_delta_rule` covers these tensors: CPU, q/k/v float32 or bfloat16, a contiguous float32 state."""
+    return (
+        all(t.device.type == "cpu" for t in (q, k, v, state))
+        and all(t.dtype in (torch.float32, torch.bfloat16) for t in (q, k, v))
+        and state.dtype == torch.float32
+        and state.is_contiguous()
+        and _recurrent_ops_loaded()
+    )
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    checkpoints: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> torch.Tensor:
+    """pagellm.kernels.recurrent.gated_delta_rule's C++ kernel (check :func:`gated_delta_rule_supports`); returns out."""
+    out = torch.empty(v.shape, dtype=v.dtype)
+    torch.ops.pagellm_recurrent.gated_delta_rule(
+        out,
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.to(torch.float32).contiguous(),
+        beta.to(torch.float32).contiguous(),
+        state,
+        query_start_loc.to(torch.int64).contiguous(),
+        slot_ids.to(torch.int64).contiguous(),
+        has_initial_state.to(torch.bool).contiguous(),
+        checkpoints.to(torch.int64).reshape(-1, 3).contiguous(),
+        float(scale),
+        bool(use_qk_l2norm),
+    )
+    return out
