@@ -4,6 +4,14 @@ class, the metadata keys beyond transformers' own GGUF mapping, and its tensor n
 Tensor names are llama.cpp's (gguf-py's ``TENSOR_NAMES``); each maps to the Hugging Face name our
 model classes load. llama.cpp stores a mixture of experts as one ``[experts, rows, cols]`` tensor
 per projection (``ffn_gate_exps``...), which is yielded as each expert's rows (views, no copy).
+
+Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) mix full attention with gated
+delta-net linear attention; the converter rewrites those layers' tensors (their inverse is
+gguf_loader's ``_LinearAttentionLayout``): ``A_log`` is stored as ``ssm_a = -exp(A_log)``, the conv
+kernel squeezed to ``[channels, kernel]``, every RMSNorm but the gated one as ``1 + w``; Qwen3-Next's
+``in_proj_qkvz`` (q, k, v, z interleaved per key head) is split into ``attn_qkv`` (all q, all k, all
+v) and ``attn_gate`` (z); Qwen3.5's value heads, where there are more than key heads, are reordered
+from grouped by key head to tiled (q/k/v rows, z rows, b/a rows, A, dt, conv channels, out columns).
 """
 from __future__ import annotations
 
@@ -25,6 +33,10 @@ class GGUFArch:
     # Which HF MLP module holds the experts, and the expert projections' names.
     moe_module: Optional[str] = None
     expert_names: dict[str, str] = field(default_factory=dict)
+    # Norms stored as they are despite norm_shift (Qwen3.5's gated norm, a plain weight).
+    plain_norms: frozenset[str] = frozenset()
+    # The converter's layout of the linear-attention layers: "qwen3next" or "qwen35" (see above).
+    linear_attention: Optional[str] = None
 
 
 LLAMA_BLOCK_NAMES = {
@@ -43,6 +55,63 @@ LLAMA_BLOCK_NAMES = {
 _QWEN_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _MIXTRAL_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 _MOE_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"}
+# Qwen3-Next / Qwen3.5: the linear-attention dims (llama.cpp's ssm_* keys) and the layer pattern.
+_HYBRID_KEYS = {
+    "attention.key_length": "head_dim",
+    "rope.dimension_count": "rotary_dim",
+    "rope.dimension_sections": "mrope_section",
+    "ssm.conv_kernel": "linear_conv_kernel_dim",
+    "ssm.state_size": "linear_key_head_dim",
+    "ssm.group_count": "linear_num_key_heads",
+    "ssm.time_step_rank": "linear_num_value_heads",
+    "ssm.inner_size": "ssm_inner_size",  # value heads x value head dim
+    "full_attention_interval": "full_attention_interval",
+    "attention.recurrent_layers": "recurrent_layers",
+    "nextn_predict_layers": "nextn_predict_layers",  # MTP blocks appended after the trunk's
+}
+_HYBRID_MOE_KEYS = {
+    **_HYBRID_KEYS,
+    **_MOE_KEYS,
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+_HYBRID_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",  # a full-attention layer's fused q/k/v where --fuse-qkv made one
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_in": "linear_attn.in_proj_qkvz",  # Qwen3-Next files of older converters: the HF tensor as is
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_a": "linear_attn",  # .A_log (SUFFIXLESS)
+    "ssm_dt": "linear_attn",  # .dt_bias (SUFFIXLESS)
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+_SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+
+
+def _hybrid(model_type: str, architecture: str, layout: str, moe: bool) -> GGUFArch:
+    return GGUFArch(
+        model_type,
+        architecture,
+        "qwen3_moe" if moe else "qwen3",
+        extra_keys=_HYBRID_MOE_KEYS if moe else _HYBRID_KEYS,
+        block_names={**_HYBRID_NAMES, **(_SHARED_EXPERT_NAMES if moe else {})},
+        norm_shift=1.0,
+        moe_module="mlp" if moe else None,
+        expert_names=_QWEN_EXPERTS if moe else {},
+        plain_norms=frozenset({"ssm_norm"}),
+        linear_attention=layout,
+    )
+
 
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("llama", "LlamaForCausalLM", "llama"),
@@ -97,9 +166,13 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         moe_module="mlp",
         expert_names=_QWEN_EXPERTS,
     ),
+    "qwen3next": _hybrid("qwen3_next", "Qwen3NextForCausalLM", "qwen3next", moe=True),
+    "qwen35": _hybrid("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen35", moe=False),
+    "qwen35moe": _hybrid("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "qwen35", moe=True),
 }
-# GGUF block tensors whose HF name has no ".weight" (gpt-oss's sinks are a parameter of self_attn).
-SUFFIXLESS = {"attn_sinks": "sinks"}
+# GGUF block tensors whose HF name has no ".weight" (gpt-oss's sinks are a parameter of self_attn,
+# A_log and dt_bias of a linear-attention module).
+SUFFIXLESS = {"attn_sinks": "sinks", "ssm_a": "A_log", "ssm_dt": "dt_bias"}
 # A llama-architecture file with experts is Mixtral (llama.cpp converts Mixtral as "llama").
 MIXTRAL = GGUFArch(
     "mixtral",
@@ -159,6 +232,8 @@ def finish_config(arch: GGUFArch, values: dict[str, Any]) -> dict[str, Any]:
             )
         if not values.get("sliding_window"):  # llama.cpp writes 0 for none
             values["sliding_window"] = None
+    elif arch.linear_attention:
+        _finish_hybrid(arch, values, theta)
     else:
         values["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     if arch.model_type == "gpt_oss":
@@ -181,3 +256,35 @@ def finish_config(arch: GGUFArch, values: dict[str, Any]) -> dict[str, Any]:
     if arch.model_type == "mixtral":
         values.setdefault("sliding_window", None)
     return values
+
+
+def _finish_hybrid(arch: GGUFArch, values: dict[str, Any], theta: float) -> None:
+    """Qwen3-Next / Qwen3.5: the trunk's layers (MTP blocks dropped), their kinds, partial rotary
+    and the value head dim, as transformers' config holds them (llama.cpp's own defaults where the
+    file is silent: a full-attention layer every 4th)."""
+    head_dim = values["head_dim"]
+    rotary_dim = int(values.pop("rotary_dim", None) or head_dim)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rotary_dim / head_dim}
+    # Qwen3.5 rotates text with interleaved MRoPE (all three positions equal, so plain RoPE); the
+    # converter writes transformers' default sections when a checkpoint has none, kept where they fit.
+    sections = [int(s) for s in values.pop("mrope_section", None) or []]
+    if arch.linear_attention == "qwen35" and sections and sum(sections[:3]) == rotary_dim // 2:
+        rope.update(mrope_section=sections[:3], mrope_interleaved=True)
+    values["rope_parameters"] = rope
+    num_layers = values["num_hidden_layers"] - int(values.pop("nextn_predict_layers", 0) or 0)
+    values["num_hidden_layers"] = num_layers
+    recurrent = values.pop("recurrent_layers", None)
+    interval = int(values.pop("full_attention_interval", None) or 4)
+    if recurrent is not None:
+        values["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:num_layers]]
+    else:
+        values["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    for key in ("num_key_value_heads", "num_attention_heads"):  # per-layer arrays in some files: the attention layers'
+        if isinstance(values.get(key), list):
+            values[key] = max(values[key])
+    inner = values.pop("ssm_inner_size", None)
+    if inner and values.get("linear_num_value_heads"):
+        values["linear_value_head_dim"] = int(inner) // int(values["linear_num_value_heads"])
+    if arch.model_type == "qwen3_next":
+        # llama.cpp renormalises the top-k weights and puts experts in every layer.
+        values.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])

@@ -4,7 +4,9 @@
 thousands of tokens, so the header is parsed here directly (strings arrays are skipped unless asked for).
 Tensor data is read as stored (GGUF blocks stay blocks), and llama.cpp's Q/K row permutation is
 undone on rows of blocks exactly as transformers does on values, so dequantized weights are
-bit-identical to transformers' GGUF load.
+bit-identical to transformers' GGUF load. The linear-attention layers of Qwen3-Next / Qwen3.5 are
+given back as their Hugging Face checkpoint stores them (:class:`_LinearAttentionLayout`): row
+reorders move whole rows of blocks, and only a column reorder that cuts blocks dequantizes.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from pagellm.layers.gguf_types import GGUFWeight
+from pagellm.layers.gguf_types import GGUFWeight, block_shape
 from pagellm.models.gguf_arch import LLAMA_BLOCK_NAMES, SUFFIXLESS, GGUFArch, arch_of
 
 if TYPE_CHECKING:
@@ -56,7 +58,7 @@ _SCALAR_FORMATS: dict[int, str] = {
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
 
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")  # ssm_a has no suffix
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,7 @@ def _hf_name(gguf_name: str, arch: GGUFArch) -> str | None:
     names = {**LLAMA_BLOCK_NAMES, **arch.block_names}
     if match and match.group(2) in names:
         kind = SUFFIXLESS.get(match.group(2), match.group(3))
-        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{kind}"
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{kind}" if kind else None
     return None  # e.g. rope_freqs.weight, which transformers ignores too
 
 
@@ -218,6 +220,10 @@ def _expert_name(gguf_name: str, arch: GGUFArch) -> str | None:
     """The HF name pattern (``...experts.{}.proj.kind``) of a stacked ``blk.N.ffn_*_exps`` tensor,
     or None for any other tensor."""
     match = _BLOCK_TENSOR.match(gguf_name)
+    if match and match.group(2) == "ffn_gate_up_exps" and "ffn_gate_exps" in arch.expert_names:
+        gate, up = arch.expert_names["ffn_gate_exps"], arch.expert_names["ffn_up_exps"]
+        if (gate, up) == ("gate_proj", "up_proj"):
+            return f"model.layers.{match.group(1)}.{arch.moe_module}.experts.{{}}.{{gate_up}}_proj.{match.group(3)}"
     if not match or match.group(2) not in arch.expert_names:
         return None
     return f"model.layers.{match.group(1)}.{arch.moe_module}.experts.{{}}.{arch.expert_names[match.group(2)]}.{match.group(3)}"
@@ -226,12 +232,23 @@ def _expert_name(gguf_name: str, arch: GGUFArch) -> str | None:
 def _split_experts(name: str, shape: tuple[int, ...], tensor: WeightSource) -> Iterator[tuple[str, WeightSource]]:
     """Each expert's rows of a stacked tensor (``[experts, rows, cols]``) under its HF name, as views."""
     num_experts, rows = shape[0], shape[1]
+    if "{gate_up}" in name:
+        return _split_gate_up_experts(name, num_experts, rows, tensor)
     if len(shape) == 2:  # gpt-oss's expert biases, [experts, rows]
         dense = tensor.dequantize().reshape(shape) if isinstance(tensor, GGUFWeight) else tensor
         return ((name.format(e), dense[e]) for e in range(num_experts))
     if isinstance(tensor, GGUFWeight):
         return ((name.format(e), tensor.narrow_rows(e * rows, rows)) for e in range(num_experts))
     return ((name.format(e), tensor[e]) for e in range(num_experts))
+
+
+def _split_gate_up_experts(name: str, num_experts: int, rows: int, tensor: WeightSource) -> Iterator[tuple[str, WeightSource]]:
+    """``ffn_gate_up_exps`` (the converter's ``--fuse-gate-up-exps``): each expert's gate rows, then its up rows."""
+    half = rows // 2
+    for e in range(num_experts):
+        for i, proj in enumerate(("gate", "up")):
+            part = tensor.narrow_rows(e * rows + i * half, half) if isinstance(tensor, GGUFWeight) else tensor[e, i * half : (i + 1) * half]
+            yield name.format(e, gate_up=proj), part
 
 
 def _unpermute_qk(weight: WeightSource, num_heads: int) -> WeightSource:
@@ -245,6 +262,122 @@ def _unpermute_qk(weight: WeightSource, num_heads: int) -> WeightSource:
     return weight.index_select(0, order)
 
 
+def _select_rows(weight: WeightSource, order: torch.Tensor) -> WeightSource:
+    """Rows of ``weight`` in ``order`` (row i is row ``order[i]``): whole rows of blocks, nothing dequantized."""
+    if isinstance(weight, GGUFWeight):
+        return weight.permute_rows(order)
+    return weight.index_select(0, order)
+
+
+def _cat_rows(parts: list[WeightSource]) -> WeightSource:
+    """Tensors stacked by rows: blocks stay blocks where all are of one type, float32 otherwise."""
+    if all(isinstance(p, GGUFWeight) for p in parts) and len({(p.ggml_type, p.cols) for p in parts}) == 1:  # type: ignore[union-attr]
+        first = parts[0]
+        return GGUFWeight(first.ggml_type, torch.cat([p.data for p in parts]), first.cols)  # type: ignore[union-attr]
+    dense = [p.dequantize() if isinstance(p, GGUFWeight) else p for p in parts]
+    if len({d.dtype for d in dense}) > 1:
+        dense = [d.float() for d in dense]
+    return torch.cat(dense)
+
+
+class _LinearAttentionLayout:
+    """The inverse of llama.cpp's converter on Qwen3-Next / Qwen3.5 linear-attention layers
+    (conversion/qwen.py; the transforms are listed in gguf_arch's docstring), from the config's
+    head counts and dims. :meth:`take` gets each block tensor of the hybrid architectures with its
+    HF name as gguf_arch maps it and yields what the HF checkpoint stores."""
+
+    def __init__(self, layout: str, hf_config: PretrainedConfig) -> None:
+        self.layout = layout
+        self.num_k = hf_config.linear_num_key_heads
+        self.num_v = hf_config.linear_num_value_heads
+        self.k_dim = hf_config.linear_key_head_dim
+        self.v_dim = hf_config.linear_value_head_dim
+        self.layer_types = list(hf_config.layer_types)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        kv_rows = hf_config.num_key_value_heads * head_dim
+        # A full-attention layer's q_proj holds each head's query and its output gate: twice the rows.
+        self.qkv_rows = (2 * hf_config.num_attention_heads * head_dim, kv_rows, kv_rows)
+        # Qwen3.5 tiles value heads (v0 of every key head, then v1...) where they outnumber key heads.
+        self.tiled = layout == "qwen35" and self.num_k != self.num_v
+        self._pending: dict[str, WeightSource] = {}
+
+    def _grouped(self, width: int) -> torch.Tensor:
+        """Index of each value head's ``width`` entries in tiled order, in HF's grouped order."""
+        per_k = self.num_v // self.num_k
+        return torch.arange(self.num_v * width).reshape(per_k, self.num_k, width).transpose(0, 1).reshape(-1)
+
+    def _rows_after(self, prefix: int, width: int) -> torch.Tensor:
+        """``prefix`` rows kept in place (q and k), then the value heads' rows back in grouped order."""
+        return torch.cat([torch.arange(prefix), prefix + self._grouped(width)])
+
+    def _value_columns(self, weight: WeightSource) -> WeightSource:
+        """out_proj's input columns back in grouped order: whole blocks where a value head spans
+        whole blocks, else (a K-quant's 256-wide blocks over 128-wide heads) dequantized."""
+        if not isinstance(weight, GGUFWeight):
+            return weight.index_select(1, self._grouped(self.v_dim))
+        per_block, block_bytes = block_shape(weight.ggml_type)
+        if self.v_dim % per_block:
+            return weight.dequantize().index_select(1, self._grouped(self.v_dim))
+        blocks = weight.data.reshape(weight.rows, -1, block_bytes).index_select(1, self._grouped(self.v_dim // per_block))
+        return GGUFWeight(weight.ggml_type, blocks.reshape(weight.rows, -1), weight.cols)
+
+    def _qkvz(self, qkv: WeightSource, z: WeightSource) -> WeightSource:
+        """Qwen3-Next's in_proj_qkvz from attn_qkv (all q, all k, all v) and attn_gate (z): per key
+        head its q, k, v and z rows, as HF's fix_query_key_value_ordering reads them."""
+        q_rows, v_rows = self.num_k * self.k_dim, self.num_v // self.num_k * self.v_dim
+        z_start = 2 * q_rows + self.num_k * v_rows
+        order = torch.cat([
+            torch.cat([
+                h * self.k_dim + torch.arange(self.k_dim),
+                q_rows + h * self.k_dim + torch.arange(self.k_dim),
+                2 * q_rows + h * v_rows + torch.arange(v_rows),
+                z_start + h * v_rows + torch.arange(v_rows),
+            ])
+            for h in range(self.num_k)
+        ])
+        return _select_rows(_cat_rows([qkv, z]), order)
+
+    def take(self, layer: int, kind: str, hf_name: str, tensor: WeightSource) -> Iterator[tuple[str, WeightSource]]:
+        prefix = f"model.layers.{layer}."
+        key_rows = 2 * self.num_k * self.k_dim
+        if kind == "attn_qkv" and self.layer_types[layer] == "full_attention":  # --fuse-qkv: q (with its gate), k, v
+            start = 0
+            for proj, rows in zip(("q_proj", "k_proj", "v_proj"), self.qkv_rows):
+                part = tensor.narrow_rows(start, rows) if isinstance(tensor, GGUFWeight) else tensor.narrow(0, start, rows)
+                yield f"{prefix}self_attn.{proj}.weight", part
+                start += rows
+            return
+        if self.layout == "qwen3next" and kind in ("attn_qkv", "attn_gate"):
+            self._pending[f"{layer}.{kind}"] = tensor
+            qkv, z = self._pending.get(f"{layer}.attn_qkv"), self._pending.get(f"{layer}.attn_gate")
+            if qkv is not None and z is not None:
+                del self._pending[f"{layer}.attn_qkv"], self._pending[f"{layer}.attn_gate"]
+                yield f"{prefix}linear_attn.in_proj_qkvz.weight", self._qkvz(qkv, z)
+            return
+        if kind == "ssm_a":  # stored as -exp(A_log)
+            tensor = torch.log(-_dense(tensor).double()).float()
+        elif kind == "ssm_conv1d":  # [channels, kernel] -> [channels, 1, kernel]
+            tensor = _dense(tensor).unsqueeze(1)
+        elif kind == "ffn_gate_inp_shexp" and len(tensor.shape) == 1:
+            tensor = _dense(tensor).unsqueeze(0)
+        if self.tiled:
+            if kind == "attn_qkv":
+                tensor = _select_rows(tensor, self._rows_after(key_rows, self.v_dim))
+            elif kind == "attn_gate":
+                tensor = _select_rows(tensor, self._grouped(self.v_dim))
+            elif kind in ("ssm_beta", "ssm_alpha", "ssm_a", "ssm_dt"):
+                tensor = _select_rows(tensor, self._grouped(1))
+            elif kind == "ssm_conv1d":
+                tensor = tensor.index_select(0, self._rows_after(key_rows, self.v_dim))
+            elif kind == "ssm_out":
+                tensor = self._value_columns(tensor)
+        yield hf_name, tensor
+
+
+def _dense(tensor: WeightSource) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, GGUFWeight) else tensor.float()
+
+
 def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, WeightSource]]:
     """(Hugging Face name, tensor as stored) for every weight in the file, in file order: blocks
     as :class:`GGUFWeight`, float tensors in their own dtype. Nothing is dequantized here: each
@@ -254,6 +387,7 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
     permute = gguf_file.architecture in _PERMUTED_QK_ARCHITECTURES
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    linear = _LinearAttentionLayout(arch.linear_attention, hf_config) if arch.linear_attention else None
     # A layer is packed once its last shard is in, so a block's file pages are dropped when the
     # next block begins; they stay mapped while its fused shards wait for one another.
     block, block_names = None, []
@@ -265,6 +399,8 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
                     gguf_file.release(name)
                 block, block_names = match.group(1) if match else gguf_name, []
             block_names.append(gguf_name)
+            if match and int(match.group(1)) >= hf_config.num_hidden_layers:
+                continue  # a multi-token-prediction block after the trunk's (Qwen3-Next / Qwen3.5), unused here
             expert_name = _expert_name(gguf_name, arch)
             if expert_name is not None:
                 yield from _split_experts(expert_name, info.shape, gguf_file.read(gguf_name))
@@ -273,8 +409,11 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
             if hf_name is None:
                 continue
             tensor = gguf_file.read(gguf_name)
-            if arch.norm_shift and hf_name.endswith("norm.weight"):
+            if arch.norm_shift and hf_name.endswith("norm.weight") and not (match and match.group(2) in arch.plain_norms):
                 tensor = tensor.float() - arch.norm_shift
+            if linear is not None and match:
+                yield from linear.take(int(match.group(1)), match.group(2), hf_name, tensor)
+                continue
             if permute and ".attn_q." in gguf_name:
                 tensor = _unpermute_qk(tensor, num_heads)
             elif permute and ".attn_k." in gguf_name:
