@@ -139,6 +139,10 @@ class EngineConfig:
     kv_cache_memory_bytes: Optional[int] = None
     num_kv_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
+    # A hybrid model's recurrent state (docs/hybrid_models.md): slots from the KV budget (None:
+    # planned), and how many tokens apart prefix caching checkpoints it.
+    num_state_slots: Optional[int] = None
+    state_checkpoint_interval: int = 512
     # Keep the CPU kernels' packed weights on disk so that later starts map them instead of packing
     # (pagellm.kernels.pack_cache; PAGELLM_PACKED_WEIGHT_CACHE says where, or 0 for never).
     packed_weight_cache: bool = True
@@ -220,6 +224,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.num_state_slots is not None and self.num_state_slots < 2:
+            raise ValueError(f"num_state_slots must be at least 2, got {self.num_state_slots}")
+        if self.state_checkpoint_interval < self.block_size:
+            raise ValueError(f"state_checkpoint_interval must be at least the block size, got {self.state_checkpoint_interval}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:

@@ -116,6 +116,18 @@ class KVCacheManagerBase(ABC):
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
+    # A hybrid model's recurrent state (pagellm.core.state_cache): managers without one plan none.
+    def take_state_steps(self) -> dict:
+        """Each request's state slot, restore and checkpoints for the step just scheduled."""
+        return {}
+
+    def finish_step(self) -> None:
+        """The scheduled step has run: what it wrote may now be read by later requests."""
+
+    def waits_for_pending(self, request: Request, num_hit_tokens: int) -> bool:
+        """Whether the step being scheduled writes something that lengthens ``request``'s hit."""
+        return False
+
     def check_integrity(self) -> None:
         """Raises if the pool's reference counts disagree with the block tables."""
         self.block_pool.check_integrity()
@@ -162,9 +174,18 @@ def create_kv_cache_manager(
     max_model_len: int,
     enable_caching: bool,
     kv_cache_layout: Optional[KVCacheLayout] = None,
+    num_state_slots: int = 0,
+    state_checkpoint_interval: Optional[int] = None,
 ) -> KVCacheManagerBase:
-    """``kv_cache_layout``: the model's KV cache groups; None is one full-attention group."""
+    """``kv_cache_layout``: the model's KV cache groups; None is one full-attention group. A layout
+    with recurrent layers needs a manager that keeps their state (``num_state_slots`` slots)."""
     cls = kv_cache_manager_class(name)
     if kv_cache_layout is None:
         return cls(num_blocks, block_size, max_model_len, enable_caching)
+    if kv_cache_layout.has_state:
+        if not getattr(cls, "supports_recurrent_state", False):
+            raise ValueError(f"the {name!r} KV cache manager cannot keep a hybrid model's recurrent state; use 'paged'")
+        extra = {} if state_checkpoint_interval is None else {"state_checkpoint_interval": state_checkpoint_interval}
+        return cls(num_blocks, block_size, max_model_len, enable_caching, kv_cache_layout=kv_cache_layout,
+                   num_state_slots=num_state_slots, **extra)
     return cls(num_blocks, block_size, max_model_len, enable_caching, kv_cache_layout=kv_cache_layout)

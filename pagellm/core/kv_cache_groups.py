@@ -9,6 +9,10 @@ its window still reaches, so a Gemma 3-shape request holds about a sixth of a fu
 
 A model whose layers are all full attention is one group of all its layers: one tensor per
 layer and one block table per request, exactly the layout before groups existed.
+
+A hybrid model's recurrent layers (Gated DeltaNet, Mamba) hold no KV: they are the layout's
+state kind, a fixed-size slot per request in each (pagellm.core.state_cache), and the attention
+groups cover the other layers.
 """
 from __future__ import annotations
 
@@ -47,13 +51,16 @@ class KVCacheLayout:
     groups: tuple[KVCacheGroupSpec, ...]
     group_size: int  # KV tensors in the pool: layers per group, padding included
     num_layers: int
+    # Recurrent layers: a state slot per request each, no KV blocks (the state kind).
+    state_layer_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise ValueError("a KV cache layout needs at least one group")
         seen = sorted(layer for g in self.groups for layer in g.layer_ids)
-        if seen != list(range(self.num_layers)):
-            raise ValueError(f"the groups must cover layers 0..{self.num_layers - 1} once each, got {seen}")
+        attention = [i for i in range(self.num_layers) if i not in self.state_layer_ids]
+        if seen != attention:
+            raise ValueError(f"the groups must cover the attention layers {attention} once each, got {seen}")
         if any(len(g.layer_ids) > self.group_size for g in self.groups):
             raise ValueError(f"a group holds more than group_size={self.group_size} layers")
         if any(g.sliding_window is not None and g.sliding_window < 1 for g in self.groups):
@@ -66,7 +73,11 @@ class KVCacheLayout:
     @property
     def plain(self) -> bool:
         """One full-attention group of every layer: the layout of a cache without groups."""
-        return self.num_groups == 1 and not self.has_sliding_groups
+        return self.num_groups == 1 and not self.has_sliding_groups and not self.has_state
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.state_layer_ids)
 
     @property
     def has_sliding_groups(self) -> bool:
@@ -78,8 +89,8 @@ class KVCacheLayout:
 
     @property
     def layer_group_ids(self) -> tuple[int, ...]:
-        """Per layer, the group whose block table and slot mapping it reads."""
-        out = [0] * self.num_layers
+        """Per layer, the group whose block table and slot mapping it reads (-1: a recurrent layer)."""
+        out = [-1] * self.num_layers
         for group_id, group in enumerate(self.groups):
             for layer in group.layer_ids:
                 out[layer] = group_id
@@ -87,11 +98,14 @@ class KVCacheLayout:
 
     @property
     def layer_tensor_ids(self) -> tuple[int, ...]:
-        """Per layer, which of the ``group_size`` KV tensors holds its keys and values."""
+        """Per layer, which of the ``group_size`` KV tensors holds its keys and values (a recurrent
+        layer: which of the state layers' tensors holds its state)."""
         out = [0] * self.num_layers
         for group in self.groups:
             for position, layer in enumerate(group.layer_ids):
                 out[layer] = position
+        for position, layer in enumerate(self.state_layer_ids):
+            out[layer] = position
         return tuple(out)
 
     @property
@@ -132,7 +146,8 @@ class KVCacheLayout:
             kinds[g.sliding_window] = kinds.get(g.sliding_window, 0) + 1
         parts = [f"{n} {'full' if w is None else f'sliding W={w}'}" for w, n in kinds.items()]
         groups = f"{self.num_groups} group{'s' if self.num_groups > 1 else ''}"
-        return f"{groups} of {self.group_size} layer{'s' if self.group_size > 1 else ''} ({', '.join(parts)})"
+        state = f" and {len(self.state_layer_ids)} recurrent layers (a state slot per request)" if self.has_state else ""
+        return f"{groups} of {self.group_size} layer{'s' if self.group_size > 1 else ''} ({', '.join(parts)}){state}"
 
 
 def single_group_layout(num_layers: int) -> KVCacheLayout:
@@ -143,7 +158,7 @@ def single_group_layout(num_layers: int) -> KVCacheLayout:
     return KVCacheLayout((KVCacheGroupSpec(tuple(range(num_layers))),), num_layers, num_layers)
 
 
-def group_layers(layer_sliding_windows: Sequence[Optional[int]]) -> KVCacheLayout:
+def group_layers(layer_sliding_windows: Sequence[Optional[int]], state_layer_ids: Sequence[int] = ()) -> KVCacheLayout:
     """Groups layers by attention kind, vLLM's way.
 
     Full attention comes first (group 0, the one whose table covers the whole context), then each
@@ -158,13 +173,20 @@ def group_layers(layer_sliding_windows: Sequence[Optional[int]]) -> KVCacheLayou
     for w in windows:
         if w is not None and (not isinstance(w, int) or w < 1):
             raise ValueError(f"a sliding window must be a positive number of tokens, got {w!r}")
+    state = tuple(sorted(state_layer_ids))
     kinds: dict[Optional[int], list[int]] = {}
-    if None in windows:
+    if any(w is None for i, w in enumerate(windows) if i not in state):
         kinds[None] = []
     for layer, window in enumerate(windows):
-        kinds.setdefault(window, []).append(layer)
+        if layer not in state:
+            kinds.setdefault(window, []).append(layer)
+    if not kinds:
+        raise ValueError("a model needs at least one attention layer")
     if len(kinds) == 1 and None in kinds:
-        return single_group_layout(len(windows))
+        if not state:
+            return single_group_layout(len(windows))
+        layers = tuple(kinds[None])
+        return KVCacheLayout((KVCacheGroupSpec(layers),), len(layers), len(windows), state)
     counts = [len(layers) for layers in kinds.values()]
     group_size = min(counts)
     if max(counts) < min(counts) * _PAD_TO_LARGEST_RATIO:
@@ -173,4 +195,4 @@ def group_layers(layer_sliding_windows: Sequence[Optional[int]]) -> KVCacheLayou
     for window, layers in kinds.items():
         num_groups = cdiv(len(layers), group_size)
         groups.extend(KVCacheGroupSpec(tuple(layers[i::num_groups]), window) for i in range(num_groups))
-    return KVCacheLayout(tuple(groups), group_size, len(windows))
+    return KVCacheLayout(tuple(groups), group_size, len(windows), state)

@@ -14,7 +14,11 @@ from pagellm.core.block_pool import KVCacheBlock
 from pagellm.core.kv_cache_base import KVCacheBlocks, KVCacheManagerBase, register_kv_cache_manager
 from pagellm.core.kv_cache_groups import KVCacheLayout, single_group_layout
 from pagellm.core.single_type_manager import SingleTypeKVCacheManager
+from pagellm.core.state_cache import StateCacheManager, StateStep
 from pagellm.request import Request
+
+# Tokens between a hybrid model's state checkpoints (rounded to whole blocks): docs/hybrid_models.md.
+DEFAULT_STATE_CHECKPOINT_INTERVAL = 512
 
 
 @register_kv_cache_manager("paged")
@@ -22,6 +26,7 @@ class KVCacheManager(KVCacheManagerBase):
     """Blocks on demand, shared through the prefix cache when ``enable_caching``."""
 
     supports_sliding_window = True
+    supports_recurrent_state = True
 
     def __init__(
         self,
@@ -30,6 +35,8 @@ class KVCacheManager(KVCacheManagerBase):
         max_model_len: int,
         enable_caching: bool,
         kv_cache_layout: Optional[KVCacheLayout] = None,
+        num_state_slots: int = 0,
+        state_checkpoint_interval: int = DEFAULT_STATE_CHECKPOINT_INTERVAL,
     ) -> None:
         # The manager reads only the groups' windows; without a layout, one full-attention group.
         layout = kv_cache_layout if kv_cache_layout is not None else single_group_layout(1)
@@ -40,6 +47,11 @@ class KVCacheManager(KVCacheManagerBase):
             for group_id, group in enumerate(layout.groups)
         ]
         self.req_to_blocks = self.group_managers[0].req_to_blocks
+        # A hybrid model's recurrent layers: a state slot per request, checkpoints for prefix hits.
+        self.state_cache: Optional[StateCacheManager] = None
+        if layout.has_state:
+            interval = max(block_size, state_checkpoint_interval // block_size * block_size)
+            self.state_cache = StateCacheManager(num_state_slots, block_size, interval, enable_caching)
 
     @property
     def num_kv_cache_groups(self) -> int:
@@ -59,6 +71,25 @@ class KVCacheManager(KVCacheManagerBase):
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return KVCacheBlocks(), 0
         num_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        num_blocks, hits = self._agreed_hit(request, num_blocks)
+        state = self.state_cache
+        if state is not None and num_blocks:
+            # The recurrent layers resume only from a state saved where the hit ends.
+            num_state_blocks = state.find_checkpoint(request.block_hashes, num_blocks)
+            state.note_hit(request.request_id, num_blocks, num_state_blocks)
+            if num_state_blocks < num_blocks:
+                num_blocks, hits = self._agreed_hit(request, num_state_blocks)
+                if num_blocks < num_state_blocks:  # an attention group lost blocks in between: try once more
+                    num_blocks = state.find_checkpoint(request.block_hashes, num_blocks)
+                    num_blocks, hits = self._agreed_hit(request, num_blocks) if num_blocks else (0, [])
+        if num_blocks == 0:
+            hits = [[] for _ in self.group_managers]
+        num_hit_tokens = num_blocks * self.block_size
+        self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
+        return KVCacheBlocks(tuple(hits[0]), tuple(tuple(h) for h in hits[1:])), num_hit_tokens
+
+    def _agreed_hit(self, request: Request, num_blocks: int) -> tuple[int, list[list[KVCacheBlock]]]:
+        """The longest hit of at most ``num_blocks`` blocks that every attention group serves."""
         hits: list[list[KVCacheBlock]] = []
         while len(hits) < len(self.group_managers):
             hit = self.group_managers[len(hits)].find_longest_cache_hit(request.block_hashes, num_blocks)
@@ -68,11 +99,7 @@ class KVCacheManager(KVCacheManagerBase):
                     break
                 continue
             hits.append(hit)
-        if num_blocks == 0:
-            hits = [[] for _ in self.group_managers]
-        num_hit_tokens = num_blocks * self.block_size
-        self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
-        return KVCacheBlocks(tuple(hits[0]), tuple(tuple(h) for h in hits[1:])), num_hit_tokens
+        return num_blocks, hits
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, new_computed_blocks: Optional[KVCacheBlocks] = None) -> int:
         """Free-queue blocks a step would take, all groups together, less what its window releases."""
@@ -103,6 +130,9 @@ class KVCacheManager(KVCacheManagerBase):
         num_tokens = first + num_new_tokens
         if self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) > self.block_pool.num_free_blocks:
             return None
+        state = self.state_cache
+        if state is not None and not state.has_live_slot(req_id) and not state.can_admit():
+            return None
         # Every group adopts its hits before any takes new blocks: a hit that sits in the free
         # queue must leave it before another group's allocation could evict and reuse it.
         for manager, blocks in zip(self.group_managers, computed):
@@ -117,6 +147,8 @@ class KVCacheManager(KVCacheManagerBase):
             num_full = min(num_tokens // self.block_size, len(request.block_hashes))
             for manager in self.group_managers:
                 manager.cache_blocks(request, num_full)
+        if state is not None:
+            state.allocate(request, len(computed[0]), first, num_tokens)
         return KVCacheBlocks(tuple(new_blocks[0]), tuple(tuple(b) for b in new_blocks[1:]))
 
     def _computed_by_group(self, new_computed_blocks: Optional[KVCacheBlocks]) -> tuple[tuple[KVCacheBlock, ...], ...]:
@@ -133,6 +165,25 @@ class KVCacheManager(KVCacheManagerBase):
     def free(self, request: Request) -> None:
         for manager in self.group_managers:
             manager.free(request.request_id)
+        if self.state_cache is not None:
+            self.state_cache.free(request.request_id)
+
+    # ---- a hybrid model's recurrent state (pagellm.core.state_cache) --------------------
+
+    def take_state_steps(self) -> dict[str, StateStep]:
+        return self.state_cache.take_steps() if self.state_cache is not None else {}
+
+    def finish_step(self) -> None:
+        if self.state_cache is not None:
+            self.state_cache.finish_step()
+
+    def waits_for_pending(self, request: Request, num_hit_tokens: int) -> bool:
+        return self.state_cache is not None and self.state_cache.waits_for_pending(request, num_hit_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.state_cache is not None and not self.state_cache.reset_prefix_cache():
+            return False
+        return self.block_pool.reset_prefix_cache()
 
     @property
     def group_tables(self) -> list[dict[str, list[KVCacheBlock]]]:
@@ -149,6 +200,8 @@ class KVCacheManager(KVCacheManagerBase):
         group's table or cached block breaks its rules."""
         pool = self.block_pool
         pool.check_integrity()
+        if self.state_cache is not None:
+            self.state_cache.check_integrity()
         owners: dict[int, int] = {}
         owner_group: dict[int, int] = {}
         for manager in self.group_managers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+from pagellm.core.state_cache import StateStep
 from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -74,6 +75,8 @@ class SchedulerOutput:
     # for each request (absent: none).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_draft_tokens_to_propose: dict[str, int] = field(default_factory=dict)
+    # A hybrid model's recurrent state: each scheduled request's slot, restore and checkpoints.
+    state_steps: dict[str, StateStep] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -116,6 +116,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv_cache_manager.finish_step()  # the last step's writes are in (a no-op after update_from_output)
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -173,7 +174,7 @@ class Scheduler:
                         pending_hashes
                         and next_idx < len(request.block_hashes)
                         and request.block_hashes[next_idx] in pending_hashes
-                    ):
+                    ) or self.kv_cache_manager.waits_for_pending(request, num_hit_tokens):
                         skipped.append(self.waiting.popleft())
                         continue
                 num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
@@ -242,6 +243,7 @@ class Scheduler:
             num_draft_tokens_to_propose=self.spec.drafts_to_propose(ordered, self.requests, len(self.running))
             if self.spec is not None
             else {},
+            state_steps=self.kv_cache_manager.take_state_steps(),
         )
         self._finished_req_ids = set()
         # Tokens handed out now count as computed: their KV is written by this step's forward pass.
@@ -290,6 +292,7 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        self.kv_cache_manager.finish_step()
         outputs: list[EngineCoreOutput] = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)

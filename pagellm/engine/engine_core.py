@@ -70,6 +70,8 @@ class EngineCore:
             kv.max_model_len,
             config.enable_prefix_caching,
             kv_cache_layout=None if kv.layout.plain else kv.layout,
+            num_state_slots=kv.num_state_slots,
+            state_checkpoint_interval=config.state_checkpoint_interval,
         )
         self.scheduler = scheduler_cls(
             self.kv_cache_manager,
@@ -106,7 +108,9 @@ class EngineCore:
         draft = resolved.draft.shape if resolved.draft is not None else None
         config = resolved.args
         max_model_len = config.max_model_len or resolved.model_max_len
-        return plan_kv_cache(config, resolved.model.shape, resolved.precision.kv_cache_dtype, max_model_len, layout, draft, budget)
+        return plan_kv_cache(
+            config, resolved.model.shape, resolved.precision.kv_cache_dtype, max_model_len, layout, draft, budget, resolved.precision.dtype
+        )
 
     # The plan's figures, as the benchmarks and the server read them.
     @property

@@ -29,7 +29,13 @@ from pagellm.plan.resolved_config import ResolvedConfig
 from pagellm.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from pagellm.spec_decode.ngram_proposer import NgramProposer
 from pagellm.structured_output import StructuredOutputManager
-from pagellm.worker.kv_cache import KVCachePrefaulter, allocate_grouped_kv_caches, allocate_kv_caches, gpu_kv_cache_budget
+from pagellm.worker.kv_cache import (
+    KVCachePrefaulter,
+    allocate_grouped_kv_caches,
+    allocate_kv_caches,
+    allocate_state_caches,
+    gpu_kv_cache_budget,
+)
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -150,6 +156,15 @@ class Worker:
         kv_caches = allocate_grouped_kv_caches(
             kv_cache.layout, kv_cache.num_blocks, kv_cache.block_size, self._num_kv_heads(), head_dim, cache_dtype, self.device
         )
+        shape, tp_size = resolved.model.shape, config.tensor_parallel_size
+        state_caches = allocate_state_caches(
+            len(shape.state_layer_ids),
+            kv_cache.num_state_slots,
+            [(t.per_rank(tp_size), torch.float32 if t.float32 else resolved.precision.dtype) for t in shape.state_tensors],
+            self.device,
+        )
+        for layer, position in zip(shape.state_layer_ids, range(len(state_caches))):
+            kv_caches[layer] = state_caches[position]
         drafter = NgramProposer.from_config(config.speculative_config)
         draft_caches: list[torch.Tensor] = []
         if self.draft_model is not None:
@@ -181,7 +196,7 @@ class Worker:
             pooler_config=config.pooler_config,
             lora_manager=lora_manager,
         )
-        self.prefaulter = KVCachePrefaulter(kv_caches + draft_caches)
+        self.prefaulter = KVCachePrefaulter([c for c in kv_caches if isinstance(c, torch.Tensor)] + draft_caches)
         if config.tensor_parallel_size > 1:
             self._log_rank()
 

@@ -40,6 +40,9 @@ class AttentionSpec:
     sliding_window: Optional[int] = None
     logits_soft_cap: Optional[float] = None
     sinks: bool = False  # gpt-oss: one learnt logit per head in every softmax denominator
+    # Qwen3-Next / Qwen3.5: q_proj also yields a gate per head (each head's query then its gate),
+    # and the attention output is multiplied by its sigmoid before o_proj.
+    output_gate: bool = False
 
 
 class Attention(nn.Module):
@@ -59,15 +62,17 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * d
         self.scale = spec.scale
         q_range, kv_range = (shard.q_head_start * d, self.q_size), (shard.kv_head_start * d, self.kv_size)
+        self.output_gate = spec.output_gate
+        q_rows = 2 if spec.output_gate else 1  # a gated head's rows are its query's, then its gate's
         self.qkv_proj = Linear(
             spec.hidden_size,
-            self.q_size + 2 * self.kv_size,
+            q_rows * self.q_size + 2 * self.kv_size,
             bias=spec.qkv_bias,
-            shard_sizes={"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            shard_sizes={"q": q_rows * self.q_size, "k": self.kv_size, "v": self.kv_size},
             tp_split=TPSplit(
                 0,
-                {"q": q_range, "k": kv_range, "v": kv_range},
-                full_sizes={"q": spec.num_heads * d, "k": spec.num_kv_heads * d, "v": spec.num_kv_heads * d},
+                {"q": (q_rows * q_range[0], q_rows * q_range[1]), "k": kv_range, "v": kv_range},
+                full_sizes={"q": q_rows * spec.num_heads * d, "k": spec.num_kv_heads * d, "v": spec.num_kv_heads * d},
             ),
         )
         self.o_proj = Linear(
@@ -101,15 +106,21 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: RotaryArgs, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if self.q_norm is None and rope.fused:
-            # q and k are rotated where they lie: all three stay views of one buffer, no copies.
-            rotate_in_place(qkv, rope.positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
+            q, gate = q_gate[..., : self.head_dim].reshape(num_tokens, self.q_size), q_gate[..., self.head_dim :]
+        else:
+            if self.q_norm is None and rope.fused:
+                # q and k are rotated where they lie: all three stay views of one buffer, no copies.
+                rotate_in_place(qkv, rope.positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         shape_q, shape_kv = (num_tokens, self.num_heads, self.head_dim), (num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self._rotate(self.q_norm.norm_heads(q.view(shape_q)), self.num_heads, rope)
             k = self._rotate(self.k_norm.norm_heads(k.view(shape_kv)), self.num_kv_heads, rope)
-        elif rope.fused:
+        elif rope.fused and gate is None:
             q, k = q.view(shape_q), k.view(shape_kv)
         else:
             q, k = apply_rotary(q.view(shape_q), rope.cos, rope.sin), apply_rotary(k.view(shape_kv), rope.cos, rope.sin)
@@ -122,4 +133,7 @@ class Attention(nn.Module):
             out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales)
         else:
             out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales, options=self.options)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(num_tokens, self.q_size))
+        return self.o_proj(out)

@@ -96,20 +96,23 @@ class DecoderLayer(nn.Module):
 
     def __init__(
         self,
-        self_attn: Attention,
+        self_attn: nn.Module,
         mlp: nn.Module,
         hidden_size: int,
         eps: float,
         layer_type: Optional[str] = None,
         mlp_name: str = "mlp",
+        mixer_name: str = "self_attn",
+        norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
-        self.self_attn = self_attn
-        # Registered under the checkpoint's name for it (Mixtral: block_sparse_moe).
-        self.mlp_name = mlp_name
+        # The token mixer (attention, or a hybrid model's recurrent layer: Qwen3.5's linear_attn)
+        # and the MLP, each registered under the checkpoint's name for it (Mixtral: block_sparse_moe).
+        self.mixer_name, self.mlp_name = mixer_name, mlp_name
+        self.add_module(mixer_name, self_attn)
         self.add_module(mlp_name, mlp)
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = RMSNorm(hidden_size, eps, norm_offset)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, norm_offset)
         self.layer_type = layer_type  # which rotary table the layer reads (None: the model's one)
 
     def forward(
@@ -121,7 +124,7 @@ class DecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
+        hidden = self._modules[self.mixer_name](hidden, rope, kv_cache, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self._modules[self.mlp_name](hidden), residual
 
@@ -357,5 +360,7 @@ class CausalLM(nn.Module):
                 missing.append(f"{name}.weight")
             elif isinstance(module, Attention) and module.sinks is not None and module.options.sinks is None:
                 missing.append(f"{name}.sinks")
+            elif hasattr(module, "missing_weights"):  # a layer's own tensors (a recurrent layer's)
+                missing += [f"{name}.{w}" for w in module.missing_weights()]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

@@ -11,6 +11,7 @@ from pagellm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForC
 from pagellm.models.mixtral import MixtralForCausalLM
 from pagellm.models.phi3 import Phi3ForCausalLM
 from pagellm.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from pagellm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -26,10 +27,26 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 # Image-and-text checkpoints whose language model is served as this text-only architecture.
-TEXT_ARCHITECTURE_OF: dict[str, str] = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+TEXT_ARCHITECTURE_OF: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+
+
+def recurrent_state_of(hf_config: PretrainedConfig) -> tuple[tuple[int, ...], tuple]:
+    """A hybrid model's recurrent layers and their state tensors (empty for attention-only models
+    and for architectures not served here, which fail later with the list of supported ones)."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    model_cls = MODEL_REGISTRY.get(architectures[0]) if architectures else None
+    state_of = getattr(model_cls, "recurrent_state", None)
+    return state_of(hf_config) if state_of is not None else ((), ())
 
 
 def supported_architectures() -> list[str]:

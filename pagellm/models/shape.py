@@ -5,8 +5,11 @@ The executor sizes the KV cache, groups layers by attention kind and builds batc
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
+
+import torch
 
 from pagellm.layers.rotary import head_dim_of
 
@@ -45,6 +48,26 @@ def layer_sliding_windows(hf_config: PretrainedConfig) -> tuple[Optional[int], .
 
 
 @dataclass(frozen=True)
+class StateTensorShape:
+    """One of a recurrent layer's state tensors, one per request (all ranks' heads): ``shape``
+    with ``split_dim`` cut evenly across tensor-parallel ranks; float32 (a recurrent matrix, which
+    accumulates over the whole context) or the activations' dtype (a convolution's input tail)."""
+
+    shape: tuple[int, ...]
+    split_dim: int
+    float32: bool
+
+    def per_rank(self, tp_size: int) -> tuple[int, ...]:
+        if self.shape[self.split_dim] % tp_size:
+            raise ValueError(f"a recurrent state of shape {self.shape} cannot be split {tp_size} ways along dim {self.split_dim}")
+        return tuple(n // tp_size if d == self.split_dim else n for d, n in enumerate(self.shape))
+
+    def nbytes(self, dtype: torch.dtype, tp_size: int = 1) -> int:
+        element = 4 if self.float32 else torch.empty((), dtype=dtype).element_size()
+        return math.prod(self.per_rank(tp_size)) * element
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The model as the cache and the batch see it (all ranks' heads; a TP rank holds a share)."""
 
@@ -52,26 +75,51 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    # Per layer: its sliding window in tokens, or None for full attention.
+    # Per layer: its sliding window in tokens, or None for full attention (and for recurrent layers).
     layer_sliding_windows: tuple[Optional[int], ...] = ()
+    # A hybrid model's recurrent layers (Gated DeltaNet, Mamba): they keep a fixed-size state per
+    # request instead of KV, each layer the same ``state_tensors``.
+    state_layer_ids: tuple[int, ...] = ()
+    state_tensors: tuple[StateTensorShape, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_sliding_windows:
             object.__setattr__(self, "layer_sliding_windows", (None,) * self.num_layers)
         if len(self.layer_sliding_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_sliding_windows)} sliding windows for {self.num_layers} layers")
+        if any(not 0 <= i < self.num_layers for i in self.state_layer_ids) or bool(self.state_layer_ids) != bool(self.state_tensors):
+            raise ValueError(f"recurrent layers {self.state_layer_ids} with state {self.state_tensors} for {self.num_layers} layers")
+        if len(self.state_layer_ids) == self.num_layers:
+            raise ValueError("a model needs at least one attention layer")
 
     @property
     def has_sliding_layers(self) -> bool:
-        return any(w is not None for w in self.layer_sliding_windows)
+        return any(w is not None for i, w in enumerate(self.layer_sliding_windows) if i not in self.state_layer_ids)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.state_layer_ids)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.num_layers - len(self.state_layer_ids)
+
+    def state_slot_bytes(self, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """One request's recurrent state, every recurrent layer, on one rank."""
+        return len(self.state_layer_ids) * sum(t.nbytes(dtype, tp_size) for t in self.state_tensors)
 
     @classmethod
     def from_hf_config(cls, hf_config: PretrainedConfig) -> "ModelShape":
+        from pagellm.models.registry import recurrent_state_of  # the model classes import this module
+
         num_heads = hf_config.num_attention_heads
+        state_layer_ids, state_tensors = recurrent_state_of(hf_config)
         return cls(
             num_layers=int(hf_config.num_hidden_layers),
             num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
             head_dim=head_dim_of(hf_config),
             vocab_size=int(hf_config.vocab_size),
             layer_sliding_windows=layer_sliding_windows(hf_config),
+            state_layer_ids=state_layer_ids,
+            state_tensors=state_tensors,
         )

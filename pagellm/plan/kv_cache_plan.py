@@ -34,10 +34,18 @@ class KVCachePlan:
     block_bytes: int
     num_blocks: int
     max_model_len: int  # the model's or the user's, lowered to what one request can hold
+    # A hybrid model's recurrent state: slots (live ones and prefix-cache checkpoints) of every
+    # recurrent layer's state, on one rank, carved from the same budget as the blocks.
+    num_state_slots: int = 0
+    state_slot_bytes: int = 0
 
     @property
     def num_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
+        return self.num_blocks * self.block_bytes + self.state_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.state_slot_bytes
 
     @property
     def num_tokens(self) -> int:
@@ -48,9 +56,23 @@ class KVCachePlan:
 
 def kv_cache_layout_for(shape: ModelShape, kv_cache_manager: str = "paged") -> KVCacheLayout:
     """The model's KV cache groups; a manager that keeps whole contexts gets one full-attention group."""
-    if kv_cache_manager_class(kv_cache_manager).supports_sliding_window:
+    manager = kv_cache_manager_class(kv_cache_manager)
+    if shape.is_hybrid:
+        if not getattr(manager, "supports_recurrent_state", False):
+            raise ValueError(f"the {kv_cache_manager!r} KV cache manager cannot keep a hybrid model's recurrent state; use 'paged'")
+        return group_layers(shape.layer_sliding_windows, shape.state_layer_ids)
+    if manager.supports_sliding_window:
         return group_layers(shape.layer_sliding_windows)
     return single_group_layout(shape.num_layers)
+
+
+def plan_state_slots(config: EngineConfig, slot_bytes: int, budget: int) -> int:
+    """State slots for a hybrid model: one per request the batch may hold plus as many for prefix
+    checkpoints, within half the budget (the other half, at least, holds the attention layers' KV)."""
+    if config.num_state_slots is not None:
+        return config.num_state_slots
+    wanted = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
+    return max(2, min(wanted, budget // 2 // slot_bytes))
 
 
 def plan_kv_cache(
@@ -61,6 +83,7 @@ def plan_kv_cache(
     layout: KVCacheLayout,
     draft_shape: Optional[ModelShape] = None,
     budget_bytes: Optional[int] = None,
+    state_dtype: torch.dtype = torch.float32,
 ) -> KVCachePlan:
     """Blocks from ``num_kv_blocks``, else from ``budget_bytes`` (a GPU's free memory), else the
     configured or default budget. A ``max_model_len`` the cache cannot hold for one request is an
@@ -74,6 +97,15 @@ def plan_kv_cache(
         # The draft's cache has the same blocks, so a block of the budget holds both models' KV.
         block_bytes += bytes_per_block(draft_shape.num_layers, block_size, draft_shape.num_kv_heads, draft_shape.head_dim, kv_cache_dtype)
     budget = budget_bytes if budget_bytes is not None else config.kv_cache_memory_bytes
+    num_state_slots = state_slot_bytes = 0
+    if shape.is_hybrid:
+        if draft_shape is not None:
+            raise ValueError("speculative decoding with a draft model is not supported for hybrid (recurrent) models")
+        state_slot_bytes = shape.state_slot_bytes(state_dtype, config.tensor_parallel_size)
+        total = budget if budget is not None else DEFAULT_KV_CACHE_MEMORY_BYTES
+        num_state_slots = plan_state_slots(config, state_slot_bytes, total)
+        if config.num_kv_blocks is None:
+            budget = total - num_state_slots * state_slot_bytes
     num_blocks = determine_num_blocks(config.num_kv_blocks, budget, DEFAULT_KV_CACHE_MEMORY_BYTES, block_bytes, block_size, max_model_len)
     # A request longer than the whole cache could never be scheduled and would wait forever.
     chunk = config.max_num_batched_tokens
@@ -88,4 +120,4 @@ def plan_kv_cache(
             )
         logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d to %d", capacity, max_model_len, capacity)
         max_model_len = capacity
-    return KVCachePlan(layout, block_size, kv_heads, block_bytes, num_blocks, max_model_len)
+    return KVCachePlan(layout, block_size, kv_heads, block_bytes, num_blocks, max_model_len, num_state_slots, state_slot_bytes)

@@ -41,6 +41,8 @@ class MemoryPlan:
     kv_cache_tokens: int = 0  # of full context: the usable blocks shared evenly by the KV cache groups
     kv_cache_dtype: str = ""  # --kv-cache-dtype's name for what the cache holds
     kv_cache_layout: str = ""  # how layers share blocks (KVCacheLayout.describe); "" for one full-attention group
+    state_bytes: int = 0  # of kv_cache_bytes, a hybrid model's recurrent state slots
+    num_state_slots: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -50,6 +52,8 @@ class MemoryPlan:
         tokens = f", {self.kv_cache_tokens:,} tokens" if self.kv_cache_tokens else ""
         tokens += f" of {self.kv_cache_dtype}" if self.kv_cache_dtype else ""
         tokens += f" in {self.kv_cache_layout}" if self.kv_cache_layout else ""
+        if self.num_state_slots:
+            tokens += f", {self.state_bytes / GiB:.2f} GiB of it {self.num_state_slots} recurrent state slots"
         available = f" of {self.available_bytes / GiB:.2f} GiB available" if self.available_bytes else ""
         return (
             f"weights {self.weight_bytes / GiB:.2f} GiB (checkpoint {self.checkpoint_bytes / GiB:.2f} GiB), "

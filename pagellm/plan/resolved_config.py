@@ -102,6 +102,11 @@ def resolve_with_model(
     if config.tensor_parallel_size > 1:
         hf = model.hf_config
         check_tp_size(config.tensor_parallel_size, hf.num_attention_heads, model.shape.num_kv_heads, hf.intermediate_size)
+    if model.shape.is_hybrid and config.speculative_config is not None:
+        raise ValueError(
+            "speculative decoding is not supported for hybrid models (recurrent layers such as Gated DeltaNet or Mamba): "
+            "a rejected draft would leave their state past the accepted tokens; serve this model without --speculative-config"
+        )
     model_max_len = max_model_len or get_max_model_len(model.hf_config)
     if config.max_model_len is not None and config.max_model_len > model_max_len:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len}")
@@ -114,6 +119,7 @@ def resolve_with_model(
         config.max_model_len or model_max_len,
         kv_cache_layout_for(model.shape),
         draft.shape if draft is not None else None,
+        state_dtype=precision.dtype,
     )
     from_free_memory = config.device.type == "cuda" and config.kv_cache_memory_bytes is None and config.num_kv_blocks is None
     memory = _plan_memory(args, model, precision, kv_cache)
@@ -179,4 +185,6 @@ def _plan_memory(config: EngineConfig, model: ModelSpec, precision: ResolvedPrec
         kv_cache.num_tokens,
         kv_cache_dtype=kv_cache_dtype_name(precision.kv_cache_dtype),
         kv_cache_layout="" if layout.plain else layout.describe(),
+        state_bytes=kv_cache.state_bytes,
+        num_state_slots=kv_cache.num_state_slots,
     )

@@ -133,11 +133,21 @@ def allocate_grouped_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One KV cache per layer, as the model takes them: ``layout.group_size`` tensors, layer k of
-    every group sharing tensor k (a block id is a page of one group, so the groups never collide).
-    With one group this is ``allocate_kv_caches``: a tensor of its own per layer."""
+    """One KV cache per attention layer, as the model takes them: ``layout.group_size`` tensors,
+    layer k of every group sharing tensor k (a block id is a page of one group, so the groups never
+    collide). With one group this is ``allocate_kv_caches``: a tensor of its own per layer. A
+    recurrent layer's entry is None (its state is in ``allocate_state_caches``')."""
     tensors = allocate_kv_caches(layout.group_size, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    return [tensors[i] for i in layout.layer_tensor_ids]
+    state = set(layout.state_layer_ids)
+    return [None if layer in state else tensors[i] for layer, i in enumerate(layout.layer_tensor_ids)]
+
+
+def allocate_state_caches(
+    num_layers: int, num_slots: int, slot_shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
+) -> list[tuple[torch.Tensor, ...]]:
+    """Each recurrent layer's state tensors, ``[num_slots, *shape]`` for each (shape, dtype) of
+    ``slot_shapes`` (one rank's part). Zero-filled, as the KV cache is."""
+    return [tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in slot_shapes) for _ in range(num_layers)]
 
 
 # Linux 5.14+: fault a range in writable, as a write to each page would, without touching the data.

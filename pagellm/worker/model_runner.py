@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.state_metadata import StateMetadata
 from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
@@ -43,7 +44,8 @@ def _logprob_rows(tensors: LogprobsTensors, nums: list[int]) -> list[LogprobRow]
 class ModelRunner:
     """``kv_caches`` has one tensor per layer (layers in the same position of different KV cache
     groups share one). With one group the model gets one ``AttentionMetadata`` for all layers;
-    with several (``kv_cache_layout``), a list with each layer's group's metadata."""
+    with several (``kv_cache_layout``), a list with each layer's group's metadata. A hybrid model's
+    recurrent layers take their state tensors in ``kv_caches`` and the step's ``StateMetadata``."""
 
     def __init__(
         self,
@@ -68,11 +70,15 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.device = kv_caches[0].device
         self.num_kv_cache_groups = kv_cache_layout.num_groups if kv_cache_layout is not None else 1
+        # A hybrid model's recurrent layers' state tensors (slot-indexed), for restoring checkpoints.
+        self.state_caches: list[tuple[torch.Tensor, ...]] = []
+        if kv_cache_layout is not None:
+            self.state_caches = [kv_caches[layer] for layer in kv_cache_layout.state_layer_ids]
+        self.device = next(c for c in kv_caches if isinstance(c, torch.Tensor)).device
         # Per layer, the group whose metadata it reads (None: one group, one metadata for all).
         self.layer_group_ids: Optional[tuple[int, ...]] = None
-        if kv_cache_layout is not None and kv_cache_layout.num_groups > 1:
+        if kv_cache_layout is not None and (kv_cache_layout.num_groups > 1 or kv_cache_layout.has_state):
             if kv_cache_layout.num_layers != len(kv_caches):
                 raise ValueError(f"a KV cache layout of {kv_cache_layout.num_layers} layers for {len(kv_caches)} KV caches")
             self.layer_group_ids = kv_cache_layout.layer_group_ids
@@ -92,7 +98,7 @@ class ModelRunner:
         self.last_timings: dict[str, float] = {}
         # Decode steps replay CUDA graphs on a GPU; the CPU path never builds any.
         self.cuda_graphs: Optional[DecodeGraphRunner] = None
-        if self.device.type == "cuda" and not enforce_eager and model_supports_cuda_graphs(model):
+        if self.device.type == "cuda" and not enforce_eager and not self.state_caches and model_supports_cuda_graphs(model):
             # Each layer's fp8 scales on the device before capture: graphs hold their addresses,
             # and a copy to the device cannot happen inside a capture.
             for kv_scales in model.kv_scales():
@@ -127,14 +133,33 @@ class ModelRunner:
         return graphs
 
     def _layer_metadata(
-        self, metadata: Union[AttentionMetadata, list[AttentionMetadata]]
+        self, metadata: Union[AttentionMetadata, list[AttentionMetadata]], state: Optional[StateMetadata] = None
     ) -> Union[AttentionMetadata, list[AttentionMetadata]]:
-        """What the model takes: the one metadata of a one-group cache, else one per layer (its group's)."""
+        """What the model takes: the one metadata of a one-group cache, else one per layer (its
+        group's, or a recurrent layer's ``state``)."""
         if self.layer_group_ids is None:
             return metadata[0] if isinstance(metadata, list) else metadata
         if not isinstance(metadata, list):
             raise ValueError(f"{self.num_kv_cache_groups} KV cache groups need one metadata each")
-        return [metadata[g] for g in self.layer_group_ids]
+        return [metadata[g] if g >= 0 else state for g in self.layer_group_ids]
+
+    def _state_metadata(self, out: SchedulerOutput, req_ids: list[str], start: np.ndarray, query_start_loc_cpu: list[int]) -> StateMetadata:
+        """The recurrent layers' view of the step; a prefix hit's checkpoint is copied into the
+        request's live slot first (every layer's state tensors)."""
+        steps = [out.state_steps[r] for r in req_ids]
+        for step in steps:
+            if step.restore_from is not None:
+                for tensors in self.state_caches:
+                    for t in tensors:
+                        t[step.slot].copy_(t[step.restore_from])
+        checkpoints = [(i, p - int(start[i]), slot) for i, step in enumerate(steps) for p, slot in step.checkpoints]
+        return StateMetadata(
+            query_start_loc=torch.tensor(query_start_loc_cpu, dtype=torch.int32),
+            slot_ids=torch.tensor([s.slot for s in steps], dtype=torch.int64),
+            has_initial_state=torch.from_numpy(start > 0),
+            checkpoints=torch.tensor(checkpoints, dtype=torch.int64).reshape(-1, 3),
+            query_start_loc_cpu=tuple(query_start_loc_cpu),
+        )
 
     # ---- state updates -----------------------------------------------------------------
 
@@ -237,8 +262,9 @@ class ModelRunner:
         ids_dev, positions_dev = torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(req_ids, num_sched.tolist())
+        state = self._state_metadata(out, req_ids, start, query_start_loc_cpu) if self.state_caches else None
         if graph_size is None:
-            hidden = self.model(ids_dev, positions_dev, self.kv_caches, self._layer_metadata(metadata))
+            hidden = self.model(ids_dev, positions_dev, self.kv_caches, self._layer_metadata(metadata, state))
         else:
             hidden = self.cuda_graphs.run(ids_dev, positions_dev, metadata if len(metadata) > 1 else metadata[0], graph_size)
         t2 = time.perf_counter()

@@ -1,0 +1,180 @@
+"""Recurrent state slots beside the paged KV cache, and prefix caching that resumes them.
+
+A hybrid model's recurrent layers (Gated DeltaNet, Mamba) keep, per request, a fixed-size state
+instead of KV that grows with the context. A slot id indexes every recurrent layer's state tensors,
+as a block id indexes every layer of a KV cache group. Each running request holds one live slot,
+read and overwritten by every step; it is freed when the request ends or is preempted (a preempted
+request is recomputed, as its KV is).
+
+A state summarises the whole prefix, so it cannot be assembled from blocks: a request can resume
+only from a state saved exactly where its cached prefix ends. While a request is computed, its
+state is therefore checkpointed into spare slots at block boundaries, each checkpoint keyed by the
+chained hash of the block that ends there (the same hash as that block's KV):
+  * every ``checkpoint_interval`` tokens;
+  * at the last full block of the prompt (the next turn of a chat resends it);
+  * where this request's prefix-cache hit stopped short of its attention hit: a prefix that an
+    earlier request shares up to that point, so the next request with it resumes there.
+Checkpoints sit in the slot pool as cached free blocks sit in the block pool: found by hash, evicted
+least recently used first when a slot is needed. A checkpoint is written by the step that computes
+past its boundary, so it is published only after that step (``finish_step``); until then a request
+whose prefix it would serve waits, as it waits for KV blocks another request is computing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pagellm.core.block_hash import BlockHash
+from pagellm.core.block_pool import BlockPool, KVCacheBlock
+from pagellm.request import Request
+
+
+@dataclass(frozen=True)
+class StateStep:
+    """What the runner does with one request's state in one step."""
+
+    slot: int  # the live state: read (unless the request starts from nothing), then overwritten
+    restore_from: Optional[int] = None  # a prefix hit: copy this checkpoint into ``slot`` first
+    # (tokens of the request computed when the state is saved, slot it is saved into)
+    checkpoints: tuple[tuple[int, int], ...] = ()
+
+
+class StateCacheManager:
+    """The pool of state slots, each request's live slot and the checkpoints prefix caching keeps."""
+
+    def __init__(self, num_slots: int, block_size: int, checkpoint_interval: int, enable_caching: bool) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a hybrid model needs at least one state slot, got {num_slots}")
+        if checkpoint_interval < block_size or checkpoint_interval % block_size:
+            raise ValueError(f"the state checkpoint interval ({checkpoint_interval}) must be a multiple of the block size ({block_size})")
+        self.block_size = block_size
+        self.checkpoint_interval = checkpoint_interval
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_slots, enable_caching)
+        self.live: dict[str, KVCacheBlock] = {}
+        # Where a request's attention hit ended, when its state hit ended earlier (tokens).
+        self.attention_hit_tokens: dict[str, int] = {}
+        # Checkpoints the step being scheduled writes, with their hashes; published after the step.
+        self.pending: list[tuple[KVCacheBlock, BlockHash]] = []
+        self.pending_hashes: set[BlockHash] = set()
+        # Checkpoints being copied into live slots this step: held so nothing reuses them meanwhile.
+        self.restoring: list[KVCacheBlock] = []
+        self.steps: dict[str, StateStep] = {}
+        self.num_checkpoints_written = 0
+        self.num_checkpoints_restored = 0
+
+    # ---- prefix-cache lookup ------------------------------------------------------------
+
+    def find_checkpoint(self, block_hashes: list[BlockHash], max_num_blocks: int) -> int:
+        """The most leading blocks (at most ``max_num_blocks``) at whose end a state is saved."""
+        for num_blocks in range(min(max_num_blocks, len(block_hashes)), 0, -1):
+            if self.pool.get_cached_block(block_hashes[num_blocks - 1]) is not None:
+                return num_blocks
+        return 0
+
+    def note_hit(self, request_id: str, num_attention_hit_blocks: int, num_state_hit_blocks: int) -> None:
+        """Remembers a hit that the state cut short: the request checkpoints where its KV hit ended."""
+        if num_attention_hit_blocks > num_state_hit_blocks:
+            self.attention_hit_tokens[request_id] = num_attention_hit_blocks * self.block_size
+        else:
+            self.attention_hit_tokens.pop(request_id, None)
+
+    def waits_for_pending(self, request: Request, num_hit_tokens: int) -> bool:
+        """Whether a checkpoint this step writes would give ``request`` a longer hit next step."""
+        if not self.pending_hashes:
+            return False
+        end = self.attention_hit_tokens.get(request.request_id, 0) // self.block_size
+        first = num_hit_tokens // self.block_size
+        return any(h in self.pending_hashes for h in request.block_hashes[first:end])
+
+    # ---- a step -------------------------------------------------------------------------
+
+    def has_live_slot(self, request_id: str) -> bool:
+        return request_id in self.live
+
+    def can_admit(self) -> bool:
+        return self.pool.num_free_blocks > 0
+
+    def allocate(self, request: Request, num_hit_blocks: int, first: int, end: int) -> None:
+        """Plans ``request``'s state for a step that computes tokens ``[first, end)``: a live slot
+        (restored from the checkpoint ending its ``num_hit_blocks``-block hit) when it has none,
+        and checkpoints at the boundaries the step passes. The caller checked ``can_admit``."""
+        req_id = request.request_id
+        restore: Optional[KVCacheBlock] = None
+        if req_id not in self.live:
+            if num_hit_blocks:
+                restore = self.pool.get_cached_block(request.block_hashes[num_hit_blocks - 1])
+                if restore is None:
+                    raise RuntimeError(f"request {req_id}: the state checkpoint of its prefix hit is gone")
+                self.pool.touch([restore])  # before taking a slot, which could evict it
+                self.restoring.append(restore)
+                self.num_checkpoints_restored += 1
+            self.live[req_id] = self.pool.get_new_blocks(1)[0]
+        checkpoints = tuple(self._checkpoint(request, p) for p in self._boundaries(request, first, end))
+        self.steps[req_id] = StateStep(
+            self.live[req_id].block_id,
+            restore.block_id if restore is not None else None,
+            tuple(c for c in checkpoints if c is not None),
+        )
+
+    def _boundaries(self, request: Request, first: int, end: int) -> list[int]:
+        """Block boundaries in ``(first, end]`` where this request's state is worth keeping."""
+        if not self.enable_caching:
+            return []
+        bs = self.block_size
+        wanted = {p for p in range((first // self.checkpoint_interval + 1) * self.checkpoint_interval, end + 1, self.checkpoint_interval)}
+        wanted.add(request.num_prompt_tokens // bs * bs)
+        wanted.add(self.attention_hit_tokens.get(request.request_id, 0))
+        return sorted(p for p in wanted if first < p <= end and 0 < p and p // bs <= len(request.block_hashes))
+
+    def _checkpoint(self, request: Request, num_tokens: int) -> Optional[tuple[int, int]]:
+        block_hash = request.block_hashes[num_tokens // self.block_size - 1]
+        if block_hash in self.pending_hashes or self.pool.get_cached_block(block_hash) is not None:
+            return None  # saved already, or being saved by another request this step
+        if self.pool.num_free_blocks <= 1:
+            return None  # keep a slot for the next request to start: a checkpoint is only a saving
+        slot = self.pool.get_new_blocks(1)[0]
+        self.pending.append((slot, block_hash))
+        self.pending_hashes.add(block_hash)
+        return num_tokens, slot.block_id
+
+    def take_steps(self) -> dict[str, StateStep]:
+        steps, self.steps = self.steps, {}
+        return steps
+
+    def finish_step(self) -> None:
+        """After the step ran: its checkpoints are written, so they are published (free, findable),
+        and the checkpoints it copied from are released."""
+        for slot, block_hash in self.pending:
+            self.pool.cache_full_blocks([slot], [block_hash], 0, 1)
+        self.pool.free_blocks(slot for slot, _ in self.pending)
+        self.num_checkpoints_written += len(self.pending)
+        self.pool.free_blocks(self.restoring)
+        self.pending, self.pending_hashes, self.restoring = [], set(), []
+
+    def free(self, request_id: str) -> None:
+        slot = self.live.pop(request_id, None)
+        self.attention_hit_tokens.pop(request_id, None)
+        self.steps.pop(request_id, None)
+        if slot is not None:
+            self.pool.free_blocks([slot])
+
+    # ---- reading ------------------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_checkpoints(self) -> int:
+        """Saved states a prefix can resume from (free and findable)."""
+        return self.pool.num_cached_free_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache() if not self.live else False
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held = len({b.block_id for b in [*self.live.values(), *(s for s, _ in self.pending), *self.restoring]})
+        if held != self.pool.num_used_blocks:
+            raise RuntimeError(f"state slots: {self.pool.num_used_blocks} in use, {held} accounted for")

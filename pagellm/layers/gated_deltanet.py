@@ -1,0 +1,198 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5 (three of every four layers).
+
+Per token: one projection gives q, k, v (through a causal depthwise convolution with SiLU), the
+output gate z, and per value head the write strength ``beta = sigmoid(b)`` and the decay
+``g = -exp(A_log) * softplus(a + dt_bias)``. The gated delta rule then updates a ``[Dk, Dv]``
+state per value head (pagellm.kernels.recurrent), and its output goes through an RMSNorm gated by
+``silu(z)`` and the output projection. The layer's state per request is the convolution's input
+tail and those matrices, in the slot the step's :class:`StateMetadata` names.
+
+Under tensor parallelism each rank holds a contiguous run of key heads and the value heads that
+read them: the input projection is column-parallel (its q, k, v, z, b, a parts each cut by heads),
+the convolution's channels and the per-head parameters follow, the output projection is
+row-parallel with one all-reduce.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention.state_metadata import StateMetadata
+from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.kernels import recurrent
+from pagellm.layers.gguf_types import GGUFWeight
+from pagellm.layers.linear import Linear, TPSplit, narrow
+from pagellm.layers.linear_method import WeightSource
+
+
+class MergedProjection(Linear):
+    """A fused projection whose checkpoint tensors each hold several of its shards: ``parts[name]``
+    lists the shards one tensor holds, in order (Qwen3.5's ``in_proj_qkv`` is q, k and v), or, for
+    ``interleaved`` names, the shards repeated per key head (Qwen3-Next's ``in_proj_qkvz``)."""
+
+    def __init__(self, *args, parts: dict[str, tuple[str, ...]], interleaved: dict[str, tuple[int, ...]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.parts = parts
+        self.interleaved = interleaved  # name -> rows per key head of each part
+
+    def _full_rows(self, shard: str) -> int:
+        return self.tp_split.full_sizes[shard] if self.tp_split is not None else self.shard_sizes[shard]
+
+    def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: WeightSource) -> None:
+        if shard not in self.parts:
+            super().load_checkpoint_tensor(kind, shard, source)
+            return
+        names = self.parts[shard]
+        if shard in self.interleaved:
+            # Rows grouped by key head, each group holding every part's rows for that head.
+            dense = source.dequantize() if isinstance(source, GGUFWeight) else source
+            rows = self.interleaved[shard]
+            grouped = dense.reshape(-1, sum(rows), *dense.shape[1:])
+            pieces = torch.split(grouped, list(rows), dim=1)
+            for name, piece in zip(names, pieces):
+                super().load_checkpoint_tensor(kind, name, piece.reshape(-1, *dense.shape[1:]).contiguous())
+            return
+        offset = 0
+        for name in names:
+            rows = self._full_rows(name)
+            super().load_checkpoint_tensor(kind, name, narrow(source, 0, offset, rows))
+            offset += rows
+
+
+class DepthwiseConvWeight(nn.Module):
+    """A depthwise causal convolution's taps ``[C, K]`` (the checkpoint's ``conv1d.weight`` ``[C, 1, K]``),
+    this rank's channels: ``channel_ranges`` of the checkpoint's, in order."""
+
+    def __init__(self, channel_ranges: tuple[tuple[int, int], ...], kernel_size: int) -> None:
+        super().__init__()
+        self.channel_ranges = channel_ranges
+        self.weight = nn.Parameter(torch.zeros(sum(rows for _, rows in channel_ranges), kernel_size))
+        self.loaded = False
+
+    def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: torch.Tensor) -> None:
+        weight = source.reshape(source.shape[0], -1) if kind == "weight" else None
+        if weight is None or weight.shape[1] != self.weight.shape[1] or weight.shape[0] < max(s + n for s, n in self.channel_ranges):
+            raise ValueError(f"conv1d {kind} of shape {tuple(source.shape)} does not match the layer's {tuple(self.weight.shape)}")
+        self.weight.data.copy_(torch.cat([weight.narrow(0, start, rows) for start, rows in self.channel_ranges]))
+        self.loaded = True
+
+    def missing_weights(self) -> list[str]:
+        return [] if self.loaded else ["weight"]
+
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(x) * w * silu(z)`` over each head's ``Dv`` values (a plain weight, not ``1 + w``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.loaded = False
+
+    def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: torch.Tensor) -> None:
+        if kind != "weight" or tuple(source.shape) != tuple(self.weight.shape):
+            raise ValueError(f"gated norm weight of shape {tuple(source.shape)}, expected {tuple(self.weight.shape)}")
+        self.weight.data.copy_(source)
+        self.loaded = True
+
+    def missing_weights(self) -> list[str]:
+        return [] if self.loaded else ["weight"]
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float() * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel_size: int,
+        eps: float,
+        interleaved_projection: bool = False,
+    ) -> None:
+        super().__init__()
+        tp = get_tp_group()
+        if num_k_heads % tp.world_size or num_v_heads % tp.world_size or num_v_heads % num_k_heads:
+            raise ValueError(
+                f"{num_k_heads} key and {num_v_heads} value heads cannot be split evenly over {tp.world_size} tensor-parallel ranks"
+            )
+        hk, hv = num_k_heads // tp.world_size, num_v_heads // tp.world_size
+        k0, v0 = tp.rank * hk, tp.rank * hv
+        self.num_k_heads, self.num_v_heads = hk, hv
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = hk * head_k_dim, hv * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        sizes = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim, "z": self.value_dim, "b": hv, "a": hv}
+        key_range, value_range = (k0 * head_k_dim, self.key_dim), (v0 * head_v_dim, self.value_dim)
+        full = {
+            "q": num_k_heads * head_k_dim, "k": num_k_heads * head_k_dim, "v": num_v_heads * head_v_dim,
+            "z": num_v_heads * head_v_dim, "b": num_v_heads, "a": num_v_heads,
+        }
+        rep = num_v_heads // num_k_heads
+        self.in_proj = MergedProjection(
+            hidden_size,
+            sum(sizes.values()),
+            shard_sizes=sizes,
+            tp_split=TPSplit(
+                0,
+                {"q": key_range, "k": key_range, "v": value_range, "z": value_range, "b": (v0, hv), "a": (v0, hv)},
+                full_sizes=full,
+            ),
+            parts={"qkv": ("q", "k", "v"), "qkvz": ("q", "k", "v", "z"), "ba": ("b", "a")},
+            interleaved={"qkvz": (head_k_dim, head_k_dim, rep * head_v_dim, rep * head_v_dim), "ba": (rep, rep)}
+            if interleaved_projection
+            else {},
+        )
+        # The convolution's channels in this rank's order: its q, k and v heads.
+        key_all = num_k_heads * head_k_dim
+        self.conv1d = DepthwiseConvWeight(
+            ((k0 * head_k_dim, self.key_dim), (key_all + k0 * head_k_dim, self.key_dim), (2 * key_all + v0 * head_v_dim, self.value_dim)),
+            conv_kernel_size,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = Linear(self.value_dim, hidden_size, tp_split=TPSplit(1, {"": value_range}), reduce_results=True)
+        self.value_head_start = v0
+        self.loaded: set[str] = set()
+
+    def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: torch.Tensor) -> None:
+        """The layer's own per-value-head tensors, ``dt_bias`` and ``A_log`` (this rank's heads)."""
+        if kind not in ("dt_bias", "A_log") or source.shape[0] != self.num_v_heads * get_tp_group().world_size:
+            raise ValueError(f"Gated DeltaNet has no parameter {kind!r} of shape {tuple(source.shape)}")
+        getattr(self, kind).data.copy_(source.narrow(0, self.value_head_start, self.num_v_heads))
+        self.loaded.add(kind)
+
+    def missing_weights(self) -> list[str]:
+        return [name for name in ("dt_bias", "A_log") if name not in self.loaded]
+
+    def forward(self, hidden: torch.Tensor, rope: object, state: tuple[torch.Tensor, torch.Tensor], metadata: StateMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        proj = self.in_proj(hidden)
+        mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        conv_state, ssm_state = state
+        md = metadata
+        mixed = recurrent.causal_conv1d(
+            mixed.contiguous(), self.conv1d.weight, None, conv_state, md.query_start_loc, md.slot_ids, md.has_initial_state, md.checkpoints
+        )
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        out = recurrent.gated_delta_rule(
+            q, k, v, g, beta, ssm_state, md.query_start_loc, md.slot_ids, md.has_initial_state, md.checkpoints,
+            scale=self.head_k_dim**-0.5,
+        )
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(num_tokens, self.value_dim))
