@@ -34,7 +34,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
     for name in (
-        "paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_bf16.cpp", "gemm_int8.cpp", "sampling.cpp", "lora_shrink_expand.cpp"
+        "paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_bf16.cpp", "gemm_int8.cpp", "sampling.cpp", "lora_shrink_expand.cpp",
+        "recurrent.cpp",
     )
 )
 HEADERS = tuple(CSRC / name for name in (

@@ -20,9 +20,11 @@ Each op dispatches on where its tensors are: the C++ kernels (``csrc/recurrent.c
 The references are also the tests' oracle.
 
 The C++ gated delta rule runs every sequence sequentially in time, with the state tiled over its
-value columns (the delta rule keeps them independent): a ``Dk x 32`` tile stays in L1 over the whole
-sequence and each token costs one fused pass over it. It was measured against the chunked (WY/UT,
-64-token chunks) form, which is the torch reference's, with ``python -m pagellm.bench.recurrent_bench``.
+value columns (the delta rule keeps them independent): a ``Dk x 2 vectors`` tile stays in L1 over the
+whole sequence and each token costs one fused pass over it. On the development CPU this sequential
+form ran a 4096-token prefill at Qwen3.5-2B's shapes faster than the chunked (WY/UT, 64-token chunks)
+form of the torch reference on BLAS matmuls, so no chunked C++ form was written
+(``python -m pagellm.bench.recurrent_bench``; figures in docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -177,6 +179,8 @@ def gated_delta_rule_reference(
                 state[s] = state[slots[i]]
 
     for i, n in enumerate(lengths):
+        if n == 0 and not initial[i]:
+            state[slots[i]] = 0.0
         if n <= 1:
             continue
         a = starts[i]

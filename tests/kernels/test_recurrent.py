@@ -2,6 +2,12 @@
 Qwen3-Next functions, and the C++ kernels against the reference (float32 and bfloat16 inputs)."""
 from __future__ import annotations
 
+import os
+
+# transformers imports triton, whose helpers (tl.sum, ...) take the interpreter only if TRITON_INTERPRET
+# is set first: set here too, at collection, for test_recurrent_triton.py collected after this file.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf

@@ -1,0 +1,408 @@
+// The recurrent layers of hybrid models (Qwen3-Next / Qwen3.5 Gated DeltaNet) over a flat batch of
+// sequences, each reading and writing its own state slot: the short depthwise causal convolution
+// and the gated delta rule. Semantics and argument rules: pagellm/kernels/recurrent.py.
+//
+// Gated delta rule: every sequence runs sequentially in time. The delta rule keeps the state's
+// value columns independent, so the state [Dk, Dv] of a (sequence, head) is cut into tiles of
+// kTileVecs vectors of columns; a tile is copied into a contiguous buffer that stays in L1 for the
+// whole sequence, and each token is one fused pass over it: the update of token t
+// (S = S * e^g_t + k_t delta_t^T) also accumulates token t+1's reads k_{t+1}.S and q_{t+1}.S, so the
+// output of t+1 follows from S_t without a second pass (q.(d S + k delta^T) = d q.S + (q.k) delta).
+// A decode (one token) reads its state from memory once and writes it once.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace pagellm {
+namespace {
+
+constexpr int kTileVecs = 2;              // value columns per state tile, in vectors
+constexpr int kTile = kTileVecs * W;      // 32 floats with AVX-512, 16 with AVX2
+constexpr int64_t kConvBlock = 8 * W;     // channels per convolution work item
+constexpr int64_t kParallelMin = 1 << 17;  // state or input elements below which one thread runs the call
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+// fn(float{}) or fn(at::BFloat16{}): the element type of a float32 or bfloat16 tensor.
+template <typename Fn>
+void dispatch_float_bf16(at::ScalarType dtype, Fn&& fn) {
+  if (dtype == at::kBFloat16) {
+    fn(at::BFloat16{});
+  } else {
+    fn(float{});
+  }
+}
+
+struct SeqMeta {
+  std::vector<int64_t> starts, slots, cp_begin;  // cp_begin[i]..cp_begin[i + 1]: sequence i's checkpoint rows
+  std::vector<bool> initial;
+  const int64_t* cps = nullptr;                  // [M, 3] rows (sequence, offset, slot)
+  int64_t num_seqs = 0;
+};
+
+SeqMeta read_meta(const at::Tensor& query_start_loc, const at::Tensor& slot_ids, const at::Tensor& has_initial_state,
+                  const at::Tensor& checkpoints, int64_t num_tokens, int64_t num_slots, const char* op) {
+  TORCH_CHECK_VALUE(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous() && query_start_loc.dim() == 1,
+                    op, ": query_start_loc must be a contiguous int64 vector");
+  TORCH_CHECK_VALUE(slot_ids.scalar_type() == at::kLong && slot_ids.is_contiguous(), op, ": slot_ids must be contiguous int64");
+  TORCH_CHECK_VALUE(has_initial_state.scalar_type() == at::kBool && has_initial_state.is_contiguous(), op,
+                    ": has_initial_state must be contiguous bool");
+  TORCH_CHECK_VALUE(checkpoints.scalar_type() == at::kLong && checkpoints.is_contiguous() && checkpoints.dim() == 2 &&
+                        checkpoints.size(1) == 3,
+                    op, ": checkpoints must be a contiguous int64 [M, 3] tensor");
+  SeqMeta m;
+  m.num_seqs = query_start_loc.numel() - 1;
+  TORCH_CHECK_VALUE(m.num_seqs >= 0 && slot_ids.numel() == m.num_seqs && has_initial_state.numel() == m.num_seqs, op,
+                    ": query_start_loc must have one more entry than slot_ids and has_initial_state");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* sl = slot_ids.data_ptr<int64_t>();
+  const bool* hi = has_initial_state.data_ptr<bool>();
+  m.starts.assign(qsl, qsl + m.num_seqs + 1);
+  m.slots.assign(sl, sl + m.num_seqs);
+  m.initial.assign(hi, hi + m.num_seqs);
+  TORCH_CHECK_VALUE(m.num_seqs == 0 || (m.starts[0] >= 0 && m.starts[m.num_seqs] <= num_tokens), op,
+                    ": query_start_loc out of the batch's rows");
+  for (int64_t i = 0; i < m.num_seqs; ++i) {
+    TORCH_CHECK_VALUE(m.starts[i] <= m.starts[i + 1], op, ": query_start_loc must be ascending");
+    TORCH_CHECK_VALUE(m.slots[i] >= 0 && m.slots[i] < num_slots, op, ": slot_ids[", i, "] out of range");
+  }
+  m.cps = checkpoints.data_ptr<int64_t>();
+  const int64_t rows = checkpoints.size(0);
+  m.cp_begin.assign(m.num_seqs + 1, 0);
+  int64_t prev_seq = -1, prev_off = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = m.cps[3 * r], o = m.cps[3 * r + 1], s = m.cps[3 * r + 2];
+    TORCH_CHECK_VALUE(i >= 0 && i < m.num_seqs && o >= 1 && o <= m.starts[i + 1] - m.starts[i] && s >= 0 && s < num_slots, op,
+                      ": checkpoint row ", r, " out of range");
+    TORCH_CHECK_VALUE(i > prev_seq || (i == prev_seq && o >= prev_off), op, ": checkpoints must be sorted by (sequence, offset)");
+    prev_seq = i;
+    prev_off = o;
+    m.cp_begin[i + 1] += 1;
+  }
+  for (int64_t i = 0; i < m.num_seqs; ++i) m.cp_begin[i + 1] += m.cp_begin[i];
+  return m;
+}
+
+// ---- causal conv1d ---------------------------------------------------------------------------
+
+// One sequence's channels [c0, c0 + cw) through all its tokens, with a ring of the last K inputs
+// (float32, kConvBlock wide, zero-padded past cw): each input row is converted once.
+template <typename T>
+void conv_block(T* out, const T* x, const float* w, const float* bias, T* state, const SeqMeta& m, int64_t i, int64_t c0,
+                int64_t C, int64_t K, bool silu_on, float* win) {
+  const int64_t cw = std::min(kConvBlock, C - c0), a = m.starts[i], L = m.starts[i + 1] - a, H = K - 1;
+  auto row = [&](int64_t pos) { return win + (((pos % K) + K) % K) * kConvBlock; };  // input at token position pos
+  std::memset(win, 0, sizeof(float) * K * kConvBlock);
+  if (m.initial[i]) {
+    const T* src = state + m.slots[i] * H * C + c0;
+    for (int64_t r = 0; r < H; ++r) {
+      float* dst = row(r - H);
+      for (int64_t c = 0; c < cw; ++c) dst[c] = to_float(src[r * C + c]);
+    }
+  }
+  float wpad[16 * kConvBlock];  // K <= 16 taps, zero-padded channels
+  float bpad[kConvBlock];
+  for (int64_t j = 0; j < K; ++j) {
+    for (int64_t c = 0; c < kConvBlock; ++c) wpad[j * kConvBlock + c] = c < cw ? w[j * C + c0 + c] : 0.0f;
+  }
+  for (int64_t c = 0; c < kConvBlock; ++c) bpad[c] = bias != nullptr && c < cw ? bias[c0 + c] : 0.0f;
+  auto save = [&](int64_t offset, int64_t slot) {  // the K - 1 inputs before `offset`
+    T* dst = state + slot * H * C + c0;
+    for (int64_t r = 0; r < H; ++r) {
+      const float* src = row(offset - H + r);
+      for (int64_t c = 0; c < cw; ++c) dst[r * C + c] = from_float<T>(src[c]);
+    }
+  };
+  int64_t cp = m.cp_begin[i];
+  const int64_t cp_end = m.cp_begin[i + 1];
+  for (int64_t t = 0; t < L; ++t) {
+    float* cur = row(t);
+    const T* xr = x + (a + t) * C + c0;
+    for (int64_t c = 0; c < cw; ++c) cur[c] = to_float(xr[c]);
+    T* orow = out + (a + t) * C + c0;
+    const float* taps[16];
+    for (int64_t j = 0; j < K; ++j) taps[j] = row(t - H + j);
+    for (int64_t v = 0; v < kConvBlock; v += W) {
+      vfloat acc = vload(bpad + v);
+      for (int64_t j = 0; j < K; ++j) acc += vload(wpad + j * kConvBlock + v) * vload(taps[j] + v);
+      if (silu_on) acc = silu(acc);
+      if constexpr (std::is_same_v<T, float>) {
+        if (v + W <= cw) {
+          vstore(orow + v, acc);
+          continue;
+        }
+      }
+      for (int64_t c = v; c < std::min<int64_t>(v + W, cw); ++c) orow[c] = from_float<T>(acc[c - v]);
+    }
+    for (; cp < cp_end && m.cps[3 * cp + 1] == t + 1; ++cp) save(t + 1, m.cps[3 * cp + 2]);
+  }
+  save(L, m.slots[i]);
+}
+
+void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                   at::Tensor& conv_state, const at::Tensor& query_start_loc, const at::Tensor& slot_ids,
+                   const at::Tensor& has_initial_state, const at::Tensor& checkpoints, bool silu_on) {
+  const char* op = "causal_conv1d";
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() &&
+                        out.scalar_type() == x.scalar_type(),
+                    op, ": x and out must be contiguous [T, C] tensors of one dtype");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
+  const int64_t T = x.size(0), C = x.size(1);
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 && weight.size(1) == C &&
+                        weight.size(0) >= 1 && weight.size(0) <= 16,
+                    op, ": weight must be a contiguous float32 [K, C] tensor, K <= 16");
+  const int64_t K = weight.size(0);
+  TORCH_CHECK_VALUE(conv_state.scalar_type() == x.scalar_type() && conv_state.is_contiguous() && conv_state.dim() == 3 &&
+                        conv_state.size(1) == K - 1 && conv_state.size(2) == C,
+                    op, ": conv_state must be a contiguous [S, K - 1, C] tensor in x's dtype");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == C, op,
+                      ": bias must be a contiguous float32 [C] vector");
+    b = bias->data_ptr<float>();
+  }
+  const SeqMeta m = read_meta(query_start_loc, slot_ids, has_initial_state, checkpoints, T, conv_state.size(0), op);
+  const int64_t blocks = (C + kConvBlock - 1) / kConvBlock, items = m.num_seqs * blocks;
+  const bool parallel = T * C >= kParallelMin && items > 1;
+  dispatch_float_bf16(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* st = conv_state.data_ptr<scalar_t>();
+    const float* w = weight.data_ptr<float>();
+#pragma omp parallel if (parallel)
+    {
+      std::vector<float> win(K * kConvBlock);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < items; ++item) {
+        conv_block<scalar_t>(o, xp, w, b, st, m, item / blocks, (item % blocks) * kConvBlock, C, K, silu_on, win.data());
+      }
+    }
+  });
+}
+
+// ---- gated delta rule ------------------------------------------------------------------------
+
+// q and k as float32, L2-normalised (eps 1e-6, transformers' l2norm) when asked, q times scale; qk = q.k.
+template <typename T>
+void prepare_qk(const T* q, const T* k, float* qn, float* kn, float* qk, int64_t rows, int64_t D, float scale, bool l2norm,
+                bool parallel) {
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* qr = q + r * D;
+    const T* kr = k + r * D;
+    float* qo = qn + r * D;
+    float* ko = kn + r * D;
+    float sq = 0.f, sk = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      qo[d] = to_float(qr[d]);
+      ko[d] = to_float(kr[d]);
+      sq += qo[d] * qo[d];
+      sk += ko[d] * ko[d];
+    }
+    const float iq = (l2norm ? 1.0f / std::sqrt(sq + 1e-6f) : 1.0f) * scale, ik = l2norm ? 1.0f / std::sqrt(sk + 1e-6f) : 1.0f;
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      qo[d] *= iq;
+      ko[d] *= ik;
+      dot += qo[d] * ko[d];
+    }
+    qk[r] = dot;
+  }
+}
+
+struct GdrArgs {
+  const float *qn, *kn, *qk, *g, *beta;
+  float* state;
+  int64_t Hk, Hv, Dk, Dv, group;
+};
+
+// One (sequence, v head, column tile) through all the sequence's tokens; S: a [Dk, kTile] buffer.
+template <typename T>
+void gdr_tile(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i, int64_t h, int64_t c0, float* S) {
+  const int64_t Dk = p.Dk, Dv = p.Dv, cw = std::min<int64_t>(kTile, Dv - c0), a = m.starts[i], e = m.starts[i + 1];
+  const int64_t kh = h / p.group, head_state = p.Dk * p.Dv;
+  auto state_tile = [&](int64_t slot) { return p.state + (slot * p.Hv + h) * head_state + c0; };
+  if (m.initial[i]) {
+    const float* src = state_tile(m.slots[i]);
+    for (int64_t d = 0; d < Dk; ++d) {
+      std::memcpy(S + d * kTile, src + d * Dv, sizeof(float) * cw);
+      std::fill(S + d * kTile + cw, S + (d + 1) * kTile, 0.0f);
+    }
+  } else {
+    std::fill(S, S + Dk * kTile, 0.0f);
+  }
+  auto save = [&](int64_t slot) {
+    float* dst = state_tile(slot);
+    for (int64_t d = 0; d < Dk; ++d) std::memcpy(dst + d * Dv, S + d * kTile, sizeof(float) * cw);
+  };
+  // kv, qs: k_t.S and q_t.S of the state before token t's decay, two accumulators each to shorten the chains.
+  vfloat kv[kTileVecs], qs[kTileVecs];
+  if (e > a) {
+    vfloat k0[kTileVecs] = {}, k1[kTileVecs] = {}, q0[kTileVecs] = {}, q1[kTileVecs] = {};
+    const float* kr = p.kn + (a * p.Hk + kh) * Dk;
+    const float* qr = p.qn + (a * p.Hk + kh) * Dk;
+    int64_t d = 0;
+    for (; d + 2 <= Dk; d += 2) {
+      for (int u = 0; u < kTileVecs; ++u) {
+        const vfloat s0 = vload(S + d * kTile + u * W), s1 = vload(S + (d + 1) * kTile + u * W);
+        k0[u] += kr[d] * s0;
+        q0[u] += qr[d] * s0;
+        k1[u] += kr[d + 1] * s1;
+        q1[u] += qr[d + 1] * s1;
+      }
+    }
+    for (; d < Dk; ++d) {
+      for (int u = 0; u < kTileVecs; ++u) {
+        const vfloat s0 = vload(S + d * kTile + u * W);
+        k0[u] += kr[d] * s0;
+        q0[u] += qr[d] * s0;
+      }
+    }
+    for (int u = 0; u < kTileVecs; ++u) {
+      kv[u] = k0[u] + k1[u];
+      qs[u] = q0[u] + q1[u];
+    }
+  }
+  int64_t cp = m.cp_begin[i];
+  const int64_t cp_end = m.cp_begin[i + 1];
+  alignas(64) float vin[kTile];
+  for (int64_t t = a; t < e; ++t) {
+    const float decay = std::exp(p.g[t * p.Hv + h]), b = p.beta[t * p.Hv + h], qk = p.qk[t * p.Hk + kh];
+    const T* vr = v + (t * p.Hv + h) * Dv + c0;
+    for (int64_t c = 0; c < kTile; ++c) vin[c] = c < cw ? to_float(vr[c]) : 0.0f;
+    vfloat delta[kTileVecs];
+    T* orow = out + (t * p.Hv + h) * Dv + c0;
+    for (int u = 0; u < kTileVecs; ++u) {
+      delta[u] = (vload(vin + u * W) - decay * kv[u]) * b;
+      const vfloat o = decay * qs[u] + qk * delta[u];
+      for (int64_t c = u * W; c < std::min<int64_t>((u + 1) * W, cw); ++c) orow[c] = from_float<T>(o[c - u * W]);
+    }
+    // S = S * decay + k_t delta^T, accumulating the next token's k.S and q.S on the way.
+    const int64_t next = t + 1 < e ? t + 1 : t;
+    const float* kr = p.kn + (t * p.Hk + kh) * Dk;
+    const float* kx = p.kn + (next * p.Hk + kh) * Dk;
+    const float* qx = p.qn + (next * p.Hk + kh) * Dk;
+    vfloat k0[kTileVecs] = {}, k1[kTileVecs] = {}, q0[kTileVecs] = {}, q1[kTileVecs] = {};
+    int64_t d = 0;
+    for (; d + 2 <= Dk; d += 2) {
+      for (int u = 0; u < kTileVecs; ++u) {
+        float* p0 = S + d * kTile + u * W;
+        float* p1 = p0 + kTile;
+        const vfloat s0 = vload(p0) * decay + kr[d] * delta[u];
+        const vfloat s1 = vload(p1) * decay + kr[d + 1] * delta[u];
+        vstore(p0, s0);
+        vstore(p1, s1);
+        k0[u] += kx[d] * s0;
+        q0[u] += qx[d] * s0;
+        k1[u] += kx[d + 1] * s1;
+        q1[u] += qx[d + 1] * s1;
+      }
+    }
+    for (; d < Dk; ++d) {
+      for (int u = 0; u < kTileVecs; ++u) {
+        float* p0 = S + d * kTile + u * W;
+        const vfloat s0 = vload(p0) * decay + kr[d] * delta[u];
+        vstore(p0, s0);
+        k0[u] += kx[d] * s0;
+        q0[u] += qx[d] * s0;
+      }
+    }
+    for (int u = 0; u < kTileVecs; ++u) {
+      kv[u] = k0[u] + k1[u];
+      qs[u] = q0[u] + q1[u];
+    }
+    for (; cp < cp_end && m.cps[3 * cp + 1] == t + 1 - a; ++cp) save(m.cps[3 * cp + 2]);
+  }
+  save(m.slots[i]);
+}
+
+void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                      const at::Tensor& beta, at::Tensor& state, const at::Tensor& query_start_loc, const at::Tensor& slot_ids,
+                      const at::Tensor& has_initial_state, const at::Tensor& checkpoints, double scale, bool use_qk_l2norm) {
+  const char* op = "gated_delta_rule";
+  for (const at::Tensor* t : {&q, &k, &v, static_cast<const at::Tensor*>(&out)}) {
+    TORCH_CHECK_VALUE(t->dim() == 3 && t->is_contiguous() && t->device().is_cpu() &&
+                          (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
+                      op, ": q, k, v and out must be contiguous 3-D float32 or bfloat16 CPU tensors");
+  }
+  const int64_t T = q.size(0), Hk = q.size(1), Dk = q.size(2), Hv = v.size(1), Dv = v.size(2);
+  TORCH_CHECK_VALUE(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), op, ": k must be shaped and typed like q");
+  TORCH_CHECK_VALUE(v.size(0) == T && Hk > 0 && Hv % Hk == 0, op, ": v must be [T, Hv, Dv] with Hv a multiple of q's heads");
+  TORCH_CHECK_VALUE(out.sizes() == v.sizes() && out.scalar_type() == v.scalar_type(), op, ": out must be shaped and typed like v");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta}) {
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T && t->size(1) == Hv,
+                      op, ": g and beta must be contiguous float32 [T, Hv] tensors");
+  }
+  TORCH_CHECK_VALUE(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 && state.size(1) == Hv &&
+                        state.size(2) == Dk && state.size(3) == Dv,
+                    op, ": state must be a contiguous float32 [S, Hv, Dk, Dv] tensor");
+  const SeqMeta m = read_meta(query_start_loc, slot_ids, has_initial_state, checkpoints, T, state.size(0), op);
+
+  at::Tensor qn = at::empty({T, Hk, Dk}, q.options().dtype(at::kFloat));
+  at::Tensor kn = at::empty({T, Hk, Dk}, q.options().dtype(at::kFloat));
+  at::Tensor qk = at::empty({T, Hk}, q.options().dtype(at::kFloat));
+  dispatch_float_bf16(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    prepare_qk<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), qn.data_ptr<float>(), kn.data_ptr<float>(),
+                         qk.data_ptr<float>(), T * Hk, Dk, static_cast<float>(scale), use_qk_l2norm, T * Hk * Dk >= kParallelMin);
+  });
+  const GdrArgs p{qn.data_ptr<float>(), kn.data_ptr<float>(), qk.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(),
+                  state.data_ptr<float>(), Hk, Hv, Dk, Dv, Hv / Hk};
+  const int64_t tiles = (Dv + kTile - 1) / kTile, per_seq = Hv * tiles, items = m.num_seqs * per_seq;
+  int64_t work = 0;  // state elements touched, one pass per token
+  for (int64_t i = 0; i < m.num_seqs; ++i) work += std::max<int64_t>(1, m.starts[i + 1] - m.starts[i]) * Hv * Dk * Dv;
+  const bool parallel = work >= kParallelMin && items > 1;
+  // Longest sequences first, so that the dynamic schedule does not end on one long item.
+  std::vector<int64_t> order(m.num_seqs);
+  for (int64_t i = 0; i < m.num_seqs; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return m.starts[x + 1] - m.starts[x] > m.starts[y + 1] - m.starts[y];
+  });
+  dispatch_float_bf16(v.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* op_ = out.data_ptr<scalar_t>();
+#pragma omp parallel if (parallel)
+    {
+      std::vector<float> buf(Dk * kTile + 16);
+      float* S = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < items; ++item) {
+        const int64_t i = order[item / per_seq], rest = item % per_seq;
+        gdr_tile<scalar_t>(p, vp, op_, m, i, rest / tiles, (rest % tiles) * kTile, S);
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace pagellm
+
+TORCH_LIBRARY(pagellm_recurrent, m) {
+  m.def(
+      "causal_conv1d(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, Tensor(b!) conv_state, Tensor query_start_loc, "
+      "Tensor slot_ids, Tensor has_initial_state, Tensor checkpoints, bool silu) -> ()");
+  m.def(
+      "gated_delta_rule(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(b!) state, "
+      "Tensor query_start_loc, Tensor slot_ids, Tensor has_initial_state, Tensor checkpoints, float scale, "
+      "bool use_qk_l2norm) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagellm_recurrent, CPU, m) {
+  m.impl("causal_conv1d", &pagellm::causal_conv1d);
+  m.impl("gated_delta_rule", &pagellm::gated_delta_rule);
+}
