@@ -123,6 +123,7 @@ class KVCacheManagerBase(ABC):
 
     def finish_step(self) -> None:
         """The scheduled step has run: what it wrote may now be read by later requests."""
+        return None
 
     def waits_for_pending(self, request: Request, num_hit_tokens: int) -> bool:
         """Whether the step being scheduled writes something that lengthens ``request``'s hit."""

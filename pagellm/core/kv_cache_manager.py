@@ -131,7 +131,7 @@ class KVCacheManager(KVCacheManagerBase):
         if self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) > self.block_pool.num_free_blocks:
             return None
         state = self.state_cache
-        if state is not None and not state.has_live_slot(req_id) and not state.can_admit():
+        if state is not None and not state.has_live_slot(req_id) and not state.can_admit(request, len(computed[0])):
             return None
         # Every group adopts its hits before any takes new blocks: a hit that sits in the free
         # queue must leave it before another group's allocation could evict and reuse it.

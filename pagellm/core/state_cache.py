@@ -92,8 +92,11 @@ class StateCacheManager:
     def has_live_slot(self, request_id: str) -> bool:
         return request_id in self.live
 
-    def can_admit(self) -> bool:
-        return self.pool.num_free_blocks > 0
+    def can_admit(self, request: Request, num_hit_blocks: int) -> bool:
+        """Whether a live slot can be had, and the checkpoint a hit restores from kept meanwhile
+        (a free one leaves the free queue while it is copied)."""
+        restore = self.pool.get_cached_block(request.block_hashes[num_hit_blocks - 1]) if num_hit_blocks else None
+        return self.pool.num_free_blocks >= 1 + (restore is not None and restore.ref_cnt == 0)
 
     def allocate(self, request: Request, num_hit_blocks: int, first: int, end: int) -> None:
         """Plans ``request``'s state for a step that computes tokens ``[first, end)``: a live slot

@@ -175,7 +175,9 @@ class GatedDeltaNet(nn.Module):
     def missing_weights(self) -> list[str]:
         return [name for name in ("dt_bias", "A_log") if name not in self.loaded]
 
-    def forward(self, hidden: torch.Tensor, rope: object, state: tuple[torch.Tensor, torch.Tensor], metadata: StateMetadata) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rope: object, state: tuple[torch.Tensor, torch.Tensor], metadata: StateMetadata
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         proj = self.in_proj(hidden)
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)

@@ -1,0 +1,132 @@
+"""Hybrid models served by the engine (Qwen3.5 dense and MoE, Qwen3-Next): Gated DeltaNet layers
+with a state slot per request beside gated attention on the paged KV cache. Greedy decoding against
+transformers by vLLM's rule under chunked prefill and preemption, from safetensors and from a GGUF
+file written as llama.cpp writes it; prefix caching on equal to off for prompts that share a prefix
+cut mid-block, sent after the prompt they share it with; two tensor-parallel ranks against one."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from gguf_writer import write_gguf
+from hf_oracle import HFGreedy, check_close
+from model_utils import make_random_hf_model
+from transformers import AutoConfig, PretrainedConfig
+
+from pagellm import LLM, SamplingParams
+from pagellm.models.loader import default_model_path, load_hf_config
+from pagellm.models.shape import ModelShape
+
+_TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, max_position_embeddings=256, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def _config(model_type: str, **fields) -> Callable[[], PretrainedConfig]:
+    return lambda: AutoConfig.for_model(model_type, **{**_TINY, **fields})
+
+
+CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "qwen3.5": _config("qwen3_5_text"),
+    "qwen3.5-moe": _config("qwen3_5_moe_text", **_MOE),
+    "qwen3-next": _config("qwen3_next", **_MOE),
+}
+_MAX_TOKENS = 10
+
+
+@torch.inference_mode()
+def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> HFGreedy:
+    ids = list(prompt)
+    token_ids, tops = [], []
+    for _ in range(_MAX_TOKENS):
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+        values, top = logprobs.topk(5)
+        tops.append(dict(zip(top.tolist(), values.tolist())))
+        token_ids.append(int(top[0]))
+        ids.append(int(top[0]))
+    return HFGreedy(token_ids, tops)
+
+
+def _prompts() -> list[list[int]]:
+    """Four prompts longer than a 16-token chunk; the last three share a stem with the first, cut
+    inside a 4-token block (at 30, 41 and 37 tokens)."""
+    stem = [(5 * j + 3) % 120 + 3 for j in range(45)]
+    return [stem + [7, 8, 9], stem[:30] + [11, 12], stem[:41] + [21, 22, 23], stem[:37] + [1]]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory) -> tuple[str, Path, PretrainedConfig, list[HFGreedy]]:
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = make_random_hf_model(CONFIGS[request.param](), seed=1)
+    hf_model.save_pretrained(path)
+    return request.param, path, hf_model.config, [_hf_greedy(hf_model, p) for p in _prompts()]
+
+
+def _generate(model: Path, one_by_one: bool = False, **kwargs):
+    """Greedy outputs, and the engine's state cache after them."""
+    llm = LLM(model=str(model), tokenizer=default_model_path(), dtype="float32", max_model_len=96, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, logprobs=5, ignore_eos=True)
+        batches = [[p] for p in _prompts()] if one_by_one else [_prompts()]
+        outputs = [o for batch in batches for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
+        core = llm.llm_engine.core
+        return outputs, core.kv_cache_manager.state_cache, core.scheduler.num_preemptions
+    finally:
+        llm.shutdown()
+
+
+def test_engine_greedy_matches_transformers_under_chunks_and_preemption(checkpoint) -> None:
+    name, path, _, reference = checkpoint
+    # 24 blocks of 4 tokens hold one attention layer's KV for fewer tokens than the four prompts
+    # need together: requests are preempted and recomputed; 16 tokens a step chunk every prompt.
+    outputs, _, preemptions = _generate(path, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
+    assert preemptions > 0
+    for i, (ours, ref) in enumerate(zip(outputs, reference)):
+        check_close(ours, ref, f"{name} prompt {i}")
+
+
+def test_prefix_caching_resumes_state_and_equals_no_caching(checkpoint) -> None:
+    name, path, _, reference = checkpoint
+    kwargs = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=16, one_by_one=True, state_checkpoint_interval=16)
+    cached, state, _ = _generate(path, **kwargs)
+    plain, _, _ = _generate(path, enable_prefix_caching=False, **kwargs)
+    # The deepest saved state each time: every 16 tokens and where an earlier hit's KV ran further
+    # (28 after the second prompt, 40 after the third, past the fourth's 36-token reach).
+    assert [o.num_cached_tokens for o in cached] == [0, 16, 32, 32]
+    assert state.num_checkpoints_restored == 3
+    for i, (a, b, ref) in enumerate(zip(cached, plain, reference)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"{name} prompt {i}: caching changed the output"
+        check_close(a, ref, f"{name} prompt {i}")
+
+
+def test_gguf_file_matches_transformers(checkpoint, tmp_path: Path) -> None:
+    name, path, hf_config, reference = checkpoint
+    gguf_path = write_gguf(path, hf_config, tmp_path / "model.gguf")
+    config = load_hf_config(str(gguf_path))
+    assert ModelShape.from_hf_config(config) == ModelShape.from_hf_config(hf_config)
+    outputs, _, _ = _generate(gguf_path, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    for i, (ours, ref) in enumerate(zip(outputs, reference)):
+        check_close(ours, ref, f"{name} GGUF prompt {i}")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks_match_one(checkpoint) -> None:
+    name, path, _, _ = checkpoint
+    one, _, _ = _generate(path, num_kv_blocks=64)
+    two, _, _ = _generate(path, num_kv_blocks=64, tensor_parallel_size=2)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(x[k].logprob - y[k].logprob) < 1e-3 for k in x.keys() & y.keys()), name
+
+
+def test_speculative_decoding_is_refused_with_a_reason(checkpoint) -> None:
+    _, path, _, _ = checkpoint
+    with pytest.raises(ValueError, match="not supported for hybrid models"):
+        speculative_config = {"method": "ngram", "num_speculative_tokens": 2}
+        LLM(model=str(path), tokenizer=default_model_path(), dtype="float32", speculative_config=speculative_config)
