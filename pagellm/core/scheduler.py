@@ -29,6 +29,7 @@ from pagellm.core.sched_output import (
 )
 from pagellm.core.spec_decode_stats import SpecDecodingStats
 from pagellm.core.spec_planner import SpecDecodePlanner
+from pagellm.core.state_cache import StateCacheStats
 from pagellm.request import Request, RequestStatus
 from pagellm.speculative_config import SpeculativeConfig
 
@@ -50,6 +51,7 @@ class SchedulerStats:
     num_block_table_entries: int  # blocks running requests hold, all KV cache groups (null entries not counted)
     num_kv_cache_groups: int = 1
     spec_decoding: Optional[SpecDecodingStats] = None
+    state_cache: Optional[StateCacheStats] = None  # a hybrid model's recurrent state slots
 
 
 class Scheduler:
@@ -404,4 +406,5 @@ class Scheduler:
             num_block_table_entries=sum(kv.num_held_blocks(r.request_id) for r in self.running),
             num_kv_cache_groups=kv.num_kv_cache_groups,
             spec_decoding=self.spec.stats.copy() if self.spec is not None else None,
+            state_cache=kv.state_cache.stats() if getattr(kv, "state_cache", None) is not None else None,
         )

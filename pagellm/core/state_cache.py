@@ -30,6 +30,17 @@ from pagellm.request import Request
 
 
 @dataclass(frozen=True)
+class StateCacheStats:
+    """A snapshot of the slot pool; the two counts of checkpoints are cumulative."""
+
+    num_slots: int
+    num_live: int  # slots of running requests
+    num_checkpoints: int  # saved states a prefix can resume from
+    num_checkpoints_written: int
+    num_checkpoints_restored: int
+
+
+@dataclass(frozen=True)
 class StateStep:
     """What the runner does with one request's state in one step."""
 
@@ -172,6 +183,11 @@ class StateCacheManager:
     def num_checkpoints(self) -> int:
         """Saved states a prefix can resume from (free and findable)."""
         return self.pool.num_cached_free_blocks
+
+    def stats(self) -> StateCacheStats:
+        return StateCacheStats(
+            self.num_slots, len(self.live), self.num_checkpoints, self.num_checkpoints_written, self.num_checkpoints_restored
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache() if not self.live else False

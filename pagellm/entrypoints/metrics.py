@@ -61,6 +61,16 @@ class EngineMetrics:
         self.kv_cache_bytes = gauge("pagellm:kv_cache_bytes", "Bytes of the KV cache.")
         self.kv_cache_tokens = gauge("pagellm:kv_cache_tokens", "Tokens the KV cache holds.")
         self.activation_bytes = gauge("pagellm:activation_reserve_bytes", "Bytes planned for one step's activations.")
+        # A hybrid model's recurrent state (pagellm.core.state_cache): slots carved from the KV cache's bytes.
+        self.state_cache_bytes = gauge("pagellm:state_cache_bytes", "Bytes of the recurrent state slots (part of pagellm:kv_cache_bytes).")
+        self.state_slots = gauge("pagellm:state_slots", "Recurrent state slots (live requests' and prefix-cache checkpoints).")
+        self.state_slots_live = gauge("pagellm:state_slots_live", "Recurrent state slots held by running requests.")
+        self.state_checkpoints = gauge("pagellm:state_checkpoints", "Saved recurrent states that a prefix-cache hit can resume from.")
+        self.state_checkpoint_bytes = gauge("pagellm:state_checkpoint_bytes", "Bytes held by saved recurrent states (checkpoints).")
+        self.state_checkpoints_saved = counter("pagellm:state_checkpoints_saved", "Recurrent states saved at block boundaries.")
+        self.state_checkpoints_restored = counter("pagellm:state_checkpoints_restored", "Prefix-cache hits resumed from a saved state.")
+        self._state_slot_bytes = 0
+        self._seen_saved = self._seen_restored = 0
         # vLLM's cache_config_info: 1, with what the cache holds as a label.
         self._cache_config_info = Gauge(
             "pagellm:cache_config_info", "Information of the KV cache configuration.", ["model_name", "cache_dtype"], registry=reg
@@ -110,6 +120,9 @@ class EngineMetrics:
         self.kv_cache_bytes.set(plan.kv_cache_bytes)
         self.kv_cache_tokens.set(plan.kv_cache_tokens)
         self.activation_bytes.set(plan.activation_bytes)
+        self.state_cache_bytes.set(plan.state_bytes)
+        self.state_slots.set(plan.num_state_slots)
+        self._state_slot_bytes = plan.state_bytes // plan.num_state_slots if plan.num_state_slots else 0
         self._cache_config_info.labels(self._model_name, plan.kv_cache_dtype or "unknown").set(1)
 
     def record_step(self, engine_stats: EngineStats, now: float) -> None:
@@ -128,6 +141,14 @@ class EngineMetrics:
         self._interval_hits += new_hits
         if stats.spec_decoding is not None:
             self._record_spec_decoding(stats.spec_decoding)
+        state = stats.state_cache
+        if state is not None:
+            self.state_slots_live.set(state.num_live)
+            self.state_checkpoints.set(state.num_checkpoints)
+            self.state_checkpoint_bytes.set(state.num_checkpoints * self._state_slot_bytes)
+            self.state_checkpoints_saved.inc(state.num_checkpoints_written - self._seen_saved)
+            self.state_checkpoints_restored.inc(state.num_checkpoints_restored - self._seen_restored)
+            self._seen_saved, self._seen_restored = state.num_checkpoints_written, state.num_checkpoints_restored
         if now - self._last_log_time >= self.log_interval_s:
             busy = stats.num_running_reqs or stats.num_waiting_reqs or self._interval_generation_tokens
             if busy:

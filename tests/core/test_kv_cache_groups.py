@@ -64,7 +64,7 @@ def test_bad_layouts_are_refused():
         group_layers([0, None])
     with pytest.raises(ValueError, match="at least one layer"):
         group_layers([])
-    with pytest.raises(ValueError, match="cover layers"):
+    with pytest.raises(ValueError, match="cover the attention layers"):
         KVCacheLayout((KVCacheGroupSpec((0,)),), 1, 2)
 
 
@@ -137,3 +137,14 @@ def test_random_workloads_read_the_right_keys(layout, requests, num_blocks, bloc
     for i, (prompt, max_tokens, _, _) in enumerate(requests):
         if str(i) not in aborted:
             assert outputs[str(i)] == expected_output(prompt, min(max_tokens, max_model_len - len(prompt)))
+
+
+def test_a_hybrid_models_recurrent_layers_are_the_state_kind_beside_its_attention_groups():
+    layout = group_layers([None] * 8, state_layer_ids=(0, 1, 2, 4, 5, 6))
+    assert [g.layer_ids for g in layout.groups] == [(3, 7)]
+    assert layout.state_layer_ids == (0, 1, 2, 4, 5, 6) and layout.has_state and not layout.plain
+    assert layout.layer_group_ids == (-1, -1, -1, 0, -1, -1, -1, 0)
+    assert layout.layer_tensor_ids == (0, 1, 2, 0, 3, 4, 5, 1)  # attention: KV tensor; recurrent: state tensors
+    assert "6 recurrent layers" in layout.describe()
+    with pytest.raises(ValueError, match="at least one attention layer"):
+        group_layers([None] * 2, state_layer_ids=(0, 1))

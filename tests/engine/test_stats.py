@@ -55,3 +55,25 @@ def test_metrics_advance_by_the_difference_of_cumulative_counters():
     assert value("pagellm:num_requests_waiting") == 0
     assert value("pagellm:kv_cache_usage_perc") == 0.25
     assert dataclasses.replace(later) == later  # snapshots are plain frozen values
+
+
+def test_a_hybrid_models_state_slots_and_checkpoints_are_metrics():
+    from pagellm.core.state_cache import StateCacheStats
+    from pagellm.plan.memory_plan import MemoryPlan
+
+    registry = CollectorRegistry()
+    metrics = EngineMetrics("m", registry=registry)
+
+    def value(name: str) -> float:
+        return registry.get_sample_value(name, {"model_name": "m"})
+
+    metrics.record_memory_plan(MemoryPlan(0, 0, 10 << 20, 0, None, state_bytes=8 << 20, num_state_slots=8))
+    metrics.record_step(EngineStats(scheduler_stats(state_cache=StateCacheStats(8, 2, 3, 5, 1))), 0.0)
+    metrics.record_step(EngineStats(scheduler_stats(state_cache=StateCacheStats(8, 1, 4, 7, 4))), 0.1)
+    assert value("pagellm:state_cache_bytes") == 8 << 20
+    assert value("pagellm:state_slots") == 8
+    assert value("pagellm:state_slots_live") == 1
+    assert value("pagellm:state_checkpoints") == 4
+    assert value("pagellm:state_checkpoint_bytes") == 4 << 20
+    assert value("pagellm:state_checkpoints_saved_total") == 7
+    assert value("pagellm:state_checkpoints_restored_total") == 4
