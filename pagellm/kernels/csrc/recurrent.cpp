@@ -24,9 +24,9 @@
 namespace pagellm {
 namespace {
 
-constexpr int kTileVecs = 2;              // value columns per state tile, in vectors
-constexpr int kTile = kTileVecs * W;      // 32 floats with AVX-512, 16 with AVX2
-constexpr int64_t kConvBlock = 8 * W;     // channels per convolution work item
+constexpr int kTileVecs = 2;               // value columns per state tile, in vectors
+constexpr int kTile = kTileVecs * W;       // 32 floats with AVX-512, 16 with AVX2
+constexpr int64_t kConvBlock = 8 * W;      // channels per convolution work item
 constexpr int64_t kParallelMin = 1 << 17;  // state or input elements below which one thread runs the call
 
 inline float to_float(float x) { return x; }
@@ -49,15 +49,17 @@ void dispatch_float_bf16(at::ScalarType dtype, Fn&& fn) {
 struct SeqMeta {
   std::vector<int64_t> starts, slots, cp_begin;  // cp_begin[i]..cp_begin[i + 1]: sequence i's checkpoint rows
   std::vector<bool> initial;
-  const int64_t* cps = nullptr;                  // [M, 3] rows (sequence, offset, slot)
+  const int64_t* cps = nullptr;  // [M, 3] rows (sequence, offset, slot)
   int64_t num_seqs = 0;
 };
 
 SeqMeta read_meta(const at::Tensor& query_start_loc, const at::Tensor& slot_ids, const at::Tensor& has_initial_state,
                   const at::Tensor& checkpoints, int64_t num_tokens, int64_t num_slots, const char* op) {
-  TORCH_CHECK_VALUE(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous() && query_start_loc.dim() == 1,
-                    op, ": query_start_loc must be a contiguous int64 vector");
-  TORCH_CHECK_VALUE(slot_ids.scalar_type() == at::kLong && slot_ids.is_contiguous(), op, ": slot_ids must be contiguous int64");
+  TORCH_CHECK_VALUE(
+      query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous() && query_start_loc.dim() == 1, op,
+      ": query_start_loc must be a contiguous int64 vector");
+  TORCH_CHECK_VALUE(slot_ids.scalar_type() == at::kLong && slot_ids.is_contiguous(), op,
+                    ": slot_ids must be contiguous int64");
   TORCH_CHECK_VALUE(has_initial_state.scalar_type() == at::kBool && has_initial_state.is_contiguous(), op,
                     ": has_initial_state must be contiguous bool");
   TORCH_CHECK_VALUE(checkpoints.scalar_type() == at::kLong && checkpoints.is_contiguous() && checkpoints.dim() == 2 &&
@@ -85,9 +87,11 @@ SeqMeta read_meta(const at::Tensor& query_start_loc, const at::Tensor& slot_ids,
   int64_t prev_seq = -1, prev_off = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = m.cps[3 * r], o = m.cps[3 * r + 1], s = m.cps[3 * r + 2];
-    TORCH_CHECK_VALUE(i >= 0 && i < m.num_seqs && o >= 1 && o <= m.starts[i + 1] - m.starts[i] && s >= 0 && s < num_slots, op,
-                      ": checkpoint row ", r, " out of range");
-    TORCH_CHECK_VALUE(i > prev_seq || (i == prev_seq && o >= prev_off), op, ": checkpoints must be sorted by (sequence, offset)");
+    TORCH_CHECK_VALUE(
+        i >= 0 && i < m.num_seqs && o >= 1 && o <= m.starts[i + 1] - m.starts[i] && s >= 0 && s < num_slots, op,
+        ": checkpoint row ", r, " out of range");
+    TORCH_CHECK_VALUE(i > prev_seq || (i == prev_seq && o >= prev_off), op,
+                      ": checkpoints must be sorted by (sequence, offset)");
     prev_seq = i;
     prev_off = o;
     m.cp_begin[i + 1] += 1;
@@ -101,8 +105,8 @@ SeqMeta read_meta(const at::Tensor& query_start_loc, const at::Tensor& slot_ids,
 // One sequence's channels [c0, c0 + cw) through all its tokens, with a ring of the last K inputs
 // (float32, kConvBlock wide, zero-padded past cw): each input row is converted once.
 template <typename T>
-void conv_block(T* out, const T* x, const float* w, const float* bias, T* state, const SeqMeta& m, int64_t i, int64_t c0,
-                int64_t C, int64_t K, bool silu_on, float* win) {
+void conv_block(T* out, const T* x, const float* w, const float* bias, T* state, const SeqMeta& m, int64_t i,
+                int64_t c0, int64_t C, int64_t K, bool silu_on, float* win) {
   const int64_t cw = std::min(kConvBlock, C - c0), a = m.starts[i], L = m.starts[i + 1] - a, H = K - 1;
   auto row = [&](int64_t pos) { return win + (((pos % K) + K) % K) * kConvBlock; };  // input at token position pos
   std::memset(win, 0, sizeof(float) * K * kConvBlock);
@@ -152,21 +156,23 @@ void conv_block(T* out, const T* x, const float* w, const float* bias, T* state,
   save(L, m.slots[i]);
 }
 
-void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                   at::Tensor& conv_state, const at::Tensor& query_start_loc, const at::Tensor& slot_ids,
-                   const at::Tensor& has_initial_state, const at::Tensor& checkpoints, bool silu_on) {
+void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                   const c10::optional<at::Tensor>& bias, at::Tensor& conv_state, const at::Tensor& query_start_loc,
+                   const at::Tensor& slot_ids, const at::Tensor& has_initial_state, const at::Tensor& checkpoints,
+                   bool silu_on) {
   const char* op = "causal_conv1d";
   TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() &&
                         out.scalar_type() == x.scalar_type(),
                     op, ": x and out must be contiguous [T, C] tensors of one dtype");
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+                    ": x must be float32 or bfloat16");
   const int64_t T = x.size(0), C = x.size(1);
-  TORCH_CHECK_VALUE(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 && weight.size(1) == C &&
-                        weight.size(0) >= 1 && weight.size(0) <= 16,
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
+                        weight.size(1) == C && weight.size(0) >= 1 && weight.size(0) <= 16,
                     op, ": weight must be a contiguous float32 [K, C] tensor, K <= 16");
   const int64_t K = weight.size(0);
-  TORCH_CHECK_VALUE(conv_state.scalar_type() == x.scalar_type() && conv_state.is_contiguous() && conv_state.dim() == 3 &&
-                        conv_state.size(1) == K - 1 && conv_state.size(2) == C,
+  TORCH_CHECK_VALUE(conv_state.scalar_type() == x.scalar_type() && conv_state.is_contiguous() &&
+                        conv_state.dim() == 3 && conv_state.size(1) == K - 1 && conv_state.size(2) == C,
                     op, ": conv_state must be a contiguous [S, K - 1, C] tensor in x's dtype");
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -188,7 +194,8 @@ void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
       std::vector<float> win(K * kConvBlock);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < items; ++item) {
-        conv_block<scalar_t>(o, xp, w, b, st, m, item / blocks, (item % blocks) * kConvBlock, C, K, silu_on, win.data());
+        conv_block<scalar_t>(o, xp, w, b, st, m, item / blocks, (item % blocks) * kConvBlock, C, K, silu_on,
+                             win.data());
       }
     }
   });
@@ -198,8 +205,8 @@ void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
 
 // q and k as float32, L2-normalised (eps 1e-6, transformers' l2norm) when asked, q times scale; qk = q.k.
 template <typename T>
-void prepare_qk(const T* q, const T* k, float* qn, float* kn, float* qk, int64_t rows, int64_t D, float scale, bool l2norm,
-                bool parallel) {
+void prepare_qk(const T* q, const T* k, float* qn, float* kn, float* qk, int64_t rows, int64_t D, float scale,
+                bool l2norm, bool parallel) {
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t r = 0; r < rows; ++r) {
     const T* qr = q + r * D;
@@ -213,7 +220,8 @@ void prepare_qk(const T* q, const T* k, float* qn, float* kn, float* qk, int64_t
       sq += qo[d] * qo[d];
       sk += ko[d] * ko[d];
     }
-    const float iq = (l2norm ? 1.0f / std::sqrt(sq + 1e-6f) : 1.0f) * scale, ik = l2norm ? 1.0f / std::sqrt(sk + 1e-6f) : 1.0f;
+    const float iq = (l2norm ? 1.0f / std::sqrt(sq + 1e-6f) : 1.0f) * scale,
+                ik = l2norm ? 1.0f / std::sqrt(sk + 1e-6f) : 1.0f;
     float dot = 0.f;
     for (int64_t d = 0; d < D; ++d) {
       qo[d] *= iq;
@@ -330,9 +338,10 @@ void gdr_tile(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i,
   save(m.slots[i]);
 }
 
-void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                      const at::Tensor& beta, at::Tensor& state, const at::Tensor& query_start_loc, const at::Tensor& slot_ids,
-                      const at::Tensor& has_initial_state, const at::Tensor& checkpoints, double scale, bool use_qk_l2norm) {
+void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, const at::Tensor& query_start_loc,
+                      const at::Tensor& slot_ids, const at::Tensor& has_initial_state, const at::Tensor& checkpoints,
+                      double scale, bool use_qk_l2norm) {
   const char* op = "gated_delta_rule";
   for (const at::Tensor* t : {&q, &k, &v, static_cast<const at::Tensor*>(&out)}) {
     TORCH_CHECK_VALUE(t->dim() == 3 && t->is_contiguous() && t->device().is_cpu() &&
@@ -340,15 +349,19 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                       op, ": q, k, v and out must be contiguous 3-D float32 or bfloat16 CPU tensors");
   }
   const int64_t T = q.size(0), Hk = q.size(1), Dk = q.size(2), Hv = v.size(1), Dv = v.size(2);
-  TORCH_CHECK_VALUE(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), op, ": k must be shaped and typed like q");
-  TORCH_CHECK_VALUE(v.size(0) == T && Hk > 0 && Hv % Hk == 0, op, ": v must be [T, Hv, Dv] with Hv a multiple of q's heads");
-  TORCH_CHECK_VALUE(out.sizes() == v.sizes() && out.scalar_type() == v.scalar_type(), op, ": out must be shaped and typed like v");
+  TORCH_CHECK_VALUE(k.sizes() == q.sizes() && k.scalar_type() == q.scalar_type(), op,
+                    ": k must be shaped and typed like q");
+  TORCH_CHECK_VALUE(v.size(0) == T && Hk > 0 && Hv % Hk == 0, op,
+                    ": v must be [T, Hv, Dv] with Hv a multiple of q's heads");
+  TORCH_CHECK_VALUE(out.sizes() == v.sizes() && out.scalar_type() == v.scalar_type(), op,
+                    ": out must be shaped and typed like v");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta}) {
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T && t->size(1) == Hv,
-                      op, ": g and beta must be contiguous float32 [T, Hv] tensors");
+    TORCH_CHECK_VALUE(
+        t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T && t->size(1) == Hv,
+        op, ": g and beta must be contiguous float32 [T, Hv] tensors");
   }
-  TORCH_CHECK_VALUE(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 && state.size(1) == Hv &&
-                        state.size(2) == Dk && state.size(3) == Dv,
+  TORCH_CHECK_VALUE(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
+                        state.size(1) == Hv && state.size(2) == Dk && state.size(3) == Dv,
                     op, ": state must be a contiguous float32 [S, Hv, Dk, Dv] tensor");
   const SeqMeta m = read_meta(query_start_loc, slot_ids, has_initial_state, checkpoints, T, state.size(0), op);
 
@@ -358,10 +371,20 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
   dispatch_float_bf16(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     prepare_qk<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), qn.data_ptr<float>(), kn.data_ptr<float>(),
-                         qk.data_ptr<float>(), T * Hk, Dk, static_cast<float>(scale), use_qk_l2norm, T * Hk * Dk >= kParallelMin);
+                         qk.data_ptr<float>(), T * Hk, Dk, static_cast<float>(scale), use_qk_l2norm,
+                         T * Hk * Dk >= kParallelMin);
   });
-  const GdrArgs p{qn.data_ptr<float>(), kn.data_ptr<float>(), qk.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(),
-                  state.data_ptr<float>(), Hk, Hv, Dk, Dv, Hv / Hk};
+  const GdrArgs p{qn.data_ptr<float>(),
+                  kn.data_ptr<float>(),
+                  qk.data_ptr<float>(),
+                  g.data_ptr<float>(),
+                  beta.data_ptr<float>(),
+                  state.data_ptr<float>(),
+                  Hk,
+                  Hv,
+                  Dk,
+                  Dv,
+                  Hv / Hk};
   const int64_t tiles = (Dv + kTile - 1) / kTile, per_seq = Hv * tiles, items = m.num_seqs * per_seq;
   int64_t work = 0;  // state elements touched, one pass per token
   for (int64_t i = 0; i < m.num_seqs; ++i) work += std::max<int64_t>(1, m.starts[i + 1] - m.starts[i]) * Hv * Dk * Dv;
@@ -369,9 +392,8 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
   // Longest sequences first, so that the dynamic schedule does not end on one long item.
   std::vector<int64_t> order(m.num_seqs);
   for (int64_t i = 0; i < m.num_seqs; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return m.starts[x + 1] - m.starts[x] > m.starts[y + 1] - m.starts[y];
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return m.starts[x + 1] - m.starts[x] > m.starts[y + 1] - m.starts[y]; });
   dispatch_float_bf16(v.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* vp = v.data_ptr<scalar_t>();
@@ -394,7 +416,8 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
 
 TORCH_LIBRARY(pagellm_recurrent, m) {
   m.def(
-      "causal_conv1d(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, Tensor(b!) conv_state, Tensor query_start_loc, "
+      "causal_conv1d(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, Tensor(b!) conv_state, Tensor "
+      "query_start_loc, "
       "Tensor slot_ids, Tensor has_initial_state, Tensor checkpoints, bool silu) -> ()");
   m.def(
       "gated_delta_rule(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(b!) state, "
