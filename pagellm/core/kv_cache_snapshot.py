@@ -18,6 +18,13 @@ with ``groups`` saying what each group is (its window and layers); a block's own
 in every group. Entries a window has left behind point to the pool's null block (id 0), which
 shows as free.
 
+A hybrid model's recurrent state slots (``kv_cache_manager.state_cache``, a second ``BlockPool``)
+are mirrored the same way, from that pool's own dirty ids, under the snapshot's ``state`` key (absent
+for a model without recurrent layers). A slot's state byte (``slot_code``): 0 free, 1 checkpoint (a
+saved state, findable by the hash of the block it ends at, evictable), 2 live (a running request's
+state), 3 saving (held, but no request's live slot: a checkpoint the scheduled step is writing;
+never seen between steps). ``state.owners`` maps each running request to its live slot.
+
 Privacy: token text appears only when a ``decode`` function is given (``--dashboard-show-text``).
 Without one, the snapshot holds token counts, block ids and hash prefixes, never token ids or text.
 """
@@ -35,6 +42,19 @@ FREE, CACHED = 0, 1
 STATE_NAMES = ("free", "cached", "used", "shared")  # the legend's four states
 TEXT_PREVIEW_TOKENS = 48  # prompt tokens shown per request with --dashboard-show-text
 HASH_PREFIX_BYTES = 6
+
+
+SLOT_FREE, SLOT_CHECKPOINT, SLOT_LIVE, SLOT_SAVING = 0, 1, 2, 3
+SLOT_STATE_NAMES = ("free", "checkpoint", "live", "saving")  # indexed by slot_code
+
+
+def slot_code(slot: KVCacheBlock, owned: bool) -> int:
+    """A state slot's state byte; ``owned``: it is a running request's live slot."""
+    if slot.block_hash is not None:
+        return SLOT_CHECKPOINT  # free and findable, or held for a step while a restore copies it
+    if slot.ref_cnt == 0:
+        return SLOT_FREE
+    return SLOT_LIVE if owned else SLOT_SAVING
 
 
 def block_code(block: KVCacheBlock) -> int:
@@ -82,6 +102,23 @@ class KVCacheSnapshotter:
         self._requests: list[dict[str, Any]] = []
         self._request_keys: list[tuple] = []
         self._text_cache: dict[str, str] = {}
+        # A hybrid model's state slots: one byte per slot, each request's live slot as last sent
+        # (the engine's slot object, held so its identity means what it meant), the slot -> owner map.
+        self.state_cache = getattr(kv_cache_manager, "state_cache", None)
+        if self.state_cache is not None:
+            state = self.state_cache
+            state.pool.take_dirty_block_ids()  # the scan below reads everything
+            self._live_sent: dict[str, KVCacheBlock] = dict(state.live)
+            self._slot_owner: dict[int, str] = {slot.block_id: req_id for req_id, slot in state.live.items()}
+            self.slot_codes = bytearray(slot_code(b, b.block_id in self._slot_owner) for b in state.pool.blocks)
+            self.slot_counts = [0, 0, 0, 0]
+            for code in self.slot_codes:
+                self.slot_counts[code] += 1
+            info = self.cache_info
+            self.slot_bytes: Optional[int] = (
+                info["state_bytes"] // info["state_slots"] if info.get("state_slots") and "state_bytes" in info else None
+            )
+            self._sent_slot_counts = self.slot_state_counts()
 
     @property
     def num_blocks(self) -> int:
@@ -110,6 +147,10 @@ class KVCacheSnapshotter:
                     diff.setdefault("group_tables_removed", {})[str(group_id)] = removed
         if self._poll_requests():
             diff["requests"] = self._requests
+        if self.state_cache is not None:
+            state = self._poll_state()
+            if state:
+                diff["state"] = state
         if not diff:
             return None
         self.version += 1
@@ -134,6 +175,59 @@ class KVCacheSnapshotter:
                 counts[state_index(code)] += 1
                 changes.append([block_id, code])
         return changes
+
+    def _poll_state(self) -> dict[str, Any]:
+        """The state slots' changes: ``slots`` ``[[id, code], ...]``, ``owners`` (request -> its
+        new live slot), ``owners_removed``, and ``counts`` whenever anything changed."""
+        state = self.state_cache
+        pool = state.pool
+        dirty = pool.take_dirty_block_ids()
+        owners: dict[str, int] = {}
+        sent, owner_of = self._live_sent, self._slot_owner
+        for req_id, slot in state.live.items():
+            old = sent.get(req_id)
+            if old is slot:
+                continue
+            if old is not None:
+                dirty.add(old.block_id)
+                if owner_of.get(old.block_id) == req_id:
+                    del owner_of[old.block_id]
+            sent[req_id] = slot
+            owner_of[slot.block_id] = req_id
+            owners[req_id] = slot.block_id
+            dirty.add(slot.block_id)
+        removed = [req_id for req_id in sent if req_id not in state.live]
+        for req_id in removed:
+            old = sent.pop(req_id)
+            dirty.add(old.block_id)
+            if owner_of.get(old.block_id) == req_id:
+                del owner_of[old.block_id]
+        changes = []
+        if dirty:
+            blocks, codes, counts = pool.blocks, self.slot_codes, self.slot_counts
+            for slot_id in sorted(dirty):
+                code = slot_code(blocks[slot_id], slot_id in owner_of)
+                old_code = codes[slot_id]
+                if code != old_code:
+                    codes[slot_id] = code
+                    counts[old_code] -= 1
+                    counts[code] += 1
+                    changes.append([slot_id, code])
+        # The engine's counters can move with no slot changing state (a checkpoint held for a
+        # restore and released, a resume counted): they are sent whenever they differ.
+        slot_counts = self.slot_state_counts()
+        if not (changes or owners or removed or slot_counts != self._sent_slot_counts):
+            return {}
+        self._sent_slot_counts = slot_counts
+        out: dict[str, Any] = {}
+        if changes:
+            out["slots"] = changes
+        if owners:
+            out["owners"] = owners
+        if removed:
+            out["owners_removed"] = removed
+        out["counts"] = slot_counts
+        return out
 
     def _poll_tables(
         self, req_to_blocks: dict[str, list], sent: dict[str, tuple[list, int, int]]
@@ -209,6 +303,20 @@ class KVCacheSnapshotter:
         out["engine_used"] = pool.num_used_blocks
         return out
 
+    def slot_state_counts(self) -> dict[str, Any]:
+        """Slots per state in the mirror, the slot pool's own counters, the cumulative checkpoints
+        saved and resumed from, and bytes (per rank; None where the memory plan is not known)."""
+        state = self.state_cache
+        out: dict[str, Any] = dict(zip(SLOT_STATE_NAMES, self.slot_counts))
+        out["engine_live"] = len(state.live)
+        out["engine_checkpoints"] = state.num_checkpoints
+        out["engine_free"] = state.pool.num_free_blocks  # checkpoints included: they give way to new requests
+        out["written"] = state.num_checkpoints_written
+        out["restored"] = state.num_checkpoints_restored
+        out["slot_bytes"] = self.slot_bytes
+        out["checkpoint_bytes"] = self.slot_bytes * self.slot_counts[SLOT_CHECKPOINT] if self.slot_bytes is not None else None
+        return out
+
     def full(self) -> dict[str, Any]:
         """The whole mirrored state (call ``poll()`` first for an up-to-date one)."""
         def as_ids(sent: dict[str, tuple[list, int, int]]) -> dict[str, list[int]]:
@@ -229,6 +337,14 @@ class KVCacheSnapshotter:
         if len(self._group_tables) > 1:
             state["groups"] = self._describe_groups()
             state["group_tables"] = {str(g): as_ids(sent) for g, sent in enumerate(self._group_tables) if g > 0}
+        if self.state_cache is not None:
+            state["state"] = {
+                "num_slots": len(self.slot_codes),
+                "checkpoint_interval": self.state_cache.checkpoint_interval,
+                "codes": base64.b64encode(bytes(self.slot_codes)).decode("ascii"),
+                "owners": {req_id: slot.block_id for req_id, slot in self._live_sent.items()},
+                "counts": self.slot_state_counts(),
+            }
         return state
 
     def _describe_groups(self) -> list[dict[str, Any]]:
@@ -238,7 +354,31 @@ class KVCacheSnapshotter:
             return [{"window": None, "layers": []} for _ in self._group_tables]
         return [{"window": g.sliding_window, "layers": list(g.layer_ids)} for g in layout.groups]
 
-    # -- one block, on demand (hover) ------------------------------------------------------------------
+    # -- one block or state slot, on demand (hover) ---------------------------------------------------
+
+    def describe_slot(self, slot_id: int) -> dict[str, Any]:
+        """A state slot's live state: its owner (a live slot), or for a checkpoint the hash prefix of
+        the block it ends at and that block's id while the KV pool still caches it."""
+        if self.state_cache is None:
+            raise ValueError("this model has no recurrent state slots")
+        state = self.state_cache
+        blocks = state.pool.blocks
+        if not 0 <= slot_id < len(blocks):
+            raise ValueError(f"slot id {slot_id} is out of range (0..{len(blocks) - 1})")
+        slot = blocks[slot_id]
+        owner = next((req_id for req_id, s in state.live.items() if s is slot), None)
+        out: dict[str, Any] = {
+            "id": slot_id,
+            "state": SLOT_STATE_NAMES[slot_code(slot, owner is not None)],
+            "ref_cnt": slot.ref_cnt,
+            "owner": owner,
+            "hash": slot.block_hash.hex()[: 2 * HASH_PREFIX_BYTES] if slot.block_hash is not None else None,
+            "kv_block": None,
+        }
+        if slot.block_hash is not None:
+            kv_block = self.kv_cache_manager.block_pool.get_cached_block(slot.block_hash)
+            out["kv_block"] = kv_block.block_id if kv_block is not None else None
+        return out
 
     def describe_block(self, block_id: int) -> dict[str, Any]:
         """A block's live state: owners, the tokens it holds (as text only with ``decode``), hash prefix."""

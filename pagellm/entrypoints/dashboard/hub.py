@@ -13,8 +13,8 @@ reads one server-sent-event stream, ``/dashboard/events``:
 One ``DashboardHub`` per app polls the engine a few times a second, only while a client is
 connected. Each poll runs on the engine thread between steps (``AsyncLLM.run_in_engine``), and
 reads only the blocks the pool marked dirty (``pagellm.core.kv_cache_snapshot``); serialization
-and fan-out to clients happen on the event loop. Hovering a block asks ``/dashboard/api/block/ID``,
-answered on the engine thread too.
+and fan-out to clients happen on the event loop. Hovering a block asks ``/dashboard/api/block/ID``
+(a hybrid model's state slot ``/dashboard/api/slot/ID``), answered on the engine thread too.
 
 With ``--api-key`` the dashboard needs the key like the API: ``Authorization: Bearer KEY``, or
 ``/dashboard?key=KEY`` once, which sets an HttpOnly cookie for the page and its stream and
@@ -198,6 +198,8 @@ class DashboardHub:
         cache_info = None
         if plan is not None:
             cache_info = {"dtype": plan.kv_cache_dtype, "bytes": plan.kv_cache_bytes, "tokens": plan.kv_cache_tokens}
+            if plan.num_state_slots:  # a hybrid model: its recurrent state slots' share of those bytes
+                cache_info.update(state_bytes=plan.state_bytes, state_slots=plan.num_state_slots)
         self._snapshotter = KVCacheSnapshotter(kv_cache_manager, scheduler, decode, cache_info)
         self._pending.clear()
         self._reset = True  # a new mirror: every client starts again from a full snapshot
@@ -226,6 +228,9 @@ class DashboardHub:
     def _describe_block(self, block_id: int, engine: Any) -> dict[str, Any]:
         return self._snap(engine).describe_block(block_id)
 
+    def _describe_slot(self, slot_id: int, engine: Any) -> dict[str, Any]:
+        return self._snap(engine).describe_slot(slot_id)
+
     # event loop --------------------------------------------------------------------------------------
 
     async def snapshot(self) -> dict[str, Any]:
@@ -233,6 +238,9 @@ class DashboardHub:
 
     async def describe_block(self, block_id: int) -> dict[str, Any]:
         return await self.async_llm.run_in_engine(lambda e: self._describe_block(block_id, e))
+
+    async def describe_slot(self, slot_id: int) -> dict[str, Any]:
+        return await self.async_llm.run_in_engine(lambda e: self._describe_slot(slot_id, e))
 
     async def stream(self) -> AsyncIterator[bytes]:
         client = _Client()

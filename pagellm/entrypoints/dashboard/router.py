@@ -80,4 +80,13 @@ def dashboard_router(hub: DashboardHub, server_state: ServerState) -> APIRouter:
             return unauthorized()
         return JSONResponse(await hub.describe_block(block_id))
 
+    @router.get("/dashboard/api/slot/{slot_id}")
+    async def dashboard_slot(slot_id: int, request: Request) -> Response:
+        if not authorized(request):
+            return unauthorized()
+        try:
+            return JSONResponse(await hub.describe_slot(slot_id))
+        except ValueError as e:  # no such slot, or a model without recurrent state
+            return error_response(str(e), 404)
+
     return router

@@ -1,6 +1,8 @@
 // pagellm dashboard: the block map (canvas), the queues and the charts, fed by /dashboard/events.
 // State bytes per block, as pagellm/core/kv_cache_snapshot.py sends them:
 //   0 free, 1 cached (free, still findable by prefix hash), n + 1 held by n requests (2 one, 3+ shared).
+// A hybrid model's recurrent state slots (the snapshot's `state`), one byte per slot:
+//   0 free, 1 checkpoint (a saved state, evictable), 2 live (a running request's), 3 being saved.
 (() => {
   'use strict';
 
@@ -25,6 +27,8 @@
     codes: new Uint8Array(0), counts: {}, tables: new Map(), requests: [],
     // A hybrid model's other KV cache groups: group id -> (request id -> block ids), and what each group is.
     groupTables: new Map(), groups: null,
+    // A hybrid model's state slots (null otherwise): codes, request id -> live slot, counts.
+    state: null,
     cell: 8, cols: 1, rows: 1, gap: 1, connected: false, events: 0,
   };
   window.dashboard = S; // for tests and the curious: the page's whole state
@@ -86,6 +90,97 @@
     S.lastDrawMs = performance.now() - t0;
   }
 
+  // ---- state slot map (a hybrid model's recurrent state) -------------------------------------------
+
+  const SLOT_NAMES = ['free', 'checkpoint', 'live', 'saving'];
+  const SLOT_PALETTE = ['#e6e9ee', '#9ecae1', '#41ab5d', '#ffd43b'];
+  const slotCanvas = $('slots');
+  const slotCtx = slotCanvas.getContext('2d', { alpha: false });
+  const slotWrap = $('slots-wrap');
+  const slotGeom = { cell: 16, cols: 1, rows: 1, gap: 1 };
+
+  function layoutSlots() {
+    const n = Math.max(1, S.state.numSlots);
+    const width = Math.max(120, slotWrap.clientWidth);
+    let cell = Math.floor(Math.sqrt((width * 200) / n));
+    cell = Math.max(2, Math.min(28, cell));
+    slotGeom.cell = cell;
+    slotGeom.gap = cell >= 6 ? 1 : 0;
+    slotGeom.cols = Math.max(1, Math.min(n, Math.floor(width / cell)));
+    slotGeom.rows = Math.ceil(n / slotGeom.cols);
+    const dpr = window.devicePixelRatio || 1;
+    slotCanvas.width = Math.round(slotGeom.cols * cell * dpr);
+    slotCanvas.height = Math.round(slotGeom.rows * cell * dpr);
+    slotCanvas.style.width = slotGeom.cols * cell + 'px';
+    slotCanvas.style.height = slotGeom.rows * cell + 'px';
+    slotCtx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  }
+
+  function drawSlot(i) {
+    const { cell, gap, cols } = slotGeom;
+    const x = (i % cols) * cell, y = Math.floor(i / cols) * cell;
+    slotCtx.fillStyle = '#ffffff';
+    slotCtx.fillRect(x, y, cell, cell);
+    slotCtx.fillStyle = SLOT_PALETTE[S.state.codes[i]] || '#000';
+    slotCtx.fillRect(x, y, cell - gap, cell - gap);
+  }
+
+  function drawSlots() {
+    slotCtx.fillStyle = '#ffffff';
+    slotCtx.fillRect(0, 0, slotGeom.cols * slotGeom.cell, slotGeom.rows * slotGeom.cell);
+    for (let i = 0; i < S.state.numSlots; i++) drawSlot(i);
+  }
+
+  function fmtBytes(b) {
+    if (b === null || b === undefined) return '–';
+    const units = ['B', 'KiB', 'MiB', 'GiB'];
+    let k = 0;
+    while (b >= 1024 && k < units.length - 1) { b /= 1024; k++; }
+    return `${k ? b.toFixed(b < 10 ? 2 : 1) : b} ${units[k]}`;
+  }
+
+  function renderStateCounts() {
+    const st = S.state;
+    if (!st) return;
+    const c = st.counts;
+    for (const name of SLOT_NAMES) $('slot-count-' + name).textContent = c[name];
+    $('slot-item-saving').hidden = !c.saving;
+    const parts = [
+      `saved <b>${c.written}</b> · resumed from <b>${c.restored}</b>`,
+      `<b>${fmtBytes(c.slot_bytes)}</b> per slot · checkpoints hold <b>${fmtBytes(c.checkpoint_bytes)}</b>`,
+    ];
+    $('state-stats').innerHTML = parts.map((p) => `<div>${p}</div>`).join('');
+    $('state-sub').textContent = `${st.numSlots} slots, a checkpoint every ${st.interval} tokens`;
+  }
+
+  function applyStateFull(state) {
+    const panel = $('state-panel');
+    if (!state) { S.state = null; panel.hidden = true; return; }
+    panel.hidden = false;
+    S.state = {
+      numSlots: state.num_slots, interval: state.checkpoint_interval, codes: decodeCodes(state.codes),
+      owners: new Map(Object.entries(state.owners)), counts: state.counts,
+    };
+    layoutSlots();
+    drawSlots();
+    renderStateCounts();
+  }
+
+  function applyStateDiff(d) {
+    const st = S.state;
+    if (!st) return;
+    for (const [id, code] of d.slots || []) { st.codes[id] = code; drawSlot(id); }
+    for (const [rid, slot] of Object.entries(d.owners || {})) st.owners.set(rid, slot);
+    for (const rid of d.owners_removed || []) st.owners.delete(rid);
+    if (d.counts) st.counts = d.counts;
+    renderStateCounts();
+  }
+
+  function slotOwner(id) {
+    for (const [rid, slot] of S.state.owners) if (slot === id) return rid;
+    return null;
+  }
+
   // ---- the stream ----------------------------------------------------------------------------------
 
   function decodeCodes(b64) {
@@ -107,7 +202,9 @@
     S.groupTables = new Map(Object.entries(full.group_tables || {}).map(([g, t]) => [g, new Map(Object.entries(t))]));
     S.requests = full.requests;
     S.counts = full.counts;
-    if (resized || !S.laidOut) { layout(); S.laidOut = true; }
+    const hadState = S.state !== null;
+    applyStateFull(full.state || null);  // first: the panel beside the map takes its width
+    if (resized || !S.laidOut || hadState !== (S.state !== null)) { layout(); S.laidOut = true; }
     drawAll();
     renderCounts();
     renderQueues();
@@ -136,6 +233,7 @@
       if (tables) for (const rid of removed) tables.delete(rid);
     }
     if (d.requests) S.requests = d.requests;
+    if (d.state) applyStateDiff(d.state);
     S.counts = d.counts;
     renderCounts();
     scheduleQueues();
@@ -234,6 +332,13 @@
           n.textContent = ` ${ids.length}`;
           line.append(n);
         }
+        const slot = S.state ? S.state.owners.get(r.id) : undefined;
+        if (slot !== undefined) {
+          const tag = document.createElement('span');
+          tag.className = 'slot-tag';
+          tag.textContent = ` · state slot ${slot}`;
+          cellTd.append(tag);
+        }
         tr.append(cellTd);
         frag.append(tr);
         if (r.text !== undefined) {
@@ -310,6 +415,43 @@
   });
   canvas.addEventListener('mouseleave', () => { tip.hidden = true; hoverId = -1; });
 
+  const slotTip = $('slot-tip');
+  let hoverSlot = -1, slotTimer = 0;
+
+  function showSlotTip(id, detail) {
+    const code = S.state.codes[id];
+    const rows = [line('state slot', `#${id}  ${SLOT_NAMES[code] || code}`)];
+    const owner = slotOwner(id);
+    if (owner !== null) rows.push(line('request', shortId(owner)));
+    if (detail) {
+      if (detail.hash) rows.push(line('saved at block', detail.hash + '…' + (detail.kv_block !== null ? ` (KV block #${detail.kv_block})` : ' (KV evicted)')));
+    }
+    slotTip.replaceChildren(...rows);
+    slotTip.hidden = false;
+  }
+
+  slotCanvas.addEventListener('mousemove', (ev) => {
+    if (!S.state) return;
+    const rect = slotCanvas.getBoundingClientRect();
+    const x = ev.clientX - rect.left, y = ev.clientY - rect.top;
+    const col = Math.floor(x / slotGeom.cell), row = Math.floor(y / slotGeom.cell);
+    const id = row * slotGeom.cols + col;
+    if (col >= slotGeom.cols || id < 0 || id >= S.state.numSlots) { slotTip.hidden = true; hoverSlot = -1; return; }
+    slotTip.style.left = Math.max(0, Math.min(x + 14, slotWrap.clientWidth - 220)) + 'px';
+    slotTip.style.top = y + 14 + 'px';
+    if (id === hoverSlot) return;
+    hoverSlot = id;
+    showSlotTip(id, null);
+    clearTimeout(slotTimer);
+    slotTimer = setTimeout(async () => {
+      try {
+        const resp = await fetch(`/dashboard/api/slot/${id}`, { credentials: 'same-origin' });
+        if (resp.ok && hoverSlot === id) showSlotTip(id, await resp.json());
+      } catch (e) { /* the tooltip keeps what it had */ }
+    }, 120);
+  });
+  slotCanvas.addEventListener('mouseleave', () => { slotTip.hidden = true; hoverSlot = -1; });
+
   // ---- charts ----------------------------------------------------------------------------------------
 
   const series = { t: [] };
@@ -375,6 +517,7 @@
     if (!S.laidOut) return;
     layout();
     drawAll();
+    if (S.state) { layoutSlots(); drawSlots(); }
     for (const c of CHARTS) if (c.plot) c.plot.setSize({ width: Math.max(220, $(c.el).clientWidth - 4), height: 150 });
   });
 
