@@ -40,7 +40,7 @@ def run_once(llm, samples) -> dict[str, Any]:
             f"p{i}", {"prompt_token_ids": s.prompt_token_ids}, bench_sampling_params(s.output_len),
             RequestOutputKind.FINAL_ONLY, arrival_time=start,
         )
-    peak_blocks = 0
+    peak_blocks = peak_checkpoints = 0
     ttfts, finished = [], 0
     while engine.has_unfinished_requests():
         for out in llm._step_thread.submit(engine.step).result():
@@ -48,11 +48,22 @@ def run_once(llm, samples) -> dict[str, Any]:
                 finished += 1
                 ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
         peak_blocks = max(peak_blocks, engine.stats().scheduler.num_used_blocks)
+        state = engine.stats().scheduler.state_cache
+        if state is not None:
+            peak_checkpoints = max(peak_checkpoints, state.num_checkpoints)
     elapsed = time.monotonic() - start
     after = engine.stats().scheduler
     num_hits = after.prefix_cache_hits - before.prefix_cache_hits
     num_queries = after.prefix_cache_queries - before.prefix_cache_queries
     num_prompt_tokens = sum(s.prompt_len for s in samples)
+    hybrid = {}
+    if after.state_cache is not None:  # a hybrid model: the recurrent states prefix caching saved
+        slot_bytes = engine.core.kv_cache_plan.state_slot_bytes
+        hybrid = {
+            "state_checkpoints_saved": after.state_cache.num_checkpoints_written - before.state_cache.num_checkpoints_written,
+            "state_checkpoints_restored": after.state_cache.num_checkpoints_restored - before.state_cache.num_checkpoints_restored,
+            "peak_state_checkpoint_bytes": peak_checkpoints * slot_bytes,
+        }
     return {
         "num_requests": finished,
         "prompt_tokens": num_prompt_tokens,
@@ -63,6 +74,7 @@ def run_once(llm, samples) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "mean_ttft_s": sum(ttfts) / len(ttfts),
         "output_throughput": sum(s.output_len for s in samples) / elapsed,
+        **hybrid,
     }
 
 
@@ -94,5 +106,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"{title:<28}{fmt.format(results['with_cache'][key]):>14}{fmt.format(results['without_cache'][key]):>16}")
     print(f"Cache hits: {results['with_cache']['prompt_tokens_from_cache']} of ideal {ideal} "
           f"({100 * results['fraction_of_ideal']:.1f}%)")
+    if "state_checkpoints_saved" in results["with_cache"]:
+        r = results["with_cache"]
+        print(f"Recurrent states: {r['state_checkpoints_saved']} saved, {r['state_checkpoints_restored']} resumed from, "
+              f"peak {r['peak_state_checkpoint_bytes'] / 2**20:.1f} MiB held")
     save_result(results, args, "prefix-cache")
     return 0

@@ -30,7 +30,8 @@ class RequestKVUsage:
     """The KV cache one request holds now, all KV cache groups together."""
 
     num_blocks: int  # pool blocks (a prefix block shared with others counts for each holder)
-    num_bytes: int
+    num_bytes: int  # the blocks' bytes, and a hybrid model's live state slot
+    num_state_bytes: int = 0  # of num_bytes, the recurrent state
 
 
 class EngineCore:
@@ -222,4 +223,6 @@ class EngineCore:
     def request_kv_usage(self, request_id: str) -> RequestKVUsage:
         """What one request holds in the KV cache now (nothing once it finished or was preempted)."""
         num_blocks = self.kv_cache_manager.num_held_blocks(request_id)
-        return RequestKVUsage(num_blocks, num_blocks * self.kv_block_bytes)
+        state = getattr(self.kv_cache_manager, "state_cache", None)
+        state_bytes = self.kv_cache_plan.state_slot_bytes if state is not None and state.has_live_slot(request_id) else 0
+        return RequestKVUsage(num_blocks, num_blocks * self.kv_block_bytes + state_bytes, state_bytes)

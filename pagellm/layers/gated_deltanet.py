@@ -22,7 +22,7 @@ from torch import nn
 
 from pagellm.attention.state_metadata import StateMetadata
 from pagellm.distributed.parallel_state import get_tp_group
-from pagellm.kernels import recurrent
+from pagellm.kernels import ops, recurrent
 from pagellm.layers.gguf_types import GGUFWeight
 from pagellm.layers.linear import Linear, TPSplit, narrow
 from pagellm.layers.linear_method import WeightSource
@@ -102,9 +102,10 @@ class GatedRMSNorm(nn.Module):
         return [] if self.loaded else ["weight"]
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float() * F.silu(z.float())).to(x.dtype)
+        y = ops.rms_norm(x, self.weight, self.eps)  # transformers' order: normalised, cast, times w
+        if y.dtype == torch.float32:
+            return y.mul_(F.silu(z))
+        return (y.float() * F.silu(z.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
