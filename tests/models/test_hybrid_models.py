@@ -115,10 +115,13 @@ def test_gguf_file_matches_transformers(checkpoint, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_two_ranks_match_one(checkpoint) -> None:
-    name, path, _, _ = checkpoint
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_tensor_parallel_two_ranks_match_one(checkpoint, source: str, tmp_path: Path) -> None:
+    name, path, hf_config, _ = checkpoint
+    if source == "gguf":
+        path = write_gguf(path, hf_config, tmp_path / "model.gguf")
     one, _, _ = _generate(path, num_kv_blocks=64)
-    two, _, _ = _generate(path, num_kv_blocks=64, tensor_parallel_size=2)
+    two, _, _ = _generate(path, num_kv_blocks=64, tensor_parallel_size=2, block_size=4, max_num_batched_tokens=16)
     for a, b in zip(one, two):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
