@@ -35,6 +35,14 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
+        "--num-state-slots", type=int, default=None,
+        help="hybrid models: recurrent state slots (running requests' and prefix-cache checkpoints), from the KV budget (default: planned)",
+    )
+    parser.add_argument(
+        "--state-checkpoint-interval", type=int, default=512,
+        help="hybrid models: tokens between the recurrent state checkpoints prefix caching saves (a multiple of --block-size)",
+    )
+    parser.add_argument(
         "--packed-weight-cache",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -132,6 +140,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory_bytes=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
+        num_state_slots=args.num_state_slots,
+        state_checkpoint_interval=args.state_checkpoint_interval,
         packed_weight_cache=args.packed_weight_cache,
         seed=args.seed,
         dtype=args.dtype,

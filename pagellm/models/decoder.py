@@ -216,7 +216,10 @@ class CausalLM(nn.Module):
                 value = tensor.dequantize() if isinstance(tensor, GGUFWeight) else tensor
                 if value.numel() != 1:
                     raise ValueError(f"checkpoint KV cache scale {name!r} must hold one number, not {tuple(value.shape)}")
-                scales = self.attention_layers()[layer].kv_scales
+                attention = getattr(self.model.layers[layer], "self_attn", None)
+                if not isinstance(attention, Attention):  # a hybrid model's recurrent layer has no KV
+                    raise ValueError(f"checkpoint KV cache scale {name!r} is for a layer without attention")
+                scales = attention.kv_scales
                 scale = float(value.float().reshape(()))
                 scales.set(scale if "k" in which else scales.k_scale, scale if "v" in which else scales.v_scale)
                 return True

@@ -90,8 +90,11 @@ def test_engine_greedy_matches_transformers_under_chunks_and_preemption(checkpoi
         check_close(ours, ref, f"{name} prompt {i}")
 
 
-def test_prefix_caching_resumes_state_and_equals_no_caching(checkpoint) -> None:
-    name, path, _, reference = checkpoint
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_prefix_caching_resumes_state_and_equals_no_caching(checkpoint, source: str, tmp_path: Path) -> None:
+    name, path, hf_config, reference = checkpoint
+    if source == "gguf":
+        path = write_gguf(path, hf_config, tmp_path / "model.gguf")
     kwargs = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=16, one_by_one=True, state_checkpoint_interval=16)
     cached, state, _ = _generate(path, **kwargs)
     plain, _, _ = _generate(path, enable_prefix_caching=False, **kwargs)
