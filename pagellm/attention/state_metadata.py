@@ -12,7 +12,7 @@ import torch
 
 @dataclass(frozen=True)
 class StateMetadata:
-    query_start_loc: torch.Tensor  # int32 [N + 1], on the CPU: sequence i is rows [i, i + 1)
+    query_start_loc: torch.Tensor  # int64 [N + 1], on the CPU: sequence i is rows [i, i + 1)
     slot_ids: torch.Tensor  # int64 [N]: each sequence's live state slot
     has_initial_state: torch.Tensor  # bool [N]: False starts from a zero state (a fresh prompt)
     # int64 [M, 3]: (sequence, tokens of this step, slot): after that many of the sequence's tokens

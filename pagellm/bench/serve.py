@@ -219,8 +219,10 @@ async def benchmark(
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout), limits=limits, transport=transport) as client:
         model = model or await get_first_model(client, base_url)
-        # One short request first, as vLLM does: a misconfigured run fails fast and clearly.
-        probe = await request_completion(client, url, completion_payload(model, prompts[0], 1, temperature, extra_body), 0)
+        # One short request first, as vLLM does: a misconfigured run fails fast and clearly. Its
+        # prompt is the end of the first one, so it warms no prefix cache the load then hits.
+        probe_prompt = prompts[0][-8:] if isinstance(prompts[0], list) else prompts[0][-32:]
+        probe = await request_completion(client, url, completion_payload(model, probe_prompt, 1, temperature, extra_body), 0)
         if not probe.success:
             raise ValueError(f"the test request to {url} failed: {probe.error}")
         offsets = arrival_offsets(len(samples), request_rate, burstiness, seed)

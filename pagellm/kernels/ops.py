@@ -506,6 +506,17 @@ def causal_conv1d_supports(x: torch.Tensor, weight: torch.Tensor, conv_state: to
     )
 
 
+def _conv_taps(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[C, K]`` as float32 ``[K, C]`` (one row per tap, vectorised over channels),
+    made once per weight and kept on it, not once per call."""
+    cached = getattr(weight, "_pagellm_conv_taps", None)
+    if cached is not None and cached[0] == weight._version:
+        return cached[1]
+    taps = weight.detach().to(torch.float32).t().contiguous()
+    weight._pagellm_conv_taps = (weight._version, taps)
+    return taps
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -522,7 +533,7 @@ def causal_conv1d(
     torch.ops.pagellm_recurrent.causal_conv1d(
         out,
         x.contiguous(),
-        weight.to(torch.float32).t().contiguous(),  # [K, C]: one row per tap, vectorised over channels
+        _conv_taps(weight),
         None if bias is None else bias.to(torch.float32).contiguous(),
         conv_state,
         query_start_loc.to(torch.int64).contiguous(),

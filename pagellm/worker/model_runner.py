@@ -154,7 +154,7 @@ class ModelRunner:
                         t[step.slot].copy_(t[step.restore_from])
         checkpoints = [(i, p - int(start[i]), slot) for i, step in enumerate(steps) for p, slot in step.checkpoints]
         return StateMetadata(
-            query_start_loc=torch.tensor(query_start_loc_cpu, dtype=torch.int32),
+            query_start_loc=torch.tensor(query_start_loc_cpu, dtype=torch.int64),
             slot_ids=torch.tensor([s.slot for s in steps], dtype=torch.int64),
             has_initial_state=torch.from_numpy(start > 0),
             checkpoints=torch.tensor(checkpoints, dtype=torch.int64).reshape(-1, 3),

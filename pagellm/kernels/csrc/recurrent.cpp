@@ -105,7 +105,7 @@ SeqMeta read_meta(const at::Tensor& query_start_loc, const at::Tensor& slot_ids,
 // One sequence's channels [c0, c0 + cw) through all its tokens, with a ring of the last K inputs
 // (float32, kConvBlock wide, zero-padded past cw): each input row is converted once.
 template <typename T>
-void conv_block(T* out, const T* x, const float* w, const float* bias, T* state, const SeqMeta& m, int64_t i,
+void conv_block(T* out, const T* x, const float* wpad, const float* bpad, T* state, const SeqMeta& m, int64_t i,
                 int64_t c0, int64_t C, int64_t K, bool silu_on, float* win) {
   const int64_t cw = std::min(kConvBlock, C - c0), a = m.starts[i], L = m.starts[i + 1] - a, H = K - 1;
   auto row = [&](int64_t pos) { return win + (((pos % K) + K) % K) * kConvBlock; };  // input at token position pos
@@ -117,12 +117,6 @@ void conv_block(T* out, const T* x, const float* w, const float* bias, T* state,
       for (int64_t c = 0; c < cw; ++c) dst[c] = to_float(src[r * C + c]);
     }
   }
-  float wpad[16 * kConvBlock];  // K <= 16 taps, zero-padded channels
-  float bpad[kConvBlock];
-  for (int64_t j = 0; j < K; ++j) {
-    for (int64_t c = 0; c < kConvBlock; ++c) wpad[j * kConvBlock + c] = c < cw ? w[j * C + c0 + c] : 0.0f;
-  }
-  for (int64_t c = 0; c < kConvBlock; ++c) bpad[c] = bias != nullptr && c < cw ? bias[c0 + c] : 0.0f;
   auto save = [&](int64_t offset, int64_t slot) {  // the K - 1 inputs before `offset`
     T* dst = state + slot * H * C + c0;
     for (int64_t r = 0; r < H; ++r) {
@@ -181,8 +175,9 @@ void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
     b = bias->data_ptr<float>();
   }
   const SeqMeta m = read_meta(query_start_loc, slot_ids, has_initial_state, checkpoints, T, conv_state.size(0), op);
-  const int64_t blocks = (C + kConvBlock - 1) / kConvBlock, items = m.num_seqs * blocks;
-  const bool parallel = T * C >= kParallelMin && items > 1;
+  const int64_t blocks = (C + kConvBlock - 1) / kConvBlock;
+  const bool parallel =
+      T * C * 8 >= kParallelMin && blocks > 1;  // a block of channels per thread pays already at a few tokens
   dispatch_float_bf16(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -192,10 +187,20 @@ void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
 #pragma omp parallel if (parallel)
     {
       std::vector<float> win(K * kConvBlock);
+      float wpad[16 * kConvBlock];  // K <= 16 taps, zero-padded channels
+      float bpad[kConvBlock];
+      // A work item is a block of channels for every sequence: its taps are laid out once, and a
+      // batch of one-token decodes is a few items rather than one per sequence and block.
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t item = 0; item < items; ++item) {
-        conv_block<scalar_t>(o, xp, w, b, st, m, item / blocks, (item % blocks) * kConvBlock, C, K, silu_on,
-                             win.data());
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t c0 = blk * kConvBlock, cw = std::min(kConvBlock, C - c0);
+        for (int64_t j = 0; j < K; ++j) {
+          for (int64_t c = 0; c < kConvBlock; ++c) wpad[j * kConvBlock + c] = c < cw ? w[j * C + c0 + c] : 0.0f;
+        }
+        for (int64_t c = 0; c < kConvBlock; ++c) bpad[c] = b != nullptr && c < cw ? b[c0 + c] : 0.0f;
+        for (int64_t i = 0; i < m.num_seqs; ++i) {
+          conv_block<scalar_t>(o, xp, wpad, bpad, st, m, i, c0, C, K, silu_on, win.data());
+        }
       }
     }
   });
