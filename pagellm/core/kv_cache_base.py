@@ -186,7 +186,6 @@ def create_kv_cache_manager(
     if kv_cache_layout.has_state:
         if not getattr(cls, "supports_recurrent_state", False):
             raise ValueError(f"the {name!r} KV cache manager cannot keep a hybrid model's recurrent state; use 'paged'")
-        extra = {} if state_checkpoint_interval is None else {"state_checkpoint_interval": state_checkpoint_interval}
         return cls(num_blocks, block_size, max_model_len, enable_caching, kv_cache_layout=kv_cache_layout,
-                   num_state_slots=num_state_slots, **extra)
+                   num_state_slots=num_state_slots, state_checkpoint_interval=state_checkpoint_interval)
     return cls(num_blocks, block_size, max_model_len, enable_caching, kv_cache_layout=kv_cache_layout)

@@ -17,9 +17,6 @@ from pagellm.core.single_type_manager import SingleTypeKVCacheManager
 from pagellm.core.state_cache import StateCacheManager, StateStep
 from pagellm.request import Request
 
-# Tokens between a hybrid model's state checkpoints (rounded to whole blocks): docs/hybrid_models.md.
-DEFAULT_STATE_CHECKPOINT_INTERVAL = 512
-
 
 @register_kv_cache_manager("paged")
 class KVCacheManager(KVCacheManagerBase):
@@ -36,7 +33,7 @@ class KVCacheManager(KVCacheManagerBase):
         enable_caching: bool,
         kv_cache_layout: Optional[KVCacheLayout] = None,
         num_state_slots: int = 0,
-        state_checkpoint_interval: int = DEFAULT_STATE_CHECKPOINT_INTERVAL,
+        state_checkpoint_interval: Optional[int] = None,
     ) -> None:
         # The manager reads only the groups' windows; without a layout, one full-attention group.
         layout = kv_cache_layout if kv_cache_layout is not None else single_group_layout(1)
@@ -50,6 +47,9 @@ class KVCacheManager(KVCacheManagerBase):
         # A hybrid model's recurrent layers: a state slot per request, checkpoints for prefix hits.
         self.state_cache: Optional[StateCacheManager] = None
         if layout.has_state:
+            if state_checkpoint_interval is None:
+                raise ValueError("a layout with recurrent layers needs state_checkpoint_interval (EngineConfig's)")
+            # Tokens between checkpoints, in whole blocks.
             interval = max(block_size, state_checkpoint_interval // block_size * block_size)
             self.state_cache = StateCacheManager(num_state_slots, block_size, interval, enable_caching)
 
@@ -73,15 +73,14 @@ class KVCacheManager(KVCacheManagerBase):
         num_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         num_blocks, hits = self._agreed_hit(request, num_blocks)
         state = self.state_cache
-        if state is not None and num_blocks:
-            # The recurrent layers resume only from a state saved where the hit ends.
-            num_state_blocks = state.find_checkpoint(request.block_hashes, num_blocks)
-            state.note_hit(request.request_id, num_blocks, num_state_blocks)
-            if num_state_blocks < num_blocks:
-                num_blocks, hits = self._agreed_hit(request, num_state_blocks)
-                if num_blocks < num_state_blocks:  # an attention group lost blocks in between: try once more
-                    num_blocks = state.find_checkpoint(request.block_hashes, num_blocks)
-                    num_blocks, hits = self._agreed_hit(request, num_blocks) if num_blocks else (0, [])
+        if state is not None:
+            num_attention_blocks = num_blocks
+            while num_blocks:  # the recurrent layers resume only from a state saved where the hit ends
+                num_state_blocks = state.find_checkpoint(request.block_hashes, num_blocks)
+                if num_state_blocks == num_blocks:
+                    break
+                num_blocks, hits = self._agreed_hit(request, num_state_blocks)  # shorter each round
+            state.note_hit(request.request_id, num_attention_blocks, num_blocks)
         if num_blocks == 0:
             hits = [[] for _ in self.group_managers]
         num_hit_tokens = num_blocks * self.block_size
