@@ -68,11 +68,13 @@ def kv_cache_layout_for(shape: ModelShape, kv_cache_manager: str = "paged") -> K
 
 def plan_state_slots(config: EngineConfig, slot_bytes: int, budget: int) -> int:
     """State slots for a hybrid model: one per request the batch may hold plus as many for prefix
-    checkpoints, within half the budget (the other half, at least, holds the attention layers' KV)."""
+    checkpoints, within three quarters of the budget. A hybrid's attention layers are few, so a
+    quarter still holds tens of thousands of tokens of KV, while a slot costs as much as a thousand
+    tokens of it: a smaller share would cap the batch and evict the checkpoints prefixes resume from."""
     if config.num_state_slots is not None:
         return config.num_state_slots
     wanted = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
-    return max(2, min(wanted, budget // 2 // slot_bytes))
+    return max(2, min(wanted, budget * 3 // 4 // slot_bytes))
 
 
 def plan_kv_cache(

@@ -1,0 +1,50 @@
+"""The KV cache plan of a hybrid model: state slots carved from the same budget as the blocks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagellm.bench.baseline.contiguous_kv_cache_manager  # noqa: F401  (registers "contiguous")
+from pagellm.config import EngineConfig
+from pagellm.models.shape import ModelShape, StateTensorShape
+from pagellm.plan.kv_cache_plan import kv_cache_layout_for, plan_kv_cache
+
+# Qwen3.5-2B's shape: 18 Gated DeltaNet layers (a [3, 6144] convolution tail in the activations'
+# dtype and a [16, 128, 128] float32 matrix each), 6 attention layers with 2 KV heads of 256.
+SHAPE = ModelShape(
+    num_layers=24, num_kv_heads=2, head_dim=256, vocab_size=49152,
+    state_layer_ids=tuple(i for i in range(24) if i % 4 != 3),
+    state_tensors=(StateTensorShape((3, 6144), 1, float32=False), StateTensorShape((16, 128, 128), 0, float32=True)),
+)
+SLOT_BYTES = 18 * (3 * 6144 * 2 + 16 * 128 * 128 * 4)
+BLOCK_BYTES = 2 * 6 * 16 * 2 * 256 * 2
+
+
+def _plan(**kw):
+    config = EngineConfig(max_model_len=4096, **kw)
+    return plan_kv_cache(config, SHAPE, torch.bfloat16, 4096, kv_cache_layout_for(SHAPE), state_dtype=torch.bfloat16)
+
+
+def test_slots_for_twice_the_batch_within_three_quarters_of_the_budget():
+    plan = _plan(kv_cache_memory_bytes=2 << 30, max_num_seqs=64)
+    assert plan.state_slot_bytes == SLOT_BYTES and plan.block_bytes == BLOCK_BYTES
+    assert plan.num_state_slots == (2 << 30) * 3 // 4 // SLOT_BYTES  # 128 wanted, 79 fit
+    assert plan.num_blocks == ((2 << 30) - plan.num_state_slots * SLOT_BYTES) // BLOCK_BYTES
+    assert plan.num_bytes <= 2 << 30
+    small = _plan(kv_cache_memory_bytes=2 << 30, max_num_seqs=8)
+    assert small.num_state_slots == 16
+    assert _plan(kv_cache_memory_bytes=2 << 30, max_num_seqs=8, enable_prefix_caching=False).num_state_slots == 8
+
+
+def test_explicit_slots_and_tensor_parallel_ranks():
+    assert _plan(num_state_slots=5).num_state_slots == 5
+    two = plan_kv_cache(
+        EngineConfig(max_model_len=4096, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 30), SHAPE, torch.bfloat16, 4096,
+        kv_cache_layout_for(SHAPE), state_dtype=torch.bfloat16,
+    )
+    assert two.state_slot_bytes == SLOT_BYTES // 2  # each rank holds half the heads' state
+
+
+def test_a_manager_that_keeps_whole_contexts_refuses_a_hybrid_model():
+    with pytest.raises(ValueError, match="recurrent state"):
+        kv_cache_layout_for(SHAPE, "contiguous")
