@@ -101,10 +101,13 @@ def test_registry() -> None:
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
     ]
     for arch in supported_architectures():
         assert get_model_class(LlamaConfig(architectures=[arch])).__name__ == arch
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported.*Gemma3ForCausalLM.*Qwen3MoeForCausalLM"):
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported.*Gemma3ForCausalLM.*Qwen3_5MoeForCausalLM"):
         get_model_class(LlamaConfig(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ValueError, match="names no architecture"):
         get_model_class(LlamaConfig())
