@@ -86,6 +86,12 @@ class KVCacheManagerBase(ABC):
     def free(self, request: Request) -> None:
         """Returns the request's blocks to the pool (it finished, was aborted or preempted)."""
 
+    def record_prefix_hit(self, request: Request, num_hit_tokens: int) -> None:
+        """Counts a request's lookup once, when it is admitted (a request that waits, for blocks or
+        for a prefix being computed, is looked up again the next step)."""
+        if self.enable_caching and request.sampling_params.prompt_logprobs is None:
+            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
+
     @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks

@@ -84,7 +84,6 @@ class KVCacheManager(KVCacheManagerBase):
         if num_blocks == 0:
             hits = [[] for _ in self.group_managers]
         num_hit_tokens = num_blocks * self.block_size
-        self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
         return KVCacheBlocks(tuple(hits[0]), tuple(tuple(h) for h in hits[1:])), num_hit_tokens
 
     def _agreed_hit(self, request: Request, num_blocks: int) -> tuple[int, list[list[KVCacheBlock]]]:

@@ -186,6 +186,8 @@ class Scheduler:
                 if new_blocks is None:
                     break
                 self.waiting.popleft()
+                if computed_blocks is not None:
+                    self.kv_cache_manager.record_prefix_hit(request, num_hit_tokens)
                 request.num_computed_tokens = num_hit_tokens
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
