@@ -39,7 +39,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="hybrid models: recurrent state slots (running requests' and prefix-cache checkpoints), from the KV budget (default: planned)",
     )
     parser.add_argument(
-        "--state-checkpoint-interval", type=int, default=512,
+        "--state-checkpoint-interval", type=int, default=256,
         help="hybrid models: tokens between the recurrent state checkpoints prefix caching saves (a multiple of --block-size)",
     )
     parser.add_argument(

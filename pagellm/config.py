@@ -142,7 +142,7 @@ class EngineConfig:
     # A hybrid model's recurrent state (docs/hybrid_models.md): slots from the KV budget (None:
     # planned), and how many tokens apart prefix caching checkpoints it.
     num_state_slots: Optional[int] = None
-    state_checkpoint_interval: int = 512
+    state_checkpoint_interval: int = 256
     # Keep the CPU kernels' packed weights on disk so that later starts map them instead of packing
     # (pagellm.kernels.pack_cache; PAGELLM_PACKED_WEIGHT_CACHE says where, or 0 for never).
     packed_weight_cache: bool = True
