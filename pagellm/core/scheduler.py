@@ -118,7 +118,6 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        self.kv_cache_manager.finish_step()  # the last step's writes are in (a no-op after update_from_output)
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []

@@ -163,8 +163,8 @@ class Worker:
             [(t.per_rank(tp_size), torch.float32 if t.float32 else resolved.precision.dtype) for t in shape.state_tensors],
             self.device,
         )
-        for layer, position in zip(shape.state_layer_ids, range(len(state_caches))):
-            kv_caches[layer] = state_caches[position]
+        for layer, state in zip(shape.state_layer_ids, state_caches):
+            kv_caches[layer] = state
         drafter = NgramProposer.from_config(config.speculative_config)
         draft_caches: list[torch.Tensor] = []
         if self.draft_model is not None:

@@ -24,42 +24,28 @@ from pagellm.attention.state_metadata import StateMetadata
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import ops, recurrent
 from pagellm.layers.gguf_types import GGUFWeight
-from pagellm.layers.linear import Linear, TPSplit, narrow
+from pagellm.layers.linear import Linear, TPSplit
 from pagellm.layers.linear_method import WeightSource
 
 
-class MergedProjection(Linear):
-    """A fused projection whose checkpoint tensors each hold several of its shards: ``parts[name]``
-    lists the shards one tensor holds, in order (Qwen3.5's ``in_proj_qkv`` is q, k and v), or, for
-    ``interleaved`` names, the shards repeated per key head (Qwen3-Next's ``in_proj_qkvz``)."""
+class InterleavedProjection(Linear):
+    """A fused projection whose ``interleaved`` checkpoint tensors hold several shards' rows grouped
+    by key head, each group every shard's rows for that head (Qwen3-Next's ``in_proj_qkvz``);
+    ``interleaved[name]`` is (the shards, their rows per head)."""
 
-    def __init__(self, *args, parts: dict[str, tuple[str, ...]], interleaved: dict[str, tuple[int, ...]], **kwargs) -> None:
+    def __init__(self, *args, interleaved: dict[str, tuple[tuple[str, ...], tuple[int, ...]]], **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.parts = parts
-        self.interleaved = interleaved  # name -> rows per key head of each part
-
-    def _full_rows(self, shard: str) -> int:
-        return self.tp_split.full_sizes[shard] if self.tp_split is not None else self.shard_sizes[shard]
+        self.interleaved = interleaved
 
     def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: WeightSource) -> None:
-        if shard not in self.parts:
+        if shard not in self.interleaved:
             super().load_checkpoint_tensor(kind, shard, source)
             return
-        names = self.parts[shard]
-        if shard in self.interleaved:
-            # Rows grouped by key head, each group holding every part's rows for that head.
-            dense = source.dequantize() if isinstance(source, GGUFWeight) else source
-            rows = self.interleaved[shard]
-            grouped = dense.reshape(-1, sum(rows), *dense.shape[1:])
-            pieces = torch.split(grouped, list(rows), dim=1)
-            for name, piece in zip(names, pieces):
-                super().load_checkpoint_tensor(kind, name, piece.reshape(-1, *dense.shape[1:]).contiguous())
-            return
-        offset = 0
-        for name in names:
-            rows = self._full_rows(name)
-            super().load_checkpoint_tensor(kind, name, narrow(source, 0, offset, rows))
-            offset += rows
+        names, rows = self.interleaved[shard]
+        dense = source.dequantize() if isinstance(source, GGUFWeight) else source
+        pieces = torch.split(dense.reshape(-1, sum(rows), *dense.shape[1:]), list(rows), dim=1)
+        for name, piece in zip(names, pieces):
+            super().load_checkpoint_tensor(kind, name, piece.reshape(-1, *dense.shape[1:]).contiguous())
 
 
 class DepthwiseConvWeight(nn.Module):
@@ -139,7 +125,7 @@ class GatedDeltaNet(nn.Module):
             "z": num_v_heads * head_v_dim, "b": num_v_heads, "a": num_v_heads,
         }
         rep = num_v_heads // num_k_heads
-        self.in_proj = MergedProjection(
+        self.in_proj = InterleavedProjection(
             hidden_size,
             sum(sizes.values()),
             shard_sizes=sizes,
@@ -149,7 +135,10 @@ class GatedDeltaNet(nn.Module):
                 full_sizes=full,
             ),
             parts={"qkv": ("q", "k", "v"), "qkvz": ("q", "k", "v", "z"), "ba": ("b", "a")},
-            interleaved={"qkvz": (head_k_dim, head_k_dim, rep * head_v_dim, rep * head_v_dim), "ba": (rep, rep)}
+            interleaved={
+                "qkvz": (("q", "k", "v", "z"), (head_k_dim, head_k_dim, rep * head_v_dim, rep * head_v_dim)),
+                "ba": (("b", "a"), (rep, rep)),
+            }
             if interleaved_projection
             else {},
         )
@@ -172,6 +161,9 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"Gated DeltaNet has no parameter {kind!r} of shape {tuple(source.shape)}")
         getattr(self, kind).data.copy_(source.narrow(0, self.value_head_start, self.num_v_heads))
         self.loaded.add(kind)
+        # The decay's per-head constants in float32, from the parameters as stored: once, not every step.
+        self.neg_a = -torch.exp(self.A_log.float())
+        self.dt_bias_f32 = self.dt_bias.float()
 
     def missing_weights(self) -> list[str]:
         return [name for name in ("dt_bias", "A_log") if name not in self.loaded]
@@ -192,7 +184,7 @@ class GatedDeltaNet(nn.Module):
         k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(b.float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias_f32)
         out = recurrent.gated_delta_rule(
             q, k, v, g, beta, ssm_state, md.query_start_loc, md.slot_ids, md.has_initial_state, md.checkpoints,
             scale=self.head_k_dim**-0.5,

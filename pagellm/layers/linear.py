@@ -68,7 +68,9 @@ class Linear(nn.Module):
 
     ``shard_sizes`` names the row blocks of a fused projection (q/k/v, gate/up) in order; the
     checkpoint's separate tensors load into them (:meth:`load_checkpoint_tensor` cuts this rank's
-    part, :meth:`load_shard` takes it as is), and :meth:`process_weights_after_loading` builds the
+    part, :meth:`load_shard` takes it as is), as does a tensor that holds several shards: the whole
+    fused one (shard None: Phi-3's qkv_proj), or one of ``parts`` (name -> the shards it holds, in
+    order: Qwen3.5's in_proj_qkv of an in_proj with z, b and a too). :meth:`process_weights_after_loading` builds the
     method (and frees the loaded tensors). ``reduce_results``: sum the ranks' outputs (row-parallel).
     Only the bias is a parameter; a dense method's weight is reachable as ``.weight``.
     """
@@ -84,11 +86,13 @@ class Linear(nn.Module):
         shard_sizes: Optional[dict[str, int]] = None,
         tp_split: Optional[TPSplit] = None,
         reduce_results: bool = False,
+        parts: Optional[dict[str, tuple[str, ...]]] = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.shard_sizes = dict(shard_sizes) if shard_sizes else {"": out_features}
+        self.parts = dict(parts or {})
         if sum(self.shard_sizes.values()) != out_features:
             raise ValueError(f"shards {self.shard_sizes} do not add up to {out_features} rows")
         self.tp = get_tp_group()
@@ -124,14 +128,15 @@ class Linear(nn.Module):
     def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: WeightSource) -> None:
         """Takes a checkpoint tensor (``kind`` "weight" or "bias") of one shard, whole: this rank's
         part is cut from it here."""
-        if shard is None and len(self.shard_sizes) > 1:  # the checkpoint stores the fused tensor
+        names = tuple(self.shard_sizes) if shard is None and len(self.shard_sizes) > 1 else self.parts.get(shard or "")
+        if names:  # the checkpoint's tensor holds these shards' rows, all ranks', one after another
             full = self.tp_split.full_sizes if self.tp_split is not None else self.shard_sizes
-            if sum(full.values()) != source.shape[0]:
-                raise ValueError(f"fused {kind} has {source.shape[0]} rows, expected {sum(full.values())}")
+            if sum(full[name] for name in names) != source.shape[0]:
+                raise ValueError(f"fused {kind} has {source.shape[0]} rows, expected {sum(full[name] for name in names)}")
             offset = 0
-            for name, rows in full.items():
-                self.load_checkpoint_tensor(kind, name, narrow(source, 0, offset, rows))
-                offset += rows
+            for name in names:
+                self.load_checkpoint_tensor(kind, name, narrow(source, 0, offset, full[name]))
+                offset += full[name]
             return
         source = self._cut(shard, source, kind)
         if kind == "weight":
