@@ -69,6 +69,21 @@ def hf_greedy(
     return HFGreedy(token_ids, tops)
 
 
+@torch.inference_mode()
+def hf_greedy_uncached(model: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int) -> HFGreedy:
+    """Greedy decoding by a full forward pass per token, no cache: transformers' own masks (a
+    sliding window's) and layers (a hybrid's recurrent ones) over the whole sequence every time."""
+    ids = list(prompt_token_ids)
+    token_ids, tops = [], []
+    for _ in range(max_new_tokens):
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+        values, top = logprobs.topk(5)
+        tops.append(dict(zip(top.tolist(), values.tolist())))
+        token_ids.append(int(top[0]))
+        ids.append(int(top[0]))
+    return HFGreedy(token_ids, tops)
+
+
 def check_close(ours: RequestOutput, ref: HFGreedy, name: str) -> bool:
     """vLLM's rule: equal greedy ids, or at the first difference each side's token is in the
     other's top-5, after which the sequences are free to diverge. Returns True if identical."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pagellm.core.block_hash import make_block_hasher
+from pagellm.core.kv_cache_groups import group_layers
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
@@ -75,6 +76,30 @@ def make_scheduler(
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching)
     return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, max_loras=max_loras)
+
+
+def make_hybrid_scheduler(
+    num_blocks: int = 64,
+    num_slots: int = 16,
+    interval: int = 8,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    enable_caching: bool = True,
+    block_size: int = 4,
+) -> Scheduler:
+    """A hybrid model's cache without a model: three recurrent layers (``num_slots`` state slots,
+    checkpoints every ``interval`` tokens) and one attention layer."""
+    layout = group_layers([None] * 4, state_layer_ids=(0, 1, 2))
+    kv = KVCacheManager(num_blocks, block_size, 256, enable_caching, layout, num_state_slots=num_slots, state_checkpoint_interval=interval)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, 256)
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> SchedulerOutput:
+    """One step: schedule, run, take the output back, and check the manager's bookkeeping."""
+    out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out, sched.requests))
+    sched.kv_cache_manager.check_integrity()
+    return out
 
 
 def make_pooling_request(sched: Scheduler, req_id: str, prompt: list[int]) -> Request:

@@ -6,10 +6,8 @@ from __future__ import annotations
 import base64
 import random
 
-from sched_utils import FakeRunner, make_request, make_scheduler
+from sched_utils import FakeRunner, make_hybrid_scheduler, make_request, make_scheduler, step
 
-from pagellm.core.kv_cache_groups import group_layers
-from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_cache_snapshot import (
     SLOT_CHECKPOINT,
     SLOT_FREE,
@@ -23,21 +21,7 @@ from pagellm.core.scheduler import Scheduler
 BLOCK = 4
 SLOT_BYTES = 3 << 20
 F, C, L, S = SLOT_FREE, SLOT_CHECKPOINT, SLOT_LIVE, SLOT_SAVING
-
-
-def make_hybrid_scheduler(
-    num_blocks: int = 32, num_slots: int = 8, interval: int = 8, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-) -> Scheduler:
-    """Three recurrent layers and one attention layer (as tests/core/test_state_cache.py makes them)."""
-    layout = group_layers([None] * 4, state_layer_ids=(0, 1, 2))
-    kv = KVCacheManager(num_blocks, BLOCK, 256, True, layout, num_state_slots=num_slots, state_checkpoint_interval=interval)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, 256)
-
-
-def step(sched: Scheduler, runner: FakeRunner) -> None:
-    out = sched.schedule()
-    sched.update_from_output(out, runner.execute(out, sched.requests))
-    sched.kv_cache_manager.check_integrity()
+SMALL = dict(num_blocks=32, num_slots=8, max_num_batched_tokens=64)
 
 
 def snapshotter(sched: Scheduler) -> KVCacheSnapshotter:
@@ -63,7 +47,7 @@ def replay_state(full: dict, diffs: list[dict]) -> tuple[list[int], dict[str, in
 
 
 def test_live_slots_checkpoints_and_resumes_are_exact():
-    sched, runner = make_hybrid_scheduler(), FakeRunner(BLOCK)
+    sched, runner = make_hybrid_scheduler(**SMALL), FakeRunner(BLOCK)
     snap = snapshotter(sched)
     assert snap.poll() is None
     full = snap.full()
@@ -110,7 +94,7 @@ def test_live_slots_checkpoints_and_resumes_are_exact():
 
 
 def test_the_engine_counters_alone_make_a_diff():
-    sched, runner = make_hybrid_scheduler(), FakeRunner(BLOCK)
+    sched, runner = make_hybrid_scheduler(**SMALL), FakeRunner(BLOCK)
     prompt = list(range(1, 10))  # 9 tokens: a checkpoint at 8
     sched.add_request(make_request(sched, "a", prompt, max_tokens=1))
     while sched.has_unfinished_requests():
@@ -167,7 +151,7 @@ def test_diffs_replay_to_the_slot_pool_under_random_load():
 
 
 def test_poll_reads_only_dirty_slots():
-    sched = make_hybrid_scheduler(num_slots=500)
+    sched = make_hybrid_scheduler(num_blocks=32, num_slots=500, max_num_batched_tokens=64)
     snap = snapshotter(sched)
     pool = sched.kv_cache_manager.state_cache.pool
 

@@ -6,24 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from sched_utils import FakeRunner, expected_output, make_request
+from sched_utils import FakeRunner, expected_output, make_hybrid_scheduler, make_request, step
 
-from pagellm.core.kv_cache_groups import group_layers
-from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.request import Request
 
 BLOCK = 4
-
-
-def make_hybrid_scheduler(
-    num_blocks: int = 64, num_slots: int = 16, interval: int = 8, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
-    enable_caching: bool = True,
-) -> Scheduler:
-    layout = group_layers([None] * 4, state_layer_ids=(0, 1, 2))  # three recurrent layers, one attention layer
-    kv = KVCacheManager(num_blocks, BLOCK, 256, enable_caching, layout, num_state_slots=num_slots, state_checkpoint_interval=interval)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, 256)
 
 
 class FakeStateRunner(FakeRunner):
@@ -36,34 +25,27 @@ class FakeStateRunner(FakeRunner):
 
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
         for new in out.new_reqs:
-            step = out.state_steps[new.req_id]
-            if step.restore_from is not None:
-                self.slots[step.slot] = self.slots[step.restore_from]
+            state_step = out.state_steps[new.req_id]
+            if state_step.restore_from is not None:
+                self.slots[state_step.slot] = self.slots[state_step.restore_from]
                 self.num_restored += 1
             start = new.num_computed_tokens
-            state = self.slots.get(step.slot, ()) if start else ()
+            state = self.slots.get(state_step.slot, ()) if start else ()
             assert state == tuple(new.token_ids[:start]), f"{new.req_id} resumes from a state of other tokens"
-            self.slots[step.slot] = state
+            self.slots[state_step.slot] = state
         computed = {r: self.state[r]["computed"] for r in out.num_scheduled_tokens if r in self.state}
         computed.update({n.req_id: n.num_computed_tokens for n in out.new_reqs})
         result = super().execute(out, requests)
         for req_id, n in out.num_scheduled_tokens.items():
-            step = out.state_steps[req_id]
+            state_step = out.state_steps[req_id]
             tokens = self.state[req_id]["tokens"]
             start = computed[req_id]
-            assert self.slots[step.slot] == tuple(tokens[:start]), f"{req_id}'s live state lost its place"
-            for p, slot in step.checkpoints:
+            assert self.slots[state_step.slot] == tuple(tokens[:start]), f"{req_id}'s live state lost its place"
+            for p, slot in state_step.checkpoints:
                 assert start < p <= start + n and p % BLOCK == 0
                 self.slots[slot] = tuple(tokens[:p])
-            self.slots[step.slot] = tuple(tokens[: start + n])
+            self.slots[state_step.slot] = tuple(tokens[: start + n])
         return result
-
-
-def _step(sched: Scheduler, runner: FakeStateRunner) -> SchedulerOutput:
-    out = sched.schedule()
-    sched.update_from_output(out, runner.execute(out, sched.requests))
-    sched.kv_cache_manager.check_integrity()
-    return out
 
 
 def _run(sched: Scheduler, runner: FakeStateRunner) -> dict[str, list[int]]:
@@ -82,10 +64,10 @@ def test_checkpoints_every_interval_and_at_the_prompt_end():
     sched, runner = make_hybrid_scheduler(), FakeStateRunner()
     prompt = list(range(1, 22))  # 21 tokens: boundaries 8 and 16 (interval), 20 (last full block)
     sched.add_request(make_request(sched, "a", prompt, max_tokens=2))
-    out = _step(sched, runner)
-    step = out.state_steps["a"]
-    assert (step.slot, step.restore_from) == (0, None)
-    assert step.checkpoints == ((8, 1), (16, 2), (20, 3))
+    out = step(sched, runner)
+    state_step = out.state_steps["a"]
+    assert (state_step.slot, state_step.restore_from) == (0, None)
+    assert state_step.checkpoints == ((8, 1), (16, 2), (20, 3))
     state = sched.kv_cache_manager.state_cache
     assert state.num_checkpoints == 3 and state.pool.num_used_blocks == 1  # published, only the live slot held
     assert _run(sched, runner)["a"] == expected_output(prompt, 2)[1:]
@@ -98,15 +80,15 @@ def test_a_hit_resumes_from_the_deepest_checkpoint_and_saves_where_its_kv_hit_en
     _run(sched, runner)
     # Shares 14 tokens: KV hits 3 blocks (12 tokens), but a state is saved only at 8.
     sched.add_request(make_request(sched, "b", prompt[:14] + [90, 91, 92], max_tokens=1))
-    out = _step(sched, runner)
+    out = step(sched, runner)
     assert out.new_reqs[0].num_computed_tokens == 8
-    step = out.state_steps["b"]
-    assert step.restore_from == 1  # the checkpoint at 8
-    assert [p for p, _ in step.checkpoints] == [12, 16]  # where the KV hit ended, and the prompt's last full block
+    state_step = out.state_steps["b"]
+    assert state_step.restore_from == 1  # the checkpoint at 8
+    assert [p for p, _ in state_step.checkpoints] == [12, 16]  # where the KV hit ended, and the prompt's last full block
     _run(sched, runner)
     # The next request with that prefix resumes at 12, the deepest shared point.
     sched.add_request(make_request(sched, "c", prompt[:14] + [70, 71], max_tokens=1))
-    out = _step(sched, runner)
+    out = step(sched, runner)
     assert out.new_reqs[0].num_computed_tokens == 12
     assert runner.num_restored == 2
 
@@ -116,9 +98,9 @@ def test_a_request_waits_for_a_checkpoint_another_is_writing():
     prefix = list(range(1, 17))
     sched.add_request(make_request(sched, "a", prefix + [50, 51], max_tokens=1))
     sched.add_request(make_request(sched, "b", prefix + [60, 61], max_tokens=1))
-    out = _step(sched, runner)
+    out = step(sched, runner)
     assert list(out.num_scheduled_tokens) == ["a"]  # b's prefix state is being saved by this step
-    out = _step(sched, runner)
+    out = step(sched, runner)
     assert out.new_reqs[0].req_id == "b" and out.new_reqs[0].num_computed_tokens == 16
     assert out.state_steps["b"].restore_from is not None
 
@@ -126,7 +108,7 @@ def test_a_request_waits_for_a_checkpoint_another_is_writing():
 def test_without_prefix_caching_no_checkpoints():
     sched, runner = make_hybrid_scheduler(enable_caching=False), FakeStateRunner()
     sched.add_request(make_request(sched, "a", list(range(1, 30)), max_tokens=3))
-    out = _step(sched, runner)
+    out = step(sched, runner)
     assert out.state_steps["a"].checkpoints == ()
     _run(sched, runner)
     assert sched.kv_cache_manager.state_cache.pool.num_free_blocks == 16
@@ -136,7 +118,7 @@ def test_a_new_request_waits_for_a_slot_and_checkpoints_give_way():
     sched, runner = make_hybrid_scheduler(num_slots=3, max_num_seqs=4), FakeStateRunner()
     for i in range(4):
         sched.add_request(make_request(sched, f"r{i}", [100 * i + j for j in range(1, 10)], max_tokens=3))
-    out = _step(sched, runner)
+    out = step(sched, runner)
     # Three slots: two requests start; a checkpoint is skipped rather than take the last free slot.
     assert len(out.new_reqs) == 2
     outputs = _run(sched, runner)

@@ -155,6 +155,14 @@ def test_request_text_only_with_show_text(show_text):
         assert ("text" in block) is show_text
 
 
+def _free_req0(engine) -> None:
+    """Ends req-0 inside the engine, as a finished request leaves the batch (runs on its thread)."""
+    kv, sched = engine.kv_cache_view()
+    req = sched.requests["req-0"]
+    sched.running.remove(req)
+    kv.free(req)
+
+
 def test_diffs_follow_engine_changes():
     with live_server(api_key=None) as (url, app, engine):
         hub = app.state.dashboard
@@ -167,13 +175,7 @@ def test_diffs_follow_engine_changes():
         t.start()
         time.sleep(0.6)
 
-        def free_req0(e):
-            kv, sched = e.kv_cache_view()
-            req = sched.requests["req-0"]
-            sched.running.remove(req)
-            kv.free(req)
-
-        asyncio.run(hub.async_llm.run_in_engine(free_req0))
+        asyncio.run(hub.async_llm.run_in_engine(_free_req0))
         t.join()
         diffs = [d for k, d in got if k == "diff"]
         assert len(diffs) == 1, got
@@ -212,13 +214,7 @@ def test_hybrid_state_slots_in_the_snapshot_diffs_and_hover():
         t.start()
         time.sleep(0.6)
 
-        def free_req0(e):
-            kv, sched = e.kv_cache_view()
-            req = sched.requests["req-0"]
-            sched.running.remove(req)
-            kv.free(req)
-
-        asyncio.run(hub.async_llm.run_in_engine(free_req0))
+        asyncio.run(hub.async_llm.run_in_engine(_free_req0))
         t.join()
         full = got[0][1]
         # req-0 (21 tokens) runs in slot 0 and saved its state at 8, 16 and 20 tokens (slots 1-3);

@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from gguf_writer import write_gguf
-from hf_oracle import HFGreedy, check_close
+from hf_oracle import HFGreedy, check_close, hf_greedy_uncached
 from model_utils import make_random_hf_model
 from test_architectures import CONFIGS, GGUF_CONFIGS
 
@@ -26,27 +25,12 @@ def _prompts() -> list[list[int]]:
     return [[(7 * i + 13 * j) % 120 + 3 for j in range(n)] for i, n in enumerate(_PROMPT_LENS)]
 
 
-@torch.inference_mode()
-def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> HFGreedy:
-    """Greedy decoding by full forward passes (no cache: the sliding-window mask is transformers'
-    own for every length)."""
-    ids = list(prompt)
-    token_ids, tops = [], []
-    for _ in range(_MAX_TOKENS):
-        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-        values, top = logprobs.topk(5)
-        tops.append(dict(zip(top.tolist(), values.tolist())))
-        token_ids.append(int(top[0]))
-        ids.append(int(top[0]))
-    return HFGreedy(token_ids, tops)
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def checkpoint(request, tmp_path_factory) -> tuple[str, Path, list[HFGreedy]]:
     path = tmp_path_factory.mktemp(request.param)
     hf_model = make_random_hf_model(CONFIGS[request.param][0](), seed=1)
     hf_model.save_pretrained(path)
-    return request.param, path, [_hf_greedy(hf_model, p) for p in _prompts()]
+    return request.param, path, [hf_greedy_uncached(hf_model, p, _MAX_TOKENS) for p in _prompts()]
 
 
 def _generate(path: Path, **kwargs):
@@ -84,7 +68,7 @@ def test_gguf_file_served_matches_transformers_on_one_and_two_ranks(name: str, t
     hf_model = make_random_hf_model(CONFIGS[name][0](), seed=1)
     hf_model.save_pretrained(tmp_path / "hf")
     gguf_path = write_gguf(tmp_path / "hf", hf_model.config, tmp_path / "model.gguf")
-    reference = [_hf_greedy(hf_model, p) for p in _prompts()]
+    reference = [hf_greedy_uncached(hf_model, p, _MAX_TOKENS) for p in _prompts()]
     one = _generate(gguf_path, num_kv_blocks=64)
     two = _generate(gguf_path, num_kv_blocks=64, tensor_parallel_size=2)
     for i, (a, b, ref) in enumerate(zip(one, two, reference)):

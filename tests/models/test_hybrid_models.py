@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-import torch
 from gguf_writer import write_gguf
-from hf_oracle import HFGreedy, check_close
+from hf_oracle import HFGreedy, check_close, hf_greedy_uncached
 from model_utils import make_random_hf_model
 from transformers import AutoConfig, PretrainedConfig
 
@@ -39,19 +38,6 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
 _MAX_TOKENS = 10
 
 
-@torch.inference_mode()
-def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> HFGreedy:
-    ids = list(prompt)
-    token_ids, tops = [], []
-    for _ in range(_MAX_TOKENS):
-        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-        values, top = logprobs.topk(5)
-        tops.append(dict(zip(top.tolist(), values.tolist())))
-        token_ids.append(int(top[0]))
-        ids.append(int(top[0]))
-    return HFGreedy(token_ids, tops)
-
-
 def _prompts() -> list[list[int]]:
     """Four prompts longer than a 16-token chunk; the last three share a stem with the first, cut
     inside a 4-token block (at 30, 41 and 37 tokens)."""
@@ -64,7 +50,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path, PretrainedConfig, 
     path = tmp_path_factory.mktemp(request.param)
     hf_model = make_random_hf_model(CONFIGS[request.param](), seed=1)
     hf_model.save_pretrained(path)
-    return request.param, path, hf_model.config, [_hf_greedy(hf_model, p) for p in _prompts()]
+    return request.param, path, hf_model.config, [hf_greedy_uncached(hf_model, p, _MAX_TOKENS) for p in _prompts()]
 
 
 def _generate(model: Path, one_by_one: bool = False, **kwargs):
