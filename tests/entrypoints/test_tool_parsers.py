@@ -25,7 +25,7 @@ def test_extract_content_and_calls():
     bad = "<tool_call>\n{not json}\n</tool_call>"
     assert HermesToolParser().extract(bad).content == bad and HermesToolParser().extract(bad).tool_calls == []
     with pytest.raises(ValueError, match="hermes"):
-        get_tool_parser("mistral")
+        get_tool_parser("no-such-parser")
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 50, len(TEXT)])

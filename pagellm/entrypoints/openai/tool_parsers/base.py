@@ -1,0 +1,121 @@
+"""What every tool-call parser gives back, and the streaming that all of them share.
+
+A parser reads one model family's tool-call text. It says two things about the text so far:
+``extract`` parses a whole reply, ``partial`` says how much of an unfinished one is surely content
+and which calls are already complete. The base class turns ``partial`` into stream deltas: content
+goes out as it comes (less a tail that may begin a call), each call once it is complete (its name,
+then its arguments in one piece, so that the argument deltas of a call always join into valid
+JSON), and when the reply ends, ``extract`` decides: a call that does not parse is sent as content,
+never as an error.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from pagellm.entrypoints.openai.protocol import random_id
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+    id: str = field(default_factory=lambda: random_id("call"))
+
+
+@dataclass
+class ParsedMessage:
+    content: Optional[str]  # None when the reply is only tool calls (or whitespace around them)
+    tool_calls: list[ParsedToolCall]
+
+
+@dataclass
+class StreamDelta:
+    """What one streamed piece of text adds: content and/or (index, call) of newly complete calls."""
+
+    content: str = ""
+    tool_calls: list[tuple[int, ParsedToolCall]] = field(default_factory=list)
+
+
+@dataclass
+class PartialParse:
+    """An unfinished reply as far as it can be read: ``content_end`` leading characters are content
+    for sure (they may be sent), ``calls`` are the calls already complete, in order."""
+
+    content_end: int
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+
+def held_back(text: str, markers: Sequence[str]) -> int:
+    """The length of text that may be sent while none of ``markers`` has appeared: all of it less a
+    tail that could be the beginning of one of them."""
+    keep = len(text)
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-k:]):
+                keep = min(keep, len(text) - k)
+                break
+    return keep
+
+
+class ToolParser(ABC):
+    """One reply's parser (streaming keeps state): ``tools`` are the request's tools as OpenAI
+    dicts (``{"type": "function", "function": {...}}``), for parsers that type arguments by schema."""
+
+    name: str = ""
+
+    def __init__(self, tools: Optional[list[dict[str, Any]]] = None) -> None:
+        self.tools = tools or []
+        self._text = ""
+        self._token_ids: list[int] = []
+        self._sent_content = 0  # characters of the text streamed as content
+        self._num_calls = 0  # calls streamed
+        self._done = False
+
+    @abstractmethod
+    def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
+        """The whole reply parsed. Text with a malformed call stays content (no calls), as vLLM does."""
+
+    @abstractmethod
+    def partial(self, text: str, token_ids: Sequence[int] = ()) -> PartialParse:
+        """An unfinished reply read as far as it goes (see ``PartialParse``)."""
+
+    def tool_schema(self, name: str) -> Optional[dict[str, Any]]:
+        """The JSON schema of the named tool's parameters, when the request gave it."""
+        for tool in self.tools:
+            fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+            if fn.get("name") == name:
+                return fn.get("parameters") or {}
+        return None
+
+    def extract_streaming(self, delta_text: str, finished: bool, delta_token_ids: Sequence[int] = ()) -> StreamDelta:
+        """Feeds the next piece of the reply; returns what may be sent now."""
+        if self._done:
+            return StreamDelta()
+        self._text += delta_text
+        self._token_ids.extend(delta_token_ids)
+        out = StreamDelta()
+        if finished:
+            self._done = True
+            whole = self.extract(self._text, self._token_ids)
+            sent = self._text[: self._sent_content]
+            if not whole.tool_calls:
+                out.content = self._text[self._sent_content :]
+                return out
+            # Calls already sent stay as they were (same ids); the rest go now.
+            for i, call in enumerate(whole.tool_calls[self._num_calls :], start=self._num_calls):
+                out.tool_calls.append((i, call))
+            self._num_calls = len(whole.tool_calls)
+            content = whole.content or ""
+            if content.startswith(sent):
+                out.content = content[len(sent) :]
+            return out
+        part = self.partial(self._text, self._token_ids)
+        if part.content_end > self._sent_content:
+            out.content = self._text[self._sent_content : part.content_end]
+            self._sent_content = part.content_end
+        for i, call in enumerate(part.calls[self._num_calls :], start=self._num_calls):
+            out.tool_calls.append((i, call))
+        self._num_calls = max(self._num_calls, len(part.calls))
+        return out
