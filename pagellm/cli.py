@@ -105,6 +105,18 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\'',
     )
     parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="how to find the model's thinking in its output (vLLM's names: qwen3, deepseek_r1, gpt_oss, granite, gemma4, string); "
+        "it goes to reasoning/reasoning_content, grammars apply after it, thinking_token_budget closes it",
+    )
+    parser.add_argument(
+        "--reasoning-config",
+        default=None,
+        help='the thinking\'s markers, vLLM\'s JSON: \'{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}\' '
+        "(with --reasoning-parser string; with another parser, reasoning_end_str is what a spent thinking budget writes)",
+    )
+    parser.add_argument(
         "--runner",
         choices=["generate", "pooling"],
         default=None,
@@ -156,6 +168,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         speculative_config=args.speculative_config,
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        reasoning_config=getattr(args, "reasoning_config", None),
         runner=getattr(args, "runner", None),
         task=getattr(args, "task", None),
         pooler_config=getattr(args, "pooler_config", None),

@@ -6,6 +6,7 @@ layout) is decided from it and the model once, by ``pagellm.plan.resolve_config`
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -180,6 +181,11 @@ class EngineConfig:
     distributed_executor_backend: Optional[str] = None
     # Speculative decoding (vLLM's ``--speculative-config``): a dict, its JSON, or None for none.
     speculative_config: Optional[Any] = None
+    # Reasoning models (vLLM's names): the parser that finds the thinking in the output (grammars and
+    # forced tool calls wait for its end; ``thinking_token_budget`` forces the end), and for the
+    # generic parser its strings: {"reasoning_start_str": ..., "reasoning_end_str": ...} or its JSON.
+    reasoning_parser: Optional[str] = None
+    reasoning_config: Optional[Any] = None
     # vLLM's ``--runner``: "generate" samples tokens, "pooling" prefills prompts into embeddings
     # (``task="embed"``, older vLLM's name, means the same); ``pooler_config`` (vLLM's JSON or a
     # dict) how: pagellm.pooling_params.PoolerConfig.
@@ -245,10 +251,26 @@ class EngineConfig:
         from pagellm.speculative_config import SpeculativeConfig
 
         self._set("speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        self._check_reasoning()
         self._resolve_pooling()
         self._check_lora()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def _check_reasoning(self) -> None:
+        config = self.reasoning_config
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except ValueError as e:
+                raise ValueError(f"reasoning_config is not valid JSON: {e}") from None
+        if config is not None:
+            if not isinstance(config, dict) or not all(isinstance(v, str) for v in config.values()):
+                raise ValueError(f"reasoning_config must map names to strings, got {config!r}")
+            unknown = set(config) - {"reasoning_start_str", "reasoning_end_str"}
+            if unknown:
+                raise ValueError(f"reasoning_config: unknown keys {sorted(unknown)}; known: reasoning_start_str, reasoning_end_str")
+            self._set("reasoning_config", dict(config))
 
     def _resolve_pooling(self) -> None:
         from pagellm.pooling_params import PoolerConfig, resolve_runner

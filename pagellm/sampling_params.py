@@ -103,6 +103,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # Tokens the reasoning may take before its end is forced (needs a reasoning parser); None: no limit.
+    thinking_token_budget: Optional[int] = None
     # Filled in by the engine from the model's generation config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -164,6 +166,9 @@ class SamplingParams:
             # 0 means scoring only: the prompt runs (for prompt_logprobs) and nothing is generated.
             if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
                 bad(f"max_tokens must be at least 0, got {self.max_tokens!r}.")
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            bad(f"thinking_token_budget must be an integer of at least 0, got {self.thinking_token_budget!r}.")
         if self.min_tokens < 0:
             bad(f"min_tokens must be at least 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

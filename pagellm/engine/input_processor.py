@@ -130,6 +130,8 @@ class InputProcessor:
             if self.structured_output is None:
                 raise ValueError("structured output is not available on this engine")
             self.structured_output.validate(params.structured_outputs)
+        if params.thinking_token_budget is not None and (self.structured_output is None or self.structured_output.reasoning is None):
+            raise ValueError("thinking_token_budget needs a reasoning parser: start the engine with --reasoning-parser")
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         if num_prompt_tokens >= self.max_model_len:

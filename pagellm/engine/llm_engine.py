@@ -33,6 +33,7 @@ from pagellm.plan.resolved_config import resolve_config, resolve_with_model
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output import StructuredOutputManager
+from pagellm.structured_output.reasoning import reasoning_bounds
 from pagellm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(resolved.model.path, resolved.model.hf_config, self.tokenizer)
         executor = executor or create_executor(resolved, self.eos_token_ids)
         # Shared by the input processor (compiles, refusing bad grammars) and an in-process runner (masks).
-        self.structured_output = StructuredOutputManager(self.tokenizer, self.shape.vocab_size, self.eos_token_ids)
+        bounds = reasoning_bounds(self.tokenizer, config.reasoning_parser, resolved.args.reasoning_config)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.shape.vocab_size, self.eos_token_ids, bounds)
         self.core = EngineCore(resolved, executor, structured_output=self.structured_output)
         self.max_model_len = self.core.max_model_len  # may be lowered to what the KV cache holds
         self.memory_plan = self._measured_memory_plan()

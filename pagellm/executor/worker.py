@@ -29,6 +29,7 @@ from pagellm.plan.resolved_config import ResolvedConfig
 from pagellm.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from pagellm.spec_decode.ngram_proposer import NgramProposer
 from pagellm.structured_output import StructuredOutputManager
+from pagellm.structured_output.reasoning import reasoning_bounds
 from pagellm.worker.kv_cache import (
     KVCachePrefaulter,
     allocate_grouped_kv_caches,
@@ -261,7 +262,9 @@ class Worker:
         from pagellm.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(self.resolved.args.tokenizer or self.resolved.model.path)
-        return StructuredOutputManager(tokenizer, self.resolved.model.shape.vocab_size, self.eos_token_ids)
+        args = self.resolved.args
+        bounds = reasoning_bounds(tokenizer, args.reasoning_parser, args.reasoning_config)
+        return StructuredOutputManager(tokenizer, self.resolved.model.shape.vocab_size, self.eos_token_ids, bounds)
 
     def _log_rank(self) -> None:
         shard = self.model.shard

@@ -189,9 +189,11 @@ class ModelRunner:
             )
             if self.lora_manager is not None:
                 self.lora_manager.add_request(new.req_id, new.lora_request)
-            if so is not None and new.sampling_params.structured_outputs is not None:
+            if so is not None and so.wants(new.sampling_params):
                 # A resumed request replays the outputs it had, to put its grammar where it was.
-                so.add_request(new.req_id, new.sampling_params.structured_outputs, new.token_ids[new.num_prompt_tokens :])
+                so.add_request(
+                    new.req_id, new.sampling_params, new.token_ids[: new.num_prompt_tokens], new.token_ids[new.num_prompt_tokens :]
+                )
         for cached in out.cached_reqs:
             row = batch.req_id_to_row[cached.req_id]
             for group_id, block_ids in enumerate(cached.new_block_ids_by_group):

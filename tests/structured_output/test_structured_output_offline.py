@@ -26,7 +26,7 @@ def manager() -> StructuredOutputManager:
 
 def test_mask_only_touches_constrained_rows_and_eos_waits_for_the_end(manager):
     tok = manager.tokenizer
-    manager.add_request("a", StructuredOutputsParams(choice=["yes", "no"]), [])
+    manager.add_request("a", SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])), [1], [])
     logits = torch.zeros(3, 49152)
     out = manager.apply_bitmask(logits, ["x", "a", "y"])
     assert torch.equal(out[0], torch.zeros(49152)) and torch.equal(out[2], torch.zeros(49152))
