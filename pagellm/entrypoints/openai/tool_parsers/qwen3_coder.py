@@ -1,0 +1,161 @@
+"""``qwen3_coder``: Qwen3-Coder's (and Qwen3.5's) XML tool calls, as vLLM's parser of that name reads them.
+
+A call is ``<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>``. Values are
+text; each is typed by the request's JSON schema for that tool (integers, numbers, booleans, objects and
+arrays as JSON or Python literals, ``null``), and left a string where the schema does not say or the
+value does not fit. Like vLLM it forgives a missing ``<tool_call>``, ``</parameter>`` or (at the end of
+the reply) ``</function>``. Text before the first call is content; text between and after calls is not.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from pagellm.entrypoints.openai.tool_parsers.base import ParsedMessage, ParsedToolCall, PartialParse, ToolParser, held_back
+
+PENDING, DONE, BAD = "pending", "done", "bad"
+
+_STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+_INT_PREFIXES = ("int", "uint", "long", "short", "unsigned")
+_CONTAINER_TYPES = ("object", "array", "arr")
+
+
+def _json_safe(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _schema_type(prop: Any) -> str:
+    if not isinstance(prop, dict) or "type" not in prop:
+        return "string"
+    kind = prop["type"]
+    if isinstance(kind, list):  # ["integer", "null"]: the value's type is the one that is not null
+        kind = next((k for k in kind if k != "null"), "string")
+    return str(kind).strip().lower()
+
+
+def convert_value(value: str, prop: Any, known: bool) -> Any:
+    """A parameter's text typed by its schema ``prop``; ``known`` says whether the schema names the parameter.
+    Follows vLLM: ``null`` is None for any type, a value that does not fit its type stays a string (a boolean
+    that is not true/false is false)."""
+    if value.lower() == "null":
+        return None
+    if not known:
+        return value
+    kind = _schema_type(prop)
+    if kind in _STRING_TYPES:
+        return value
+    if kind.startswith(_INT_PREFIXES):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        if not math.isfinite(number):
+            return value
+        return int(number) if number.is_integer() else number
+    if kind in ("boolean", "bool", "binary"):
+        return value.lower() == "true"
+    if kind in _CONTAINER_TYPES or kind.startswith(("dict", "list")):
+        try:
+            loaded = json.loads(value)
+        except ValueError:
+            pass
+        else:
+            if _json_safe(loaded):
+                return loaded
+    # Other types, and containers written as Python literals ({'k': 'v'}, True, None).
+    try:
+        literal = ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return value
+    return literal if _json_safe(literal) else value
+
+
+@dataclass
+class _Scan:
+    content_end: int
+    calls: list[ParsedToolCall] = field(default_factory=list)
+    state: str = DONE  # DONE: every call read; PENDING: the last one is still open; BAD: one will never parse
+    tail: Optional[ParsedToolCall] = None  # the open last call read as it stands (vLLM takes it at the reply's end)
+
+
+class Qwen3CoderToolParser(ToolParser):
+    name = "qwen3_coder"
+    MARKERS = ("<tool_call>", "<function=")
+    # A function's body ends at </function>, at </tool_call> when the model left </function> out, or at
+    # the end of the reply; a parameter's value at its close tag or where the next tag of the call begins.
+    _FUNCTION = re.compile(r"<function=(.*?)(</function>|</tool_call>|$)", re.DOTALL)
+    _PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+
+    def _properties(self, name: str) -> Optional[dict[str, Any]]:
+        schema = self.tool_schema(name)
+        if not isinstance(schema, dict):
+            return None
+        props = schema.get("properties", schema)
+        return props if isinstance(props, dict) else None
+
+    def _call(self, body: str) -> Optional[ParsedToolCall]:
+        name, sep, params = body.partition(">")
+        name = name.strip()
+        if not sep or not name:
+            return None
+        props = self._properties(name) or {}
+        args: dict[str, Any] = {}
+        for match in self._PARAMETER.finditer(params):
+            pname, sep, value = match.group(1).partition(">")
+            if not sep:
+                return None
+            # One newline after the open tag and one before the close tag are layout, not value.
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            args[pname] = convert_value(value, props.get(pname), pname in props)
+        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
+
+    def _scan(self, text: str) -> Optional[_Scan]:
+        starts = [i for i in (text.find(m) for m in self.MARKERS) if i >= 0]
+        if not starts:
+            return None
+        scan = _Scan(min(starts))
+        for match in self._FUNCTION.finditer(text, scan.content_end):
+            call = self._call(match.group(1))
+            if not match.group(2):  # still open: the end of the text so far
+                scan.state, scan.tail = PENDING, call
+                break
+            if call is None:
+                scan.state = BAD  # closed, and its name or a parameter tag is malformed for good
+                break
+            scan.calls.append(call)
+        return scan
+
+    def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
+        scan = self._scan(text)
+        if scan is None or scan.state == BAD or (scan.state == PENDING and scan.tail is None):
+            return ParsedMessage(text, [])
+        calls = scan.calls + ([scan.tail] if scan.tail is not None else [])
+        if not calls:
+            return ParsedMessage(text, [])
+        content = text[: scan.content_end]
+        return ParsedMessage(content if content.strip() else None, calls)
+
+    def partial(self, text: str, token_ids: Sequence[int] = ()) -> PartialParse:
+        scan = self._scan(text)
+        if scan is None:
+            end, calls = held_back(text, self.MARKERS), []
+        elif scan.state == BAD and not scan.calls:
+            return PartialParse(len(text))  # the reply will be content whatever follows
+        else:
+            end, calls = scan.content_end, scan.calls
+        # Whitespace alone before the calls is not content (the whole reply says None), so it waits.
+        return PartialParse(end if text[:end].strip() else 0, calls)
