@@ -1,0 +1,128 @@
+"""``llama3_json``: Llama 3.x / 4 JSON tool calls, as vLLM's parser of that name reads them.
+
+The reply is an optional ``<|python_tag|>`` and then JSON objects ``{"name": ..., "parameters"|"arguments": {...}}``,
+several of them usually separated by ``;``. Text before the first object (or the tag) is content; text between and
+after the objects is dropped, as vLLM drops it. Every ``{`` outside a call must start a call: one that does not (a
+brace in prose, a JSON object without a name) makes the whole reply content, as in vLLM.
+
+This module also owns ``json_value_end``, the bracket matcher the mistral parser shares.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from pagellm.entrypoints.openai.tool_parsers.base import ParsedMessage, ParsedToolCall, PartialParse, ToolParser, held_back
+
+PENDING, DONE, BAD = "pending", "done", "bad"
+
+
+def json_value_end(text: str, start: int) -> Optional[int]:
+    """The index just past the JSON object or array opening at ``text[start]`` (brackets matched outside strings),
+    or None while it is still open. The slice may still be invalid JSON; callers decode it."""
+    depth = 0
+    in_string = escaped = False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def arguments_json(args: Any) -> Optional[str]:
+    """A call's arguments as OpenAI's JSON text of an object; None when they are not an object (a string holding
+    a JSON object is taken, as some templates make models write that)."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    try:
+        return json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # NaN or Infinity: not JSON a client can read
+        return None
+
+
+@dataclass
+class _Scan:
+    content_end: int
+    calls: list[ParsedToolCall] = field(default_factory=list)
+    state: str = DONE  # DONE: every call read; PENDING: the last one is still open; BAD: one will never parse
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    @staticmethod
+    def _call(block: str) -> Optional[ParsedToolCall]:
+        try:
+            obj = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return None
+        # vLLM prefers "arguments" when both are there, and needs one of them.
+        if "arguments" in obj:
+            args = arguments_json(obj["arguments"])
+        elif "parameters" in obj:
+            args = arguments_json(obj["parameters"])
+        else:
+            return None
+        return None if args is None else ParsedToolCall(obj["name"], args)
+
+    def _scan(self, text: str) -> Optional[_Scan]:
+        """None when nothing in the text may start a call."""
+        tag, brace = text.find(self.TAG), text.find("{")
+        starts = [i for i in (tag, brace) if i >= 0]
+        if not starts:
+            return None
+        scan = _Scan(min(starts))
+        pos = brace
+        while pos >= 0:
+            end = json_value_end(text, pos)
+            if end is None:
+                scan.state = PENDING
+                break
+            call = self._call(text[pos:end])
+            if call is None:
+                scan.state = BAD
+                break
+            scan.calls.append(call)
+            pos = text.find("{", end)
+        return scan
+
+    def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
+        scan = self._scan(text)
+        if scan is None or scan.state != DONE or not scan.calls:
+            return ParsedMessage(text, [])
+        content = text[: scan.content_end]
+        return ParsedMessage(content if content.strip() else None, scan.calls)
+
+    def partial(self, text: str, token_ids: Sequence[int] = ()) -> PartialParse:
+        scan = self._scan(text)
+        if scan is None:
+            end = held_back(text, [self.TAG])
+        elif scan.state == BAD and not scan.calls:
+            # The reply will be content whatever follows: no need to hold it back.
+            return PartialParse(len(text))
+        else:
+            end = scan.content_end
+        # Whitespace alone before the calls is not content (the whole reply says None), so it waits.
+        return PartialParse(end if text[:end].strip() else 0, scan.calls if scan else [])
