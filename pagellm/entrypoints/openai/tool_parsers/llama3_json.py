@@ -10,6 +10,7 @@ This module also owns ``json_value_end``, the bracket matcher the mistral parser
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -18,28 +19,26 @@ from pagellm.entrypoints.openai.tool_parsers.base import ParsedMessage, ParsedTo
 PENDING, DONE, BAD = "pending", "done", "bad"
 
 
+# A JSON string (its closing quote captured, absent while it is still open) or one bracket. Strings are matched
+# whole by the regex engine, so a long argument costs one match per delta rather than a Python step per character.
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?P<close>")?|[{}\[\]]', re.DOTALL)
+
+
 def json_value_end(text: str, start: int) -> Optional[int]:
     """The index just past the JSON object or array opening at ``text[start]`` (brackets matched outside strings),
     or None while it is still open. The slice may still be invalid JSON; callers decode it."""
     depth = 0
-    in_string = escaped = False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
+    for match in _JSON_TOKEN.finditer(text, start):
+        token = match.group()
+        if token[0] == '"':
+            if match.group("close") is None:
+                return None  # a string still open runs to the end of the text
+        elif token in "{[":
             depth += 1
-        elif ch in "}]":
+        else:
             depth -= 1
             if depth == 0:
-                return i + 1
+                return match.end()
     return None
 
 

@@ -96,8 +96,8 @@ class Qwen3CoderToolParser(ToolParser):
     MARKERS = ("<tool_call>", "<function=")
     # A function's body ends at </function>, at </tool_call> when the model left </function> out, or at
     # the end of the reply; a parameter's value at its close tag or where the next tag of the call begins.
-    _FUNCTION = re.compile(r"<function=(.*?)(</function>|</tool_call>|$)", re.DOTALL)
-    _PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+    _FUNCTION_ENDS = ("</function>", "</tool_call>")
+    _PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL)
 
     def _properties(self, name: str) -> Optional[dict[str, Any]]:
         schema = self.tool_schema(name)
@@ -123,24 +123,32 @@ class Qwen3CoderToolParser(ToolParser):
             args[pname] = convert_value(value, props.get(pname), pname in props)
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
 
-    def _scan(self, text: str) -> Optional[_Scan]:
+    def _scan(self, text: str, final: bool) -> Optional[_Scan]:
+        """The calls of the text; ``final`` when it is the whole reply, the only time the open last call is read."""
         starts = [i for i in (text.find(m) for m in self.MARKERS) if i >= 0]
         if not starts:
             return None
         scan = _Scan(min(starts))
-        for match in self._FUNCTION.finditer(text, scan.content_end):
-            call = self._call(match.group(1))
-            if not match.group(2):  # still open: the end of the text so far
-                scan.state, scan.tail = PENDING, call
+        pos = scan.content_end
+        # str.find rather than a lazy regex: the base rescans the reply on every delta, and a long open
+        # argument would otherwise cost a regex step per character each time.
+        while (begin := text.find("<function=", pos)) >= 0:
+            begin += len("<function=")
+            ends = [(at, len(tag)) for tag in self._FUNCTION_ENDS if (at := text.find(tag, begin)) >= 0]
+            if not ends:  # still open: the end of the text so far
+                scan.state, scan.tail = PENDING, self._call(text[begin:]) if final else None
                 break
+            end, tag_len = min(ends)
+            call = self._call(text[begin:end])
             if call is None:
                 scan.state = BAD  # closed, and its name or a parameter tag is malformed for good
                 break
             scan.calls.append(call)
+            pos = end + tag_len
         return scan
 
     def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
-        scan = self._scan(text)
+        scan = self._scan(text, final=True)
         if scan is None or scan.state == BAD or (scan.state == PENDING and scan.tail is None):
             return ParsedMessage(text, [])
         calls = scan.calls + ([scan.tail] if scan.tail is not None else [])
@@ -150,7 +158,7 @@ class Qwen3CoderToolParser(ToolParser):
         return ParsedMessage(content if content.strip() else None, calls)
 
     def partial(self, text: str, token_ids: Sequence[int] = ()) -> PartialParse:
-        scan = self._scan(text)
+        scan = self._scan(text, final=False)
         if scan is None:
             end, calls = held_back(text, self.MARKERS), []
         elif scan.state == BAD and not scan.calls:
