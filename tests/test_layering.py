@@ -24,6 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "json_config": set(),
     "pooling_params": {"json_config"},
     "outputs": set(),
+    # Reasoning parsers: the engine (thinking budgets) and the serving layer both read replies with them.
+    "reasoning": set(),
     # LoRA: the adapter's identity (request.py) is vocabulary of the engine's layers; the rest of
     # the package (pools, PEFT loading) sits under the layers it adapts, on the kernels' grouped product.
     "lora": {"kernels", "envs"},
@@ -35,7 +37,9 @@ ALLOWED: dict[str, set[str]] = {
     "sample": SHARED | {"kernels"},
     "layers": SHARED | {"kernels", "attention", "distributed", "lora"},
     "models": SHARED | {"kernels", "attention", "distributed", "layers", "lora"},
-    "structured_output": {"sampling_params"},
+    # Reasoning parsers: text and token ids only; the engine finds the reasoning's bounds through them.
+    "reasoning": set(),
+    "structured_output": {"sampling_params", "reasoning"},
     "distributed": set(),
     "worker": SHARED | {"kernels", "attention", "sample", "core", "structured_output", "distributed", "lora"},
     # Speculative decoding's proposers: above the runner, whose batch they read.
@@ -49,10 +53,10 @@ ALLOWED: dict[str, set[str]] = {
     "engine": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output"}
     | {"distributed", "executor", "spec_decode", "lora", "plan"},
-    "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer", "lora", "plan"},
+    "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer", "lora", "plan", "reasoning"},
     "bench": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"}
-    | {"structured_output", "distributed", "executor", "spec_decode", "lora", "plan"},
+    | {"structured_output", "distributed", "executor", "spec_decode", "lora", "plan", "reasoning"},
 }
 # Subpackages that must not pull in torch: the scheduler and block pool are pure bookkeeping.
 NO_TORCH = {"core"}

@@ -211,7 +211,7 @@ def test_the_store_keeps_the_newest(client):
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
         ({"input": [{"role": "tool", "content": "x"}]}, "role"),
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "not among the tools"),

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -46,7 +46,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.response_store import ResponseStore
-from pagellm.entrypoints.openai.server_args import make_arg_parser, start_engine
+from pagellm.entrypoints.openai.server_args import chat_options_from_args, make_arg_parser, start_engine
 from pagellm.entrypoints.openai.serving_base import to_api_error
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -71,7 +71,9 @@ def build_app(
     tool_call_parser: Optional[str] = None,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     lora_modules: Sequence[str] = (),
+    chat_options: Optional[dict[str, Any]] = None,
 ) -> FastAPI:
+    """``chat_options``: OpenAIServingChat's reasoning and template options (``chat_options_from_args``)."""
     app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__)
     state = ServerState(api_key=api_key, max_request_body_bytes=max_request_body_bytes)
     app.state.server = state
@@ -79,7 +81,9 @@ def build_app(
     app.state.metrics = metrics
     name = async_llm.model_name
     completions = OpenAIServingCompletion(async_llm, name)
-    chat = OpenAIServingChat(async_llm, name, trust_request_chat_template, enable_auto_tool_choice, tool_call_parser)
+    chat = OpenAIServingChat(
+        async_llm, name, trust_request_chat_template, enable_auto_tool_choice, tool_call_parser, **(chat_options or {})
+    )
     tokenization = OpenAIServingTokenization(async_llm, name, trust_request_chat_template)
     responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
     embedding = OpenAIServingEmbedding(async_llm, name)
@@ -264,6 +268,7 @@ def run_server(args: argparse.Namespace, async_llm: Optional[AsyncLLM] = None) -
         dashboard=not args.no_dashboard,
         dashboard_show_text=args.dashboard_show_text,
         lora_modules=args.lora_modules,
+        chat_options=chat_options_from_args(args),
     )
     uv_config = uvicorn.Config(
         app,

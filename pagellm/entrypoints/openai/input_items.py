@@ -63,8 +63,12 @@ def normalize_input(value: Union[str, list[dict[str, Any]]]) -> list[dict[str, A
         elif kind == "function_call_output":
             call_id = _string_field(i, item, "call_id")
             items.append({"type": "function_call_output", "call_id": call_id, "output": _text_of(i, item.get("output"))})
+        elif kind == "reasoning":
+            continue  # earlier thinking: chat templates drop it from the history, as OpenAI does
         else:
-            raise _bad_input(i, f"items of type {kind!r} are not supported (message, function_call and function_call_output are)")
+            raise _bad_input(
+                i, f"items of type {kind!r} are not supported (message, function_call, function_call_output and reasoning are)"
+            )
     if not items:
         raise APIError("input must not be empty", param="input")
     return items

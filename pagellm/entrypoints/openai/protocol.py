@@ -32,11 +32,24 @@ class PromptTokensDetails(OpenAIBaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: Optional[int] = 0
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+    completion_tokens_details: Optional[CompletionTokensDetails] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_details(self, handler):
+        # Only reasoning models report completion details; others keep OpenAI's usual usage shape.
+        out = handler(self)
+        if out.get("completion_tokens_details") is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
@@ -78,6 +91,8 @@ class SamplingRequestMixin(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
+    # vLLM's: logprob tokens written as "token_id:ID" (RL frameworks read ids, not text).
+    return_tokens_as_token_ids: Optional[bool] = None
     cache_salt: Optional[str] = None
     # Structured output: OpenAI's response_format, vLLM's guided_* extras and newer structured_outputs.
     response_format: Optional[ResponseFormat] = None
@@ -176,6 +191,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, dict[str, Any]]]]] = None  # as in ChatCompletionResponse
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -294,6 +310,11 @@ class ChatCompletionRequest(SamplingRequestMixin):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = False
+    # Reasoning models (with --reasoning-parser): tokens the thinking may take before its end is
+    # forced (vLLM's name); OpenAI's effort, mapped to a budget; whether to return the reasoning.
+    thinking_token_budget: Optional[int] = Field(default=None, ge=0)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    include_reasoning: bool = True
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -313,6 +334,9 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    # The thinking, under vLLM's current name and the older one many clients still read.
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -331,11 +355,15 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    # vLLM's: per prompt token (the first has none), {token id: {logprob, rank, decoded_token}}.
+    prompt_logprobs: Optional[list[Optional[dict[int, dict[str, Any]]]]] = None
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")

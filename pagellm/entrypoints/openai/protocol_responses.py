@@ -81,6 +81,7 @@ class ResponsesRequest(OpenAIBaseModel):
     # Accepted so that they can be refused by name when set (see serving_responses.unsupported).
     background: Optional[bool] = None
     reasoning: Optional[ReasoningConfig] = None
+    thinking_token_budget: Optional[int] = Field(default=None, ge=0)  # vLLM's extra, as on /v1/chat/completions
     include: Optional[list[str]] = None
     conversation: Optional[Union[str, dict[str, Any]]] = None
     prompt: Optional[dict[str, Any]] = None
@@ -113,7 +114,22 @@ class FunctionCallItem(OpenAIBaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
 
 
-OutputItem = Union[OutputMessage, FunctionCallItem]
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class ReasoningItem(OpenAIBaseModel):
+    """The model's thinking (with --reasoning-parser), as OpenAI's reasoning item with its text."""
+
+    id: str = Field(default_factory=lambda: response_item_id("rs"))
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+
+
+OutputItem = Union[ReasoningItem, OutputMessage, FunctionCallItem]
 
 
 class InputTokensDetails(OpenAIBaseModel):

@@ -4,8 +4,10 @@ packed (native code, the interpreter let go) while the HTTP side imports."""
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Optional, Union
+import json
+from typing import TYPE_CHECKING, Any, Optional, Union
 
+from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from pagellm.entrypoints.server_state import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STORED_RESPONSES
 
 if TYPE_CHECKING:
@@ -40,7 +42,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
     )
-    parser.add_argument("--tool-call-parser", default=None, choices=["hermes"], help="how to read tool calls out of the model's text")
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_PARSER_NAMES),
+        help="how to read tool calls out of the model's text (vLLM's names)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template (a file, or the template itself) used in place of the model's own",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        help='options every chat request\'s template gets unless the request sets them, JSON: \'{"enable_thinking": false}\'',
+    )
+    parser.add_argument(
+        "--default-thinking-token-budget",
+        type=int,
+        default=None,
+        help="with --reasoning-parser: the thinking budget of chat requests that set none (default: no limit)",
+    )
     parser.add_argument(
         "--max-stored-responses",
         type=int,
@@ -57,6 +80,35 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument("--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+
+
+def chat_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The chat endpoint's reasoning and template options from ``pagellm serve``'s flags; ValueError on bad ones."""
+    template = getattr(args, "chat_template", None)
+    if template is not None and "{" not in template:
+        try:
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ValueError(f"--chat-template: cannot read {template!r}: {e}") from None
+    kwargs = getattr(args, "default_chat_template_kwargs", None)
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError as e:
+            raise ValueError(f"--default-chat-template-kwargs is not valid JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    reasoning_config = getattr(args, "reasoning_config", None)
+    if isinstance(reasoning_config, str):
+        reasoning_config = json.loads(reasoning_config)  # checked by the engine's config already
+    return {
+        "reasoning_parser": getattr(args, "reasoning_parser", None),
+        "reasoning_config": reasoning_config,
+        "chat_template": template,
+        "default_chat_template_kwargs": kwargs,
+        "default_thinking_token_budget": getattr(args, "default_thinking_token_budget", None),
+    }
 
 
 def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:

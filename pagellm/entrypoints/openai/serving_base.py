@@ -70,6 +70,29 @@ def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
     )
 
 
+def prompt_logprobs_json(
+    prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[Optional[dict[int, Logprob]]], as_token_ids: Optional[bool]
+) -> list[Optional[dict[int, dict[str, Any]]]]:
+    """vLLM's ``prompt_logprobs``: one entry per prompt token (None for the first, which nothing
+    predicts), each {token id: {logprob, rank, decoded_token}}."""
+    out: list[Optional[dict[int, dict[str, Any]]]] = []
+    for step in list(prompt_logprobs)[: len(prompt_token_ids)]:
+        if step is None:
+            out.append(None)
+            continue
+        out.append(
+            {
+                token_id: {
+                    "logprob": logprob_value(lp),
+                    "rank": lp.rank,
+                    "decoded_token": f"token_id:{token_id}" if as_token_ids else lp.decoded_token,
+                }
+                for token_id, lp in step.items()
+            }
+        )
+    return out
+
+
 def prompt_items(prompt: Union[list[int], list[list[int]], str, list[str]]) -> list:
     """A request's prompts (completions' ``prompt``, embeddings' ``input``): one string or token list, or a list of them."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):

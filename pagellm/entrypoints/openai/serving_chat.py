@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.engine.async_llm import RequestStream
 from pagellm.entrypoints.errors import APIError
+from pagellm.entrypoints.openai.chat_reply import ChatReply, template_kwargs, thinking_budget
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -20,6 +21,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -34,23 +36,24 @@ from pagellm.entrypoints.openai.serving_base import (
     logprob_value,
     make_usage,
     messages_to_dicts,
+    prompt_logprobs_json,
     run_until_disconnected,
     sse,
     sse_error,
 )
-from pagellm.entrypoints.openai.tool_parsers import HermesToolParser, ParsedToolCall, get_tool_parser
-from pagellm.entrypoints.openai.tools import add_tools_to_messages, forced_constraint, forced_tool_calls, resolve_tool_choice
+from pagellm.entrypoints.openai.tool_parsers import ParsedToolCall, get_tool_parser
+from pagellm.entrypoints.openai.tools import add_tools_to_messages, forced_constraint, resolve_tool_choice
 from pagellm.outputs import CompletionOutput, SampleLogprobs
 
 
 @dataclass
 class _Choice:
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[ChatCompletionLogProbsContent] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    parser: Optional[HermesToolParser] = None  # streaming with tool_choice "auto"
+    reply: Optional[ChatReply] = None  # made with the first output (its parsers need the prompt)
     num_tool_calls: int = 0
 
 
@@ -66,9 +69,12 @@ class ChatRun:
     role: str
     echo: str
     tool_mode: str  # "none", "auto", "required" or "named"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     # As the engine last reported them, for the usage.
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
 
 @dataclass
@@ -90,20 +96,24 @@ def make_chat_prompt(
     add_special_tokens: bool,
     cache_salt: Optional[str],
     input_processor: Any = None,
+    kwargs: Optional[dict[str, Any]] = None,
+    chat_template: Optional[str] = None,
 ) -> dict[str, Any]:
     """Renders and tokenizes a conversation (runs on the engine thread); template errors -> ValueError.
 
     ``request`` (a chat or tokenize request) gives the template's options: ``add_generation_prompt``,
-    ``continue_final_message``, ``chat_template`` and ``chat_template_kwargs``. With
+    ``continue_final_message``, ``chat_template`` and ``chat_template_kwargs`` (``kwargs`` and
+    ``chat_template``, when given, in their place: the server's defaults merged in). With
     ``input_processor``, a rendering too long for the context is refused before tokenizing.
     """
     from pagellm.tokenizer import render_chat
 
-    kwargs = dict(request.chat_template_kwargs or {})
+    kwargs = dict(request.chat_template_kwargs or {}) if kwargs is None else dict(kwargs)
     if request.continue_final_message:
         kwargs["continue_final_message"] = True
+    template = request.chat_template or chat_template
     try:
-        text = render_chat(tokenizer, messages, request.add_generation_prompt, request.chat_template, **kwargs)
+        text = render_chat(tokenizer, messages, request.add_generation_prompt, template, **kwargs)
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - jinja and template errors are the request's fault
@@ -128,12 +138,26 @@ class OpenAIServingChat(OpenAIServing):
         trust_request_chat_template: bool = False,
         enable_auto_tool_choice: bool = False,
         tool_call_parser: Optional[str] = None,
+        reasoning_parser: Optional[str] = None,
+        reasoning_config: Optional[dict[str, Any]] = None,
+        chat_template: Optional[str] = None,
+        default_chat_template_kwargs: Optional[dict[str, Any]] = None,
+        default_thinking_token_budget: Optional[int] = None,
     ) -> None:
+        from pagellm.reasoning import get_reasoning_parser
+
         super().__init__(async_llm, served_model_name, trust_request_chat_template)
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self.tool_parser_cls = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self.reasoning_config = reasoning_config
+        self.chat_template = chat_template  # --chat-template: in place of the model's own
+        self.default_chat_template_kwargs = default_chat_template_kwargs
+        if default_thinking_token_budget is not None and reasoning_parser is None:
+            raise ValueError("a default thinking token budget needs --reasoning-parser")
+        self.default_thinking_token_budget = default_thinking_token_budget
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         run = await self.start_chat(request, random_id("chatcmpl"))
@@ -159,22 +183,37 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        params = self.check_params(request.to_sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None))
+        params = request.to_sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
+        if self.reasoning_parser_cls is not None:
+            params.thinking_token_budget = thinking_budget(request, self.default_thinking_token_budget)
+            # Markers that are special tokens would be dropped from the text the parser reads.
+            params.skip_special_tokens = params.skip_special_tokens and not self._special_markers
+        elif request.thinking_token_budget is not None:
+            raise APIError("thinking_token_budget needs a server started with --reasoning-parser", param="thinking_token_budget")
+        params = self.check_params(params)
         messages = messages_to_dicts(request.messages)
         tokenizer = self.async_llm.tokenizer
+        kwargs = template_kwargs(request, self.default_chat_template_kwargs)
         tool_mode = resolve_tool_choice(request, self.enable_auto_tool_choice and self.tool_parser_cls is not None)
         if tool_mode in ("named", "required"):
             if params.structured_outputs is not None:
                 raise APIError("a forced tool_choice cannot be combined with another output constraint", param="tool_choice")
             params.structured_outputs = forced_constraint(request, tool_mode)
         if tool_mode != "none":
-            messages = add_tools_to_messages(messages, request, getattr(tokenizer, "chat_template", None))
+            messages = add_tools_to_messages(messages, request, self.chat_template or getattr(tokenizer, "chat_template", None))
         if tool_mode == "auto" and request.n not in (None, 1) and request.stream:
             raise APIError("streamed tool calls support n=1 only", param="n")
 
         def prompt() -> dict[str, Any]:
             return make_chat_prompt(
-                tokenizer, messages, request, request.add_special_tokens, request.cache_salt, self.async_llm.engine.input_processor
+                tokenizer,
+                messages,
+                request,
+                request.add_special_tokens,
+                request.cache_salt,
+                self.async_llm.engine.input_processor,
+                kwargs,
+                self.chat_template,
             )
 
         role = "assistant" if request.add_generation_prompt else messages[-1]["role"]
@@ -183,7 +222,24 @@ class OpenAIServingChat(OpenAIServing):
             echo = messages[-1]["content"]
         created = int(time.time())
         streams = await self.add_requests(request_id, [prompt], params, time.monotonic(), lora_request)
-        return ChatRun(request, request_id, created, streams[0], n, role, echo, tool_mode)
+        return ChatRun(request, request_id, created, streams[0], n, role, echo, tool_mode, kwargs)
+
+    @property
+    def _special_markers(self) -> bool:
+        """Whether the reasoning markers are special tokens (skipped from text unless asked not to)."""
+        if self.reasoning_parser_cls.keep_special_tokens:
+            return True
+        strings = self.reasoning_parser_cls.boundary_strings(self.reasoning_config)
+        special = set(getattr(self.async_llm.tokenizer, "all_special_tokens", ()))
+        return any(m in special for m in (strings.start, strings.end) if m)
+
+    def _reply(self, run: ChatRun) -> ChatReply:
+        reasoning = None
+        if self.reasoning_parser_cls is not None:
+            reasoning = self.reasoning_parser_cls(
+                self.async_llm.tokenizer, run.prompt_token_ids, run.template_kwargs, self.reasoning_config
+            )
+        return ChatReply(run.request, run.tool_mode, self.tool_parser_cls, reasoning)
 
     def _logprobs(
         self, request: ChatCompletionRequest, token_ids: list[int], logprobs: Optional[SampleLogprobs]
@@ -191,27 +247,33 @@ class OpenAIServingChat(OpenAIServing):
         if not request.logprobs or logprobs is None:
             return []
         num_top = request.top_logprobs or 0
+        as_ids = bool(request.return_tokens_as_token_ids)
+
+        def text(token_id: int, decoded: Optional[str]) -> str:
+            if as_ids:
+                return f"token_id:{token_id}"
+            return decoded if decoded is not None else self.async_llm.tokenizer.decode([token_id])
+
         content = []
         for token_id, step in zip(token_ids, logprobs):
             chosen = step.get(token_id)
             if chosen is None:
                 continue
-            token = chosen.decoded_token if chosen.decoded_token is not None else self.async_llm.tokenizer.decode([token_id])
+            token = text(token_id, chosen.decoded_token)
             # The dict holds the sampled token (any rank) and the top-k: keep the top-k, by rank.
-            top = sorted((lp for lp in step.values() if lp.rank is not None and lp.rank <= num_top), key=lambda lp: lp.rank)
+            top = sorted(((t, lp) for t, lp in step.items() if lp.rank is not None and lp.rank <= num_top), key=lambda x: x[1].rank)
+            top_items = []
+            for t, lp in top:
+                name = text(t, lp.decoded_token or "")
+                top_items.append(
+                    ChatCompletionLogProb(token=name, logprob=logprob_value(lp), bytes=list(name.encode("utf-8", errors="replace")))
+                )
             content.append(
                 ChatCompletionLogProbsContent(
                     token=token,
                     logprob=logprob_value(chosen),
                     bytes=list(token.encode("utf-8", errors="replace")),
-                    top_logprobs=[
-                        ChatCompletionLogProb(
-                            token=lp.decoded_token or "",
-                            logprob=logprob_value(lp),
-                            bytes=list((lp.decoded_token or "").encode("utf-8", errors="replace")),
-                        )
-                        for lp in top
-                    ],
+                    top_logprobs=top_items,
                 )
             )
         return content
@@ -219,40 +281,23 @@ class OpenAIServingChat(OpenAIServing):
     def _update_choice(self, request: ChatCompletionRequest, choice: _Choice, completion: CompletionOutput) -> tuple[str, list]:
         logprobs = self._logprobs(request, list(completion.token_ids), completion.logprobs)
         choice.text += completion.text
-        choice.num_tokens += len(completion.token_ids)
+        choice.token_ids.extend(completion.token_ids)
         choice.logprobs.extend(logprobs)
         if completion.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
         return completion.text, logprobs
 
     def _message(self, request: ChatCompletionRequest, choice: _Choice, role: str, echo: str, tool_mode: str) -> ChatResponseMessage:
-        """The reply, with tool calls read out of the text when tools are in play."""
-        calls: list[ParsedToolCall] = []
-        content: Optional[str] = echo + choice.text
-        if tool_mode in ("named", "required"):
-            forced = forced_tool_calls(request, tool_mode, choice.text)
-            if forced is not None:  # else cut short: the text goes back as content, finish_reason "length"
-                calls, content = forced, None
-        elif tool_mode == "auto" and self.tool_parser_cls is not None:
-            parsed = self.tool_parser_cls().extract(choice.text)
-            calls, content = parsed.tool_calls, (echo + parsed.content) if parsed.content is not None else (echo or None)
-        if calls and tool_mode != "named" and choice.finish_reason == "stop":
+        """The reply: reasoning apart, tool calls read out of the answer when tools are in play."""
+        parts = choice.reply.whole(choice.text, choice.token_ids)  # type: ignore[union-attr]
+        content: Optional[str] = parts.content
+        if echo:
+            content = echo + (content or "")
+        if parts.tool_calls and tool_mode != "named" and choice.finish_reason == "stop":
             choice.finish_reason = "tool_calls"
-        tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        return ChatResponseMessage(role=role, content=content, tool_calls=tool_calls)
-
-    def _stream_tool_calls(
-        self, request: ChatCompletionRequest, choice: _Choice, text: str, tool_mode: str, finished: bool
-    ) -> tuple[str, list[ParsedToolCall]]:
-        """A streamed piece of text split into content to send and tool calls now complete."""
-        if choice.parser is not None:
-            delta = choice.parser.extract_streaming(text, finished)
-            return delta.content, [call for _, call in delta.tool_calls]
-        # Forced calls are JSON that only parses whole: held back until the reply ends.
-        if not finished:
-            return "", []
-        forced = forced_tool_calls(request, tool_mode, choice.text)
-        return ("", forced) if forced is not None else (choice.text, [])
+        tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parts.tool_calls]
+        reasoning = parts.reasoning if request.include_reasoning else None
+        return ChatResponseMessage(role=role, content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=tool_calls)
 
     @staticmethod
     def _tool_call_deltas(choice: _Choice, calls: list[ParsedToolCall]) -> list[DeltaMessage]:
@@ -273,16 +318,30 @@ class OpenAIServingChat(OpenAIServing):
             if output.error is not None:
                 raise APIError(f"the engine failed on this request: {output.error}", 500)
             run.num_prompt_tokens, run.num_cached_tokens = len(output.prompt_token_ids), output.num_cached_tokens
+            run.prompt_token_ids = list(output.prompt_token_ids)
+            if output.prompt_logprobs:
+                run.prompt_logprobs.extend(output.prompt_logprobs)
             for completion in output.outputs:
                 choice = choices[completion.index]
+                if choice.reply is None:
+                    choice.reply = self._reply(run)
                 if choice.finish_reason is None:  # finished samples of n > 1 repeat in later outputs
                     yield choice, completion
+
+    def _usage(self, run: ChatRun, choices: list[_Choice]) -> UsageInfo:
+        usage = make_usage(run.num_prompt_tokens, sum(len(c.token_ids) for c in choices), run.num_cached_tokens)
+        if self.reasoning_parser_cls is not None:
+            num = sum(c.reply.num_reasoning_tokens(c.token_ids) for c in choices if c.reply is not None)
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=num)
+        return usage
 
     async def _full(self, run: ChatRun) -> ChatCompletionResponse:
         request, n, role, echo, tool_mode = run.request, run.n, run.role, run.echo, run.tool_mode
         choices = [_Choice() for _ in range(n)]
         async for choice, completion in self._completions(run, choices):
             self._update_choice(request, choice, completion)
+        for c in choices:
+            c.reply = c.reply or self._reply(run)
         messages = [self._message(request, c, role, echo, tool_mode) for c in choices]
         return ChatCompletionResponse(
             id=run.request_id,
@@ -298,32 +357,32 @@ class OpenAIServingChat(OpenAIServing):
                 )
                 for j, (c, message) in enumerate(zip(choices, messages))
             ],
-            usage=make_usage(run.num_prompt_tokens, sum(c.num_tokens for c in choices), run.num_cached_tokens),
+            usage=self._usage(run, choices),
+            prompt_logprobs=prompt_logprobs_json(run.prompt_token_ids, run.prompt_logprobs, request.return_tokens_as_token_ids)
+            if request.prompt_logprobs is not None
+            else None,
         )
 
     async def stream_deltas(self, run: ChatRun) -> AsyncIterator[ChatDelta]:
         """The reply as OpenAI's chat deltas, role first; the last one carries the usage. Raises on failure."""
         request, n, tool_mode = run.request, run.n, run.tool_mode
         choices = [_Choice() for _ in range(n)]
-        if tool_mode == "auto" and self.tool_parser_cls is not None:
-            for c in choices:
-                c.parser = self.tool_parser_cls()
         # The role goes first, at once: clients see the stream open before the first token.
         for j in range(n):
             yield ChatDelta(j, DeltaMessage(role=run.role, content=""))
             if run.echo:
                 yield ChatDelta(j, DeltaMessage(content=run.echo))
         async for choice, completion in self._completions(run, choices):
-            text, logprobs = self._update_choice(request, choice, completion)
+            _, logprobs = self._update_choice(request, choice, completion)
             finish_reason = completion.finish_reason
-            if tool_mode != "none":
-                text, calls = self._stream_tool_calls(request, choice, text, tool_mode, finish_reason is not None)
-                for delta in self._tool_call_deltas(choice, calls):
-                    yield ChatDelta(completion.index, delta)
-                if calls and tool_mode != "named" and finish_reason == "stop":
-                    finish_reason = "tool_calls"
-                if choice.num_tool_calls and finish_reason == "stop" and tool_mode != "named":
-                    finish_reason = "tool_calls"
+            piece = choice.reply.stream(completion.text, list(completion.token_ids), finish_reason is not None)  # type: ignore[union-attr]
+            if piece.reasoning and request.include_reasoning:
+                yield ChatDelta(completion.index, DeltaMessage(reasoning=piece.reasoning, reasoning_content=piece.reasoning))
+            for delta in self._tool_call_deltas(choice, piece.tool_calls):
+                yield ChatDelta(completion.index, delta)
+            if choice.num_tool_calls and finish_reason == "stop" and tool_mode != "named":
+                finish_reason = "tool_calls"
+            text = piece.content
             if not text and not logprobs and finish_reason is None:
                 continue
             yield ChatDelta(
@@ -333,8 +392,7 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason,
                 completion.stop_reason,
             )
-        usage = make_usage(run.num_prompt_tokens, sum(c.num_tokens for c in choices), run.num_cached_tokens)
-        yield ChatDelta(0, DeltaMessage(), usage=usage)
+        yield ChatDelta(0, DeltaMessage(), usage=self._usage(run, choices))
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
         request = run.request

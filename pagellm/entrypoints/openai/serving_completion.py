@@ -26,6 +26,7 @@ from pagellm.entrypoints.openai.serving_base import (
     logprob_value,
     make_usage,
     prompt_items,
+    prompt_logprobs_json,
     run_until_disconnected,
     sse,
     sse_error,
@@ -55,6 +56,7 @@ class _PromptInfo:
 
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs = field(default_factory=list)
 
 
@@ -106,23 +108,28 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids: list[int],
         logprobs: Union[SampleLogprobs, PromptLogprobs],
         initial_offset: int,
+        as_token_ids: bool = False,
     ) -> CompletionLogProbs:
         result = CompletionLogProbs()
         offset = initial_offset
+
+        def text(token_id: int, decoded: Optional[str]) -> str:
+            if as_token_ids:
+                return f"token_id:{token_id}"
+            return decoded if decoded is not None else self.async_llm.tokenizer.decode([token_id])
+
         for token_id, step in zip(token_ids, logprobs):
             if step is None or token_id not in step:  # the first prompt token has no logprob
-                token = self.async_llm.tokenizer.decode([token_id])
+                token = text(token_id, None)
                 result.tokens.append(token)
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
             else:
                 chosen = step[token_id]
-                token = chosen.decoded_token if chosen.decoded_token is not None else self.async_llm.tokenizer.decode([token_id])
+                token = text(token_id, chosen.decoded_token)
                 result.tokens.append(token)
                 result.token_logprobs.append(logprob_value(chosen))
-                result.top_logprobs.append(
-                    {(lp.decoded_token if lp.decoded_token is not None else str(tid)): logprob_value(lp) for tid, lp in step.items()}
-                )
+                result.top_logprobs.append({text(tid, lp.decoded_token): logprob_value(lp) for tid, lp in step.items()})
             result.text_offset.append(offset)
             offset += len(token)
         return result
@@ -158,7 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = padded[: len(prompt_ids)] + logprobs
         new_logprobs = None
         if request.logprobs is not None:
-            new_logprobs = self._logprobs(token_ids, logprobs, len(choice.text))
+            new_logprobs = self._logprobs(token_ids, logprobs, len(choice.text), bool(request.return_tokens_as_token_ids))
             choice.logprobs = _extend_logprobs(choice.logprobs, new_logprobs)
         choice.text += text
         choice.num_tokens += len(completion.token_ids)
@@ -172,6 +179,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if output.error is not None:
                 raise APIError(f"the engine failed on this request: {output.error}", 500)
             infos[i].num_prompt_tokens = len(output.prompt_token_ids)
+            infos[i].prompt_token_ids = list(output.prompt_token_ids)
             infos[i].num_cached_tokens = output.num_cached_tokens
             if output.prompt_logprobs:
                 infos[i].prompt_logprobs.extend(output.prompt_logprobs)
@@ -195,7 +203,16 @@ class OpenAIServingCompletion(OpenAIServing):
             model=self.response_model(request.model),
             choices=[
                 CompletionResponseChoice(
-                    index=j, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                    index=j,
+                    text=c.text,
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_logprobs_json(
+                        infos[j // n].prompt_token_ids, infos[j // n].prompt_logprobs, request.return_tokens_as_token_ids
+                    )
+                    if request.prompt_logprobs is not None
+                    else None,
                 )
                 for j, c in enumerate(choices)
             ],

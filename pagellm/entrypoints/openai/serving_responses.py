@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.entrypoints.errors import APIError, error_body
+from pagellm.entrypoints.openai.chat_reply import EFFORT_BUDGETS
 from pagellm.entrypoints.openai.input_items import (
     chat_tool_choice,
     chat_tools,
@@ -29,6 +30,9 @@ from pagellm.entrypoints.openai.protocol_responses import (
     InputTokensDetails,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseDeleted,
     ResponseObject,
     ResponsesRequest,
@@ -53,8 +57,8 @@ def check_supported(request: ResponsesRequest) -> None:
         if getattr(request, name):
             raise APIError(message, param=name)
     reasoning = request.reasoning
-    if reasoning is not None and (reasoning.effort or reasoning.summary or reasoning.generate_summary):
-        raise APIError("reasoning options (effort, summary) cannot be honoured by this server", param="reasoning")
+    if reasoning is not None and reasoning.effort not in (None, *EFFORT_BUDGETS):
+        raise APIError(f"reasoning.effort must be one of {', '.join(EFFORT_BUDGETS)}, got {reasoning.effort!r}", param="reasoning")
     if request.top_logprobs:
         raise APIError("top_logprobs is not supported on /v1/responses", param="top_logprobs")
     if request.truncation == "auto":
@@ -67,10 +71,12 @@ def check_supported(request: ResponsesRequest) -> None:
 
 def response_usage(usage: UsageInfo) -> ResponseUsage:
     num_cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    num_reasoning = usage.completion_tokens_details.reasoning_tokens if usage.completion_tokens_details else 0
     return ResponseUsage(
         input_tokens=usage.prompt_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=num_cached),
         output_tokens=usage.completion_tokens or 0,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=num_reasoning),
         total_tokens=usage.total_tokens,
     )
 
@@ -84,6 +90,7 @@ class ResponseBuilder:
         self.num_events = 0
         self.held_text = ""  # whitespace before any item: dropped if tool calls follow, as the chat path drops it
         self.message: Optional[OutputMessage] = None
+        self.reasoning: Optional[ReasoningItem] = None
         self.call: Optional[FunctionCallItem] = None
         self.skipping_call = False  # a second call under parallel_tool_calls=false
         self.finish_reason: Optional[str] = None
@@ -103,6 +110,8 @@ class ResponseBuilder:
             self.response.usage = response_usage(d.usage)
             return []
         events: list[str] = []
+        if d.delta.reasoning:
+            events += self._reasoning(d.delta.reasoning)
         for call in d.delta.tool_calls or []:
             events += self._tool_call(call)
         if d.delta.content:
@@ -114,8 +123,30 @@ class ResponseBuilder:
     def _index(self, item: Any) -> int:
         return self.response.output.index(item)
 
+    def _reasoning(self, text: str) -> list[str]:
+        events: list[str] = []
+        if self.reasoning is None:
+            self.reasoning = ReasoningItem(content=[ReasoningText()])
+            self.response.output.append(self.reasoning)
+            events += self.event("response.output_item.added", output_index=self._index(self.reasoning), item=self.reasoning.model_dump())
+        item = self.reasoning
+        item.content[0].text += text
+        return events + self.event(
+            "response.reasoning_text.delta", item_id=item.id, output_index=self._index(item), content_index=0, delta=text
+        )
+
+    def _close_reasoning(self) -> list[str]:
+        item = self.reasoning
+        if item is None or item.status != "in_progress":
+            return []
+        item.status = "completed"
+        where = {"item_id": item.id, "output_index": self._index(item)}
+        return self.event("response.reasoning_text.done", **where, content_index=0, text=item.content[0].text) + self.event(
+            "response.output_item.done", output_index=where["output_index"], item=item.model_dump()
+        )
+
     def _text(self, text: str) -> list[str]:
-        events = self._close_call()
+        events = self._close_reasoning() + self._close_call()
         if self.message is None:
             if not (self.held_text + text).strip():
                 self.held_text += text
@@ -156,7 +187,7 @@ class ResponseBuilder:
     def _tool_call(self, delta: DeltaToolCall) -> list[str]:
         events: list[str] = []
         if delta.id is not None:  # a new call: the chat path sends id and name first, then the arguments
-            events += self._close_message() + self._close_call()
+            events += self._close_reasoning() + self._close_message() + self._close_call()
             self.skipping_call = not self.response.parallel_tool_calls and any(
                 isinstance(item, FunctionCallItem) for item in self.response.output
             )
@@ -186,8 +217,8 @@ class ResponseBuilder:
 
     def finish(self) -> list[str]:
         """Closes what is open and settles the status; the last event (streaming) is completed or incomplete."""
-        events = self._close_call()
-        if not self.response.output:
+        events = self._close_reasoning() + self._close_call()
+        if not any(not isinstance(item, ReasoningItem) for item in self.response.output):
             text, self.held_text = self.held_text, ""
             events += self._open_message()
             if text:
@@ -219,6 +250,8 @@ class OpenAIServingResponses:
             messages=items_to_messages(items, request.instructions),
             tools=chat_tools(tools),
             tool_choice=chat_tool_choice(request.tool_choice),
+            reasoning_effort=request.reasoning.effort if request.reasoning is not None else None,
+            thinking_token_budget=request.thinking_token_budget,
             parallel_tool_calls=request.parallel_tool_calls,
             max_completion_tokens=request.max_output_tokens,
             temperature=request.temperature,
@@ -241,6 +274,7 @@ class OpenAIServingResponses:
             store=request.store is not False,
             metadata=request.metadata or {},
             user=request.user,
+            reasoning={"effort": request.reasoning.effort, "summary": None} if request.reasoning is not None else None,
         )
         run = await self.chat.start_chat(chat_request, response.id)
         builder = ResponseBuilder(response, emit=bool(request.stream))

@@ -31,4 +31,13 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
-__all__ = ["HermesToolParser", "ParsedMessage", "ParsedToolCall", "PartialParse", "StreamDelta", "ToolParser", "TOOL_PARSERS", "get_tool_parser"]
+__all__ = [
+    "HermesToolParser",
+    "ParsedMessage",
+    "ParsedToolCall",
+    "PartialParse",
+    "StreamDelta",
+    "ToolParser",
+    "TOOL_PARSERS",
+    "get_tool_parser",
+]
