@@ -24,8 +24,6 @@ ALLOWED: dict[str, set[str]] = {
     "json_config": set(),
     "pooling_params": {"json_config"},
     "outputs": set(),
-    # Reasoning parsers: the engine (thinking budgets) and the serving layer both read replies with them.
-    "reasoning": set(),
     # LoRA: the adapter's identity (request.py) is vocabulary of the engine's layers; the rest of
     # the package (pools, PEFT loading) sits under the layers it adapts, on the kernels' grouped product.
     "lora": {"kernels", "envs"},
@@ -52,7 +50,7 @@ ALLOWED: dict[str, set[str]] = {
     | {"spec_decode", "lora", "plan"},
     "engine": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output"}
-    | {"distributed", "executor", "spec_decode", "lora", "plan"},
+    | {"distributed", "executor", "spec_decode", "lora", "plan", "reasoning"},
     "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer", "lora", "plan", "reasoning"},
     "bench": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"}
