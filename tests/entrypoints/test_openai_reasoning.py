@@ -203,3 +203,24 @@ def test_responses_api_returns_a_reasoning_item(client):
     assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.incomplete"
     final = events[-1].response
     assert final.output[0].type == "reasoning" and final.output[0].content[0].text
+
+
+def test_prompt_logprobs_and_token_ids_on_chat_and_completions(server, client):
+    import httpx
+
+    model = client.models.list().data[0].id
+    headers = {"Authorization": f"Bearer {client.api_key}"}
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 1, "return_tokens_as_token_ids": True}
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60).json()
+    steps = chat["prompt_logprobs"]
+    assert len(steps) == chat["usage"]["prompt_tokens"] and steps[0] is None
+    for step in steps[1:]:
+        # The prompt's own token (any rank) and the top-1, each with a rank, named by id.
+        assert 1 <= len(step) <= 2 and all(v["decoded_token"] == f"token_id:{k}" and v["rank"] >= 1 for k, v in step.items())
+    prompt_ids = [1, 2, 3, 4, 5]
+    r = client.completions.create(
+        model=model, prompt=prompt_ids, max_tokens=3, logprobs=2, extra_body={"prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+    )
+    choice = r.choices[0].model_dump()
+    assert all(t.startswith("token_id:") for t in choice["logprobs"]["tokens"])
+    assert [list(step) if step else None for step in choice["prompt_logprobs"]] == [None] + [[str(t)] for t in prompt_ids[1:]]
