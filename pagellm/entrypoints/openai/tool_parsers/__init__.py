@@ -18,6 +18,7 @@ TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "mistral": ("mistral", "MistralToolParser"),
     "pythonic": ("pythonic", "PythonicToolParser"),
     "granite": ("granite", "GraniteToolParser"),
+    "granite4": ("granite4", "Granite4ToolParser"),
     "gemma4": ("gemma4", "Gemma4ToolParser"),
     "openai": ("openai", "OpenAIToolParser"),
 }
