@@ -20,6 +20,10 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
   apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
     || echo "warning: chromium did not install; the dashboard browser test will be skipped" >&2
 fi
+# gpt-oss's harmony tests need OpenAI's o200k_base vocabulary, which openai-harmony downloads at run
+# time; built here from the npm registry's js-tiktoken (sha256 checked). A served gpt-oss model writes
+# it from its own tokenizer instead (pagellm/reasoning/harmony_vocab.py).
+./scripts/fetch_o200k.sh
 # Triton (the gpu extra) without its dependencies, which would swap torch for a CUDA build; on CPU
 # its interpreter runs the Triton attention kernels in the tests.
 pip install -q --no-deps "triton==3.9.0"
