@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -195,6 +195,8 @@ class OpenAIServingChat(OpenAIServing):
         tokenizer = self.async_llm.tokenizer
         kwargs = template_kwargs(request, self.default_chat_template_kwargs)
         tool_mode = resolve_tool_choice(request, self.enable_auto_tool_choice and self.tool_parser_cls is not None)
+        if tool_mode == "auto" and self.tool_parser_cls is not None and self._special(self.tool_parser_cls.markers):
+            params.skip_special_tokens = False  # the call markers are special tokens
         if tool_mode in ("named", "required"):
             if params.structured_outputs is not None:
                 raise APIError("a forced tool_choice cannot be combined with another output constraint", param="tool_choice")
@@ -224,14 +226,18 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.add_requests(request_id, [prompt], params, time.monotonic(), lora_request)
         return ChatRun(request, request_id, created, streams[0], n, role, echo, tool_mode, kwargs)
 
+    def _special(self, markers: Sequence[Optional[str]]) -> bool:
+        """Whether any of ``markers`` is a special token (skipped from the text unless asked not to)."""
+        special = set(getattr(self.async_llm.tokenizer, "all_special_tokens", ()))
+        return any(m in special for m in markers if m)
+
     @property
     def _special_markers(self) -> bool:
-        """Whether the reasoning markers are special tokens (skipped from text unless asked not to)."""
+        """Whether the reasoning markers are special tokens."""
         if self.reasoning_parser_cls.keep_special_tokens:
             return True
         strings = self.reasoning_parser_cls.boundary_strings(self.reasoning_config)
-        special = set(getattr(self.async_llm.tokenizer, "all_special_tokens", ()))
-        return any(m in special for m in (strings.start, strings.end) if m)
+        return self._special((strings.start, strings.end))
 
     def _reply(self, run: ChatRun) -> ChatReply:
         reasoning = None

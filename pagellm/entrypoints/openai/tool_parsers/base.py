@@ -64,6 +64,9 @@ class ToolParser(ABC):
     dicts (``{"type": "function", "function": {...}}``), for parsers that type arguments by schema."""
 
     name: str = ""
+    # Strings that start a call: where a tokenizer makes them special tokens, the reply is decoded
+    # with special tokens kept, or the parser would never see them.
+    markers: tuple[str, ...] = ()
 
     def __init__(self, tools: Optional[list[dict[str, Any]]] = None) -> None:
         self.tools = tools or []

@@ -130,6 +130,7 @@ def _to_call(match: re.Match[str]) -> ParsedToolCall:
 
 
 class Gemma4ToolParser(ToolParser):
+    markers = (TOOL_CALL_START, TOOL_CALL_END)
     name = "gemma4"
 
     def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:

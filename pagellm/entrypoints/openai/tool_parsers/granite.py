@@ -70,6 +70,7 @@ def _granite_call(obj: Any) -> Optional[ParsedToolCall]:
 
 class GraniteToolParser(ToolParser):
     name = "granite"
+    markers = ("<|tool_call|>", "<tool_call>")
 
     def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
         start, undecided = _payload_start(text)

@@ -65,6 +65,7 @@ def _scan(text: str, start: int = 0) -> tuple[list[str], list[str], bool]:
 
 
 class Granite4ToolParser(ToolParser):
+    markers = (TC_START, TC_END)
     name = "granite4"
 
     def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:

@@ -23,6 +23,7 @@ def json_call(block: str) -> Optional[ParsedToolCall]:
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    markers = ("<tool_call>",)
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 

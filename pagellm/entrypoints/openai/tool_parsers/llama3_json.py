@@ -68,6 +68,7 @@ class _Scan:
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
+    markers = (TAG,)
 
     @staticmethod
     def _call(block: str) -> Optional[ParsedToolCall]:

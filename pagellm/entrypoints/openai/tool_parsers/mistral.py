@@ -45,6 +45,7 @@ class _Scan:
 class MistralToolParser(ToolParser):
     name = "mistral"
     BOT, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    markers = (BOT, ARGS, CALL_ID)
 
     @staticmethod
     def _array_calls(seg: str, start: int, scan: _Scan) -> None:

@@ -94,6 +94,7 @@ class _Scan:
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
     MARKERS = ("<tool_call>", "<function=")
+    markers = ("<tool_call>", "</tool_call>")
     # A function's body ends at </function>, at </tool_call> when the model left </function> out, or at
     # the end of the reply; a parameter's value at its close tag or where the next tag of the call begins.
     _FUNCTION_ENDS = ("</function>", "</tool_call>")
