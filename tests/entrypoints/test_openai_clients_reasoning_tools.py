@@ -14,9 +14,6 @@ What each library exposes of the thinking:
 - ``ChatOpenAI(use_responses_api=True)`` keeps the Responses API's reasoning item as a content block.
 - The Agents SDK's Chat Completions model turns ``reasoning_content`` into a ``ReasoningItem`` (its
   summary); its Responses model keeps the reasoning item (its ``reasoning_text`` content).
-
-pagellm's ``/v1/responses`` ignores ``structured_outputs`` (and ``seed``) in the request body, so the
-Responses path is driven with a forced ``tool_choice`` instead, and the full run is an xfail.
 """
 from __future__ import annotations
 
@@ -287,8 +284,7 @@ def test_agents_sdk_chat_completions_model_runs_the_tool_and_answers(server, age
 
 
 def test_agents_sdk_responses_model_reads_the_reasoning_item_and_the_call(server, agents_models):
-    # /v1/responses ignores structured_outputs and seed: the call is forced by tool_choice, greedy, and the run stops
-    # at the tool's output.
+    # A forced tool_choice, greedy, and the run stops at the tool's output.
     calls: list[str] = []
     settings = {"temperature": 0.0, "tool_choice": "get_paris_weather", "extra_body": {"thinking_token_budget": BUDGET}}
     result = _run(server, agents_models["plain_responses"], calls, paris_only=True, **settings)
@@ -300,13 +296,12 @@ def test_agents_sdk_responses_model_reads_the_reasoning_item_and_the_call(server
     assert result.raw_responses[0].usage.output_tokens_details.reasoning_tokens == BUDGET
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pagellm's /v1/responses drops the structured_outputs (and seed) extras: ResponsesRequest has no such "
-    "fields and ignores unknown ones, so the reply is unconstrained and no tool call comes",
-)
 def test_agents_sdk_responses_model_runs_the_tool_and_answers(server, agents_models):
     calls: list[str] = []
     result = _run(server, agents_models["responses"], calls)
     assert calls == ["Paris"]
     assert result.final_output == ANSWER
+    assert _item_kinds(result) == [
+        "reasoning_item", "tool_call_item", "tool_call_output_item", "reasoning_item", "message_output_item",
+    ]
+    assert all(t.strip() for t in _reasoning_texts(result))

@@ -81,7 +81,10 @@ class ResponsesRequest(OpenAIBaseModel):
     # Accepted so that they can be refused by name when set (see serving_responses.unsupported).
     background: Optional[bool] = None
     reasoning: Optional[ReasoningConfig] = None
-    thinking_token_budget: Optional[int] = Field(default=None, ge=0)  # vLLM's extra, as on /v1/chat/completions
+    thinking_token_budget: Optional[int] = Field(default=None, ge=0)
+    # vLLM's extras, as on the chat path: a sampling seed and an output constraint (not with text.format).
+    seed: Optional[int] = None
+    structured_outputs: Optional[dict[str, Any]] = None  # vLLM's extra, as on /v1/chat/completions
     include: Optional[list[str]] = None
     conversation: Optional[Union[str, dict[str, Any]]] = None
     prompt: Optional[dict[str, Any]] = None

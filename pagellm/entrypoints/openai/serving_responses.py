@@ -65,6 +65,8 @@ def check_supported(request: ResponsesRequest) -> None:
         raise APIError('truncation "auto" is not supported; an input too long for the context is refused', param="truncation")
     if request.text is not None and request.text.verbosity not in (None, "medium"):
         raise APIError("text.verbosity cannot be honoured by this server", param="text")
+    if request.structured_outputs is not None and request.text is not None and request.text.format.type != "text":
+        raise APIError("structured_outputs cannot be combined with text.format", param="structured_outputs")
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise APIError(f"max_output_tokens must be at least 1, got {request.max_output_tokens}", param="max_output_tokens")
 
@@ -252,6 +254,8 @@ class OpenAIServingResponses:
             tool_choice=chat_tool_choice(request.tool_choice),
             reasoning_effort=request.reasoning.effort if request.reasoning is not None else None,
             thinking_token_budget=request.thinking_token_budget,
+            seed=request.seed,
+            structured_outputs=request.structured_outputs,
             parallel_tool_calls=request.parallel_tool_calls,
             max_completion_tokens=request.max_output_tokens,
             temperature=request.temperature,
