@@ -96,6 +96,9 @@ class BlockPool:
         # reader (the dashboard's snapshotter) follows the pool without scanning it. A set of ids,
         # so it never outgrows the pool, read or not.
         self.dirty_block_ids: set[int] = set()
+        # With an offloading tier (pagellm.core.kv_tier): (block id, key) of each cached block handed
+        # out again, so that its page is saved before it is overwritten. None: nobody listens.
+        self.evictions: Optional[list[tuple[int, BlockHash]]] = None
 
     def take_dirty_block_ids(self) -> set[int]:
         dirty, self.dirty_block_ids = self.dirty_block_ids, set()
@@ -144,7 +147,18 @@ class BlockPool:
         if self._is_indexed(block):
             del self.cached_blocks[block.block_hash]
             self.num_cached_free_blocks -= 1
+            if self.evictions is not None:
+                self.evictions.append((block.block_id, block.block_hash))
         block.block_hash = None
+
+    def cache_loaded_block(self, block: KVCacheBlock, key: BlockHash) -> None:
+        """Indexes a block whose page was just loaded from the offloading tier under its key (a
+        block already indexed under the key, computed meanwhile, keeps it)."""
+        if not self.enable_caching or block.block_hash is not None or key in self.cached_blocks:
+            return
+        block.block_hash = key
+        self.cached_blocks[key] = block
+        self.dirty_block_ids.add(block.block_id)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes a reference on blocks found in the prefix cache, reviving free ones (the null

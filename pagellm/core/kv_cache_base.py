@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional, TypeVar
+from typing import Callable, ClassVar, Iterable, Optional, TypeVar
 
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
 from pagellm.core.kv_cache_groups import KVCacheLayout
@@ -134,6 +134,23 @@ class KVCacheManagerBase(ABC):
     def waits_for_pending(self, request: Request, num_hit_tokens: int) -> bool:
         """Whether the step being scheduled writes something that lengthens ``request``'s hit."""
         return False
+
+    # The offloading tier under the prefix cache (pagellm.core.kv_tier): managers without one have none.
+    def enable_tier(self, keys: Iterable[bytes]) -> None:
+        raise ValueError(f"the {type(self).__name__} cannot put an offloading tier under its cache")
+
+    def tier_hit(self, request: Request, num_hit_tokens: int) -> int:
+        """Token blocks past the memory hit that the tier holds."""
+        return 0
+
+    def start_tier_load(self, request: Request, computed: Optional[KVCacheBlocks], num_hit_tokens: int, num_blocks: int) -> bool:
+        return False
+
+    def take_tier_orders(self) -> tuple[list[tuple[int, bytes]], dict[str, list[tuple[int, bytes]]]]:
+        return [], {}
+
+    def finish_tier_loads(self, loaded: dict[str, int], removed: Iterable[bytes]) -> list[str]:
+        return []
 
     def check_integrity(self) -> None:
         """Raises if the pool's reference counts disagree with the block tables."""

@@ -7,12 +7,13 @@ scheduler preempts as it would for a one-group cache.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
-from pagellm.core.block_hash import group_of_block_hash
+from pagellm.core.block_hash import BlockHash, group_block_hash, group_of_block_hash
 from pagellm.core.block_pool import KVCacheBlock
 from pagellm.core.kv_cache_base import KVCacheBlocks, KVCacheManagerBase, register_kv_cache_manager
 from pagellm.core.kv_cache_groups import KVCacheLayout, single_group_layout
+from pagellm.core.kv_tier import KVTier, TierLoad
 from pagellm.core.single_type_manager import SingleTypeKVCacheManager
 from pagellm.core.state_cache import StateCacheManager, StateStep
 from pagellm.request import Request
@@ -52,6 +53,7 @@ class KVCacheManager(KVCacheManagerBase):
             # Tokens between checkpoints, in whole blocks.
             interval = max(block_size, state_checkpoint_interval // block_size * block_size)
             self.state_cache = StateCacheManager(num_state_slots, block_size, interval, enable_caching)
+        self.tier: Optional[KVTier] = None  # the offloading tier under the prefix cache (enable_tier)
 
     @property
     def num_kv_cache_groups(self) -> int:
@@ -165,6 +167,94 @@ class KVCacheManager(KVCacheManagerBase):
             manager.free(request.request_id)
         if self.state_cache is not None:
             self.state_cache.free(request.request_id)
+        if self.tier is not None:
+            self.tier.tried.discard(request.request_id)
+            load = self.tier.loads.get(request.request_id)
+            if load is not None:
+                load.aborted = True  # its blocks are being written: they go back when the load ends
+
+    # ---- the offloading tier (pagellm.core.kv_tier) ---------------------------------------
+
+    def enable_tier(self, keys: Iterable[BlockHash]) -> None:
+        """Puts an offloading tier under the prefix cache, holding ``keys`` (what it found at start)."""
+        if not self.enable_caching:
+            raise ValueError("KV offloading keeps prefix-cache blocks: it needs prefix caching on")
+        if self.state_cache is not None:
+            raise ValueError("the KV offloading tier does not hold a hybrid model's recurrent state yet")
+        self.tier = KVTier.with_keys(keys)
+        self.block_pool.evictions = []
+
+    def tier_hit(self, request: Request, num_hit_tokens: int) -> int:
+        """Token blocks that continue the request's memory hit in the tier (every group's page)."""
+        tier = self.tier
+        if tier is None or request.request_id in tier.tried or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        last = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        num_blocks = 0
+        for i in range(num_hit_tokens // self.block_size, last):
+            if not all(group_block_hash(request.block_hashes[i], g) in tier.keys for g in range(len(self.group_managers))):
+                break
+            num_blocks += 1
+        return num_blocks
+
+    def start_tier_load(self, request: Request, computed: Optional[KVCacheBlocks], num_hit_tokens: int, num_blocks: int) -> bool:
+        """Allocates blocks for ``num_blocks`` token blocks after the hit and orders their pages
+        loaded; False (changing nothing) when the pool cannot spare them."""
+        tier, pool = self.tier, self.block_pool
+        num_groups = len(self.group_managers)
+        if tier is None:
+            return False
+        held = [b for group in self._computed_by_group(computed) for b in group]
+        pool.touch(held)  # before allocating, which could otherwise evict them
+        if num_blocks * num_groups > pool.num_free_blocks:
+            pool.free_blocks(reversed(held))
+            return False
+        blocks = pool.get_new_blocks(num_blocks * num_groups)
+        first = num_hit_tokens // self.block_size
+        keys = [group_block_hash(request.block_hashes[first + j], g) for j in range(num_blocks) for g in range(num_groups)]
+        items = [(b.block_id, k) for b, k in zip(blocks, keys)]
+        tier.loads[request.request_id] = TierLoad(items, blocks, held, num_groups)
+        tier.new_loads[request.request_id] = items
+        tier.tried.add(request.request_id)
+        tier.stats.num_loads += 1
+        return True
+
+    def take_tier_orders(self) -> tuple[list[tuple[int, BlockHash]], dict[str, list[tuple[int, BlockHash]]]]:
+        """The step's saves (pages the pool handed out again) and loads, for the worker."""
+        if self.tier is None:
+            return [], {}
+        evicted = self.block_pool.evictions or []
+        self.block_pool.evictions = []
+        self.tier.note_evicted(evicted)
+        return self.tier.take_orders()
+
+    def finish_tier_loads(self, loaded: dict[str, int], removed: Iterable[BlockHash]) -> list[str]:
+        """The worker's report: per request, how many leading pages loaded (the rest failed), and
+        keys the tier dropped. The loaded blocks join the prefix cache; returns the requests whose
+        loads ended and that wait to be admitted."""
+        tier, pool = self.tier, self.block_pool
+        if tier is None:
+            return []
+        tier.forget(removed)
+        ended = []
+        for req_id, num_ok in loaded.items():
+            load = tier.loads.pop(req_id, None)
+            if load is None:
+                continue
+            num_ok_blocks = num_ok // load.num_groups
+            for (_, key), block in zip(load.items[: num_ok_blocks * load.num_groups], load.blocks):
+                pool.cache_loaded_block(block, key)
+            if num_ok < len(load.items):
+                tier.forget([load.items[num_ok][1]])
+            tier.stats.num_blocks_loaded += num_ok_blocks
+            tier.stats.num_blocks_failed += len(load.items) // load.num_groups - num_ok_blocks
+            tier.stats.num_hit_tokens += num_ok_blocks * self.block_size
+            # Deepest pages first into the free queue: evicted before the prefix they continue.
+            pool.free_blocks(reversed(load.blocks))
+            pool.free_blocks(reversed(load.held))
+            if not load.aborted:
+                ended.append(req_id)
+        return ended
 
     # ---- a hybrid model's recurrent state (pagellm.core.state_cache) --------------------
 
@@ -201,6 +291,10 @@ class KVCacheManager(KVCacheManagerBase):
         if self.state_cache is not None:
             self.state_cache.check_integrity()
         owners: dict[int, int] = {}
+        for load in self.tier.loads.values() if self.tier is not None else ():
+            for b in (*load.blocks, *load.held):
+                if not pool.is_null(b):
+                    owners[b.block_id] = owners.get(b.block_id, 0) + 1
         owner_group: dict[int, int] = {}
         for manager in self.group_managers:
             manager.check_tables()

@@ -7,7 +7,7 @@ runner keeps the rest in its persistent batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from pagellm.core.state_cache import StateStep
 from pagellm.lora.request import LoRARequest
@@ -77,6 +77,10 @@ class SchedulerOutput:
     num_draft_tokens_to_propose: dict[str, int] = field(default_factory=dict)
     # A hybrid model's recurrent state: each scheduled request's slot, restore and checkpoints.
     state_steps: dict[str, StateStep] = field(default_factory=dict)
+    # The offloading tier (pagellm.core.kv_tier): pages to save before this step's forward pass
+    # overwrites their blocks, and per request the pages to load, as (block id, key).
+    kv_saves: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_loads: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -98,6 +102,11 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Pooling requests whose prompt this step finished: the pooled hidden state (float32 values).
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # The offloading tier: per request whose load ended, how many leading pages loaded (the rest
+    # failed); keys the tier dropped; the worker's tier counters (None without a tier).
+    kv_loads_done: dict[str, int] = field(default_factory=dict)
+    kv_tier_removed: list[bytes] = field(default_factory=list)
+    kv_tier_stats: Optional[Any] = None
 
 
 @dataclass

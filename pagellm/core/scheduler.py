@@ -17,9 +17,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from pagellm.core.kv_cache_base import KVCacheBlocks, KVCacheManagerBase
+from pagellm.core.kv_tier import KVTierCoreStats
 from pagellm.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -52,6 +53,9 @@ class SchedulerStats:
     num_kv_cache_groups: int = 1
     spec_decoding: Optional[SpecDecodingStats] = None
     state_cache: Optional[StateCacheStats] = None  # a hybrid model's recurrent state slots
+    kv_tier: Optional[KVTierCoreStats] = None  # the offloading tier: the scheduler's counters
+    kv_tier_worker: Optional[Any] = None  # and the worker's (bytes, seconds, errors)
+    num_loading_reqs: int = 0  # waiting for their pages from the tier
 
 
 class Scheduler:
@@ -73,6 +77,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Waiting for their prefix's pages from the offloading tier (pagellm.core.kv_tier).
+        self.loading: dict[str, Request] = {}
+        self.kv_tier_worker_stats: Optional[Any] = None  # the worker's tier counters, as last reported
         # Left the batch since the last step; the runner drops their state.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
@@ -98,6 +105,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.request_id in self.loading:
+                del self.loading[request.request_id]
             else:
                 self.waiting.remove(request)
             self._free_request(request, status)
@@ -113,7 +122,7 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -177,6 +186,14 @@ class Scheduler:
                         and request.block_hashes[next_idx] in pending_hashes
                     ) or self.kv_cache_manager.waits_for_pending(request, num_hit_tokens):
                         skipped.append(self.waiting.popleft())
+                        continue
+                    # The prefix goes on in the offloading tier: load it (beside the other requests'
+                    # steps) instead of computing it; the request waits for its own pages only.
+                    num_tier_blocks = self.kv_cache_manager.tier_hit(request, num_hit_tokens)
+                    if num_tier_blocks and self.kv_cache_manager.start_tier_load(
+                        request, computed_blocks, num_hit_tokens, num_tier_blocks
+                    ):
+                        self.loading[request.request_id] = self.waiting.popleft()
                         continue
                 num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
                 new_blocks = self.kv_cache_manager.allocate_slots(
@@ -248,6 +265,7 @@ class Scheduler:
             else {},
             state_steps=self.kv_cache_manager.take_state_steps(),
         )
+        output.kv_saves, output.kv_loads = self.kv_cache_manager.take_tier_orders()
         self._finished_req_ids = set()
         # Tokens handed out now count as computed: their KV is written by this step's forward pass.
         for req_id, n in ordered.items():
@@ -296,6 +314,13 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         self.kv_cache_manager.finish_step()
+        ended = self.kv_cache_manager.finish_tier_loads(runner_output.kv_loads_done, runner_output.kv_tier_removed)
+        for req_id in reversed(ended):
+            request = self.loading.pop(req_id, None)
+            if request is not None:
+                self.waiting.appendleft(request)  # its pages are in the pool now: admitted as a prefix hit
+        if runner_output.kv_tier_stats is not None:
+            self.kv_tier_worker_stats = runner_output.kv_tier_stats
         outputs: list[EngineCoreOutput] = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -408,4 +433,7 @@ class Scheduler:
             num_kv_cache_groups=kv.num_kv_cache_groups,
             spec_decoding=self.spec.stats.copy() if self.spec is not None else None,
             state_cache=kv.state_cache.stats() if getattr(kv, "state_cache", None) is not None else None,
+            kv_tier=kv.tier.stats.copy() if getattr(kv, "tier", None) is not None else None,
+            kv_tier_worker=self.kv_tier_worker_stats,
+            num_loading_reqs=len(self.loading),
         )
