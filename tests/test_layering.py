@@ -39,7 +39,9 @@ ALLOWED: dict[str, set[str]] = {
     "reasoning": set(),
     "structured_output": {"sampling_params", "reasoning"},
     "distributed": set(),
-    "worker": SHARED | {"kernels", "attention", "sample", "core", "structured_output", "distributed", "lora"},
+    # The offloading tier's storage and copies: torch, numpy and the standard library only.
+    "kv_offload": set(),
+    "worker": SHARED | {"kernels", "attention", "sample", "core", "structured_output", "distributed", "lora", "kv_offload"},
     # Speculative decoding's proposers: above the runner, whose batch they read.
     "spec_decode": SHARED | {"kernels", "attention", "sample", "models", "layers", "worker", "distributed", "lora"},
     # The resolved configuration: what the model, the machine and the user's config decide,
@@ -47,14 +49,14 @@ ALLOWED: dict[str, set[str]] = {
     "plan": SHARED | {"kernels", "attention", "models", "layers", "worker", "core", "distributed"},
     "executor": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output", "distributed"}
-    | {"spec_decode", "lora", "plan"},
+    | {"spec_decode", "lora", "plan", "kv_offload"},
     "engine": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "tokenizer", "structured_output"}
-    | {"distributed", "executor", "spec_decode", "lora", "plan", "reasoning"},
+    | {"distributed", "executor", "spec_decode", "lora", "plan", "reasoning", "kv_offload"},
     "entrypoints": SHARED | {"engine", "core", "cli", "tokenizer", "lora", "plan", "reasoning"},
     "bench": SHARED
     | {"kernels", "attention", "sample", "models", "layers", "worker", "core", "engine", "entrypoints", "cli", "tokenizer"}
-    | {"structured_output", "distributed", "executor", "spec_decode", "lora", "plan", "reasoning"},
+    | {"structured_output", "distributed", "executor", "spec_decode", "lora", "plan", "reasoning", "kv_offload"},
 }
 # Subpackages that must not pull in torch: the scheduler and block pool are pure bookkeeping.
 NO_TORCH = {"core"}
