@@ -105,6 +105,26 @@ def is_reasoning_end(encoding: Any, token_ids: Sequence[int]) -> bool:
     return False
 
 
+def header_prefix(encoding: Any, prompt: Sequence[int]) -> list[int]:
+    """A header the prompt already began after its last ``<|start|>assistant`` (a prefilled
+    channel), to be read before the reply; usually nothing."""
+    prompt = list(prompt)
+    start = encoding.encode(START, allowed_special="all")
+    role = encoding.encode("assistant", allowed_special="all")
+    message = encoding.encode(MESSAGE, allowed_special="all")
+    for i in range(len(prompt) - 1, -1, -1):
+        if prompt[i : i + len(start)] == start:
+            head = prompt[i + len(start) :]
+            if head[: len(role)] != role:
+                return []
+            head = head[len(role) :]
+            for j in range(len(head)):
+                if head[j : j + len(message)] == message:
+                    return head[: j + len(message)]
+            return head
+    return []
+
+
 class GptOssReasoningParser(ReasoningParser):
     name = "openai_gptoss"
     keep_special_tokens = True
@@ -123,22 +143,7 @@ class GptOssReasoningParser(ReasoningParser):
         self._sent = ("", "")
 
     def _header_prefix(self, prompt: list[int]) -> list[int]:
-        """A header the prompt already began after its last ``<|start|>assistant`` (a prefilled
-        channel), to be read before the reply; usually nothing."""
-        start = self.encoding.encode(START, allowed_special="all")
-        role = self.encoding.encode("assistant", allowed_special="all")
-        message = self.encoding.encode(MESSAGE, allowed_special="all")
-        for i in range(len(prompt) - 1, -1, -1):
-            if prompt[i : i + len(start)] == start:
-                head = prompt[i + len(start) :]
-                if head[: len(role)] != role:
-                    return []
-                head = head[len(role) :]
-                for j in range(len(head)):
-                    if head[j : j + len(message)] == message:
-                        return head[: j + len(message)]
-                return head
-        return []
+        return header_prefix(self.encoding, prompt)
 
     def _reader(self) -> HarmonyReader:
         reader = HarmonyReader(self.encoding)

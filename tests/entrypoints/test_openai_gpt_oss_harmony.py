@@ -323,12 +323,6 @@ def test_auto_tool_choice_without_a_call_reads_the_reasoning(client):
     assert r.usage.completion_tokens_details.reasoning_tokens == BUDGET
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pagellm bug: the `openai` tool parser reads the whole reply from a fresh harmony parser without the prompt's "
-    "prefilled header (<|start|>assistant<|channel|>analysis<|message|>), so the analysis text is taken for a header, harmony "
-    "rejects the next <|message|>, and '<|message|>' + the final text become the content (a call there would be lost)",
-)
 def test_auto_tool_choice_without_a_call_keeps_the_final_channel_as_content(client):
     plain = _chat(client, max_tokens=16).choices[0].message
     assert plain.content and "<|" not in plain.content

@@ -63,6 +63,7 @@ class ChatReply:
         tool_mode: str,
         tool_parser_cls: Optional[type[ToolParser]],
         reasoning_parser: Any,
+        prompt_token_ids: Sequence[int] = (),
     ) -> None:
         self.request = request
         self.tool_mode = tool_mode
@@ -70,6 +71,7 @@ class ChatReply:
         self.tools: Optional[ToolParser] = None
         if tool_mode == "auto" and tool_parser_cls is not None:
             self.tools = tool_parser_cls(tools=[t.model_dump(exclude_none=True) for t in request.tools or []])
+            self.tools.prime(prompt_token_ids)
         self._answer = ""  # a forced call's JSON, read once whole
 
     def _calls(self, content: Optional[str], token_ids: Sequence[int]) -> tuple[Optional[str], list[ParsedToolCall]]:

@@ -245,7 +245,7 @@ class OpenAIServingChat(OpenAIServing):
             reasoning = self.reasoning_parser_cls(
                 self.async_llm.tokenizer, run.prompt_token_ids, run.template_kwargs, self.reasoning_config
             )
-        return ChatReply(run.request, run.tool_mode, self.tool_parser_cls, reasoning)
+        return ChatReply(run.request, run.tool_mode, self.tool_parser_cls, reasoning, run.prompt_token_ids)
 
     def _logprobs(
         self, request: ChatCompletionRequest, token_ids: list[int], logprobs: Optional[SampleLogprobs]

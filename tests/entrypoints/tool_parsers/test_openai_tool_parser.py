@@ -140,3 +140,25 @@ def test_partial_reports_complete_calls(enc):
     parser = get_tool_parser("openai")()
     assert parser.partial("", ids).content_end == 0
     assert [c.name for c in parser.partial("", ids).calls][:2] == ["get_forecast", "get_location"]
+
+
+def test_a_prompt_that_opened_the_analysis_channel_is_read_before_the_reply(enc):
+    """The reply continues a channel the prompt opened: the tool parser reads it as the reasoning
+    parser does, so the call after the thinking is found (and no header leaks into the content)."""
+    prompt = enc.encode("<|start|>user<|message|>Weather?<|end|><|start|>assistant<|channel|>analysis<|message|>", allowed_special="all")
+    reply = enc.encode(
+        'The user wants the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+        '<|message|>{"city": "Paris"}<|call|>',
+        allowed_special="all",
+    )
+    parser = get_tool_parser("openai")()
+    parser.prime(prompt)
+    parsed = parser.extract("", reply)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert parsed.content is None
+    streamed = get_tool_parser("openai")()
+    streamed.prime(prompt)
+    calls = []
+    for i, token in enumerate(reply):
+        calls += [c for _, c in streamed.extract_streaming("", i == len(reply) - 1, [token]).tool_calls]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]

@@ -76,6 +76,11 @@ class ToolParser(ABC):
         self._num_calls = 0  # calls streamed
         self._done = False
 
+    def prime(self, prompt_token_ids: Sequence[int]) -> None:
+        """Told the prompt before the reply (for formats whose prompt can open the reply's first
+        message, as harmony's); most parsers need nothing of it."""
+        return None
+
     @abstractmethod
     def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
         """The whole reply parsed. Text with a malformed call stays content (no calls), as vLLM does."""

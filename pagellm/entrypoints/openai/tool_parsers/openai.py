@@ -13,7 +13,7 @@ import json
 from typing import Any, Optional, Sequence
 
 from pagellm.entrypoints.openai.tool_parsers.base import ParsedMessage, ParsedToolCall, PartialParse, StreamDelta, ToolParser
-from pagellm.reasoning.gpt_oss import HarmonyReader
+from pagellm.reasoning.gpt_oss import HarmonyReader, header_prefix
 from pagellm.reasoning.harmony_vocab import harmony_encoding
 
 FUNCTIONS = "functions."
@@ -41,14 +41,26 @@ class OpenAIToolParser(ToolParser):
     def __init__(self, tools: Optional[list[dict[str, Any]]] = None, tokenizer: Any = None) -> None:
         super().__init__(tools)
         self.encoding = harmony_encoding(tokenizer)
-        self._reader = HarmonyReader(self.encoding)
+        self._prime: list[int] = []
+        self._reader = self._new_reader()
         self._sent_final = ""
+
+    def prime(self, prompt_token_ids: Sequence[int]) -> None:
+        # A prompt that opened the reply's channel (e.g. ends in <|channel|>analysis<|message|>)
+        # is read first, as the reasoning parser reads it, or the reply would parse as a header.
+        self._prime = header_prefix(self.encoding, prompt_token_ids)
+        self._reader = self._new_reader()
+
+    def _new_reader(self) -> HarmonyReader:
+        reader = HarmonyReader(self.encoding)
+        reader.feed(self._prime)
+        return reader
 
     def _ids(self, text: str, token_ids: Sequence[int]) -> list[int]:
         return list(token_ids) if token_ids or not text else self.encoding.encode(text, allowed_special="all")
 
     def _read(self, text: str, token_ids: Sequence[int]) -> HarmonyReader:
-        reader = HarmonyReader(self.encoding)
+        reader = self._new_reader()
         reader.feed(self._ids(text, token_ids))
         return reader
 
