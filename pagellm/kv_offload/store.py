@@ -299,7 +299,6 @@ class DiskKVStore(KVStore):
         _check_private_dir(self.dir)
         self._fsync = fsync
         self._tmp_counter = itertools.count()
-        self._made_dirs: set[str] = set()
         self._clock = 0  # the last mtime given, in ns: strictly increasing, so LRU order survives
         self._logged_errors: set[tuple[str, int]] = set()
         self._write_identity(identity)
@@ -433,10 +432,12 @@ class DiskKVStore(KVStore):
         tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{next(self._tmp_counter)}.tmp")
         fd = -1
         try:
-            if directory not in self._made_dirs:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            try:
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:  # the key's first in its subdirectory (or it was removed behind our back)
                 os.makedirs(directory, mode=0o700, exist_ok=True)
-                self._made_dirs.add(directory)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fd = os.open(tmp, flags, 0o600)
             _write_all(fd, header)
             _write_all(fd, payload)
             if self._fsync:
@@ -526,8 +527,8 @@ class DiskKVStore(KVStore):
                         key = bytes.fromhex(name[:-3])
                     except ValueError:
                         continue  # not a name this store writes
-                    if not 0 < len(key) <= MAX_KEY_BYTES or sub.name != name[:2]:
-                        continue
+                    if not 0 < len(key) <= MAX_KEY_BYTES or name[:-3] != key.hex() or sub.name != name[:2]:
+                        continue  # not where this store would have put that key
                     st = ent.stat(follow_symlinks=False)
                     try:
                         with open(ent.path, "rb", buffering=0) as f:

@@ -37,7 +37,7 @@ def make_tensors(dtypes: list[torch.dtype], seed: int = 0) -> list[torch.Tensor]
 
 
 def page(tensors: list[torch.Tensor], block_id: int) -> bytes:
-    return b"".join(t[:, block_id].contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+    return b"".join(t[:, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in tensors)
 
 
 def snapshot(tensors: list[torch.Tensor]) -> list[bytes]:
@@ -95,6 +95,24 @@ def test_save_then_load_into_other_blocks_is_bytes_equal(tmp_path, kind, dtypes)
     st = off.stats
     assert (st.num_saves, st.num_loads, st.num_pages_loaded, st.num_pages_failed, st.num_writes) == (3, 1, 3, 0, 3)
     assert st.load_seconds > 0 and st.staged_bytes == 0 and st.staged_bytes_peak == 3 * off.page_bytes
+    off.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_round_trip_through_pinned_staging(tmp_path):
+    tensors = [t.cuda() for t in make_tensors([torch.bfloat16, torch.int8])]
+    off = KVOffloader(tensors, store_of("disk", tmp_path))
+    before = snapshot(tensors)
+    off.save([(1, key(1)), (2, key(2))])
+    tensors[0][:, 1:3] = 0  # copied out already
+    off.load("staged", [(5, key(1))])  # from staging or the store, whichever is first
+    off.drain()
+    off.load("stored", [(6, key(1)), (7, key(2))])
+    off.wait(10)
+    off.drain()
+    assert off.poll().loaded == {"staged": 1, "stored": 2}
+    assert snapshot(tensors)[5:8] == [before[1], before[1], before[2]]
+    assert off._staging.is_pinned()
     off.close()
 
 

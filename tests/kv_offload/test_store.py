@@ -207,10 +207,11 @@ def test_scan_removes_temps_of_dead_writers_and_ignores_foreign_names(tmp_path):
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     (sub / "README").write_text("not ours")
     (sub / "zz.kv").write_text("not a hex key name")
+    shutil.copy(s.path_of(key(0)), sub / f"{key(0).hex().upper()}.kv")  # not a name this store writes
     s2 = disk(tmp_path)
     assert s2.keys() == [key(0)]
     left = sorted(p.name for p in sub.iterdir())
-    assert left == sorted([f"{key(0).hex()}.kv", live.name, "README", "zz.kv"])
+    assert left == sorted([f"{key(0).hex()}.kv", live.name, "README", "zz.kv", f"{key(0).hex().upper()}.kv"])
 
 
 def _dead_pid() -> int:
@@ -281,6 +282,15 @@ def test_another_models_file_copied_in_is_never_read(tmp_path):
     a3 = disk(tmp_path)
     assert a3.keys() == [] and a3.stats.num_corrupt == 1
     assert b.read(key(0)) == payload(100)  # the other model's own entries are untouched
+
+
+def test_subdirectory_removed_behind_the_stores_back(tmp_path):
+    s = disk(tmp_path)
+    s.write(key(0), payload(0))
+    shutil.rmtree(os.path.dirname(s.path_of(key(0))))
+    k = next(key(i) for i in range(1, 1000) if key(i).hex()[:2] == key(0).hex()[:2])
+    assert s.write(k, payload(1)) and s.read(k) == payload(1)  # made again
+    assert s.read(key(0)) is None and s.stats.num_read_errors == 1
 
 
 def test_file_deleted_behind_the_stores_back_is_a_read_error(tmp_path):
