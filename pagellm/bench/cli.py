@@ -13,6 +13,7 @@ _COMMANDS = {
     "latency": ("pagellm.bench.latency", "latency of one batch, repeated"),
     "serve": ("pagellm.bench.serve", "load-test an OpenAI-compatible server over HTTP (vLLM's metrics)"),
     "compare": ("pagellm.bench.compare_cmd", "paged + continuous batching vs contiguous + static batching"),
+    "agent": ("pagellm.bench.agent", "multi-turn agent sessions whose prefixes outgrow the KV budget: prefix-hit share and TTFT"),
     "prefix-cache": ("pagellm.bench.prefix_cache", "shared-prefix burst with and without prefix caching"),
     "profile": ("pagellm.bench.profile_step", "where a decode step's time goes"),
     "mfu": ("pagellm.bench.flops", "matmul peak of this machine and model FLOP utilization of bench results"),
