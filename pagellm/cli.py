@@ -105,6 +105,18 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\'',
     )
     parser.add_argument(
+        "--kv-offloading-backend",
+        choices=["native"],
+        default=None,
+        help="a second tier under the prefix cache for evicted blocks: host memory, or files with --kv-offloading-dir",
+    )
+    parser.add_argument("--kv-offloading-size", type=float, default=None, help="the tier's size in GiB")
+    parser.add_argument(
+        "--kv-offloading-dir",
+        default=None,
+        help="keep the tier in this directory (the server's own, mode 0700): it survives restarts",
+    )
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         help="how to find the model's thinking in its output (vLLM's names: qwen3, deepseek_r1, gpt_oss, granite, gemma4, string); "
@@ -169,6 +181,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         distributed_executor_backend=args.distributed_executor_backend,
         speculative_config=args.speculative_config,
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        kv_offloading_backend=getattr(args, "kv_offloading_backend", None),
+        kv_offloading_size=getattr(args, "kv_offloading_size", None),
+        kv_offloading_dir=getattr(args, "kv_offloading_dir", None),
         reasoning_config=getattr(args, "reasoning_config", None),
         runner=getattr(args, "runner", None),
         task=getattr(args, "task", None),

@@ -186,6 +186,12 @@ class EngineConfig:
     # generic parser its strings: {"reasoning_start_str": ..., "reasoning_end_str": ...} or its JSON.
     reasoning_parser: Optional[str] = None
     reasoning_config: Optional[Any] = None
+    # A second tier under the prefix cache (vLLM's names): blocks evicted from the KV budget are
+    # kept in host memory, or with ``kv_offloading_dir`` in files that outlive the server, up to
+    # ``kv_offloading_size`` GiB, and loaded back instead of recomputed (docs/kv_offloading.md).
+    kv_offloading_backend: Optional[str] = None
+    kv_offloading_size: Optional[float] = None
+    kv_offloading_dir: Optional[str] = None
     # vLLM's ``--runner``: "generate" samples tokens, "pooling" prefills prompts into embeddings
     # (``task="embed"``, older vLLM's name, means the same); ``pooler_config`` (vLLM's JSON or a
     # dict) how: pagellm.pooling_params.PoolerConfig.
@@ -252,10 +258,26 @@ class EngineConfig:
 
         self._set("speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._check_reasoning()
+        self._check_offloading()
         self._resolve_pooling()
         self._check_lora()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def _check_offloading(self) -> None:
+        backend, size, directory = self.kv_offloading_backend, self.kv_offloading_size, self.kv_offloading_dir
+        if backend is None:
+            if size is not None or directory is not None:
+                raise ValueError("kv_offloading_size and kv_offloading_dir need kv_offloading_backend='native'")
+            return
+        if backend != "native":
+            raise ValueError(f"kv_offloading_backend must be 'native', got {backend!r}")
+        if size is None or not size > 0:
+            raise ValueError(f"kv_offloading_backend needs kv_offloading_size, a positive number of GiB, got {size!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("KV offloading keeps prefix-cache blocks: it needs prefix caching on")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("KV offloading under tensor parallelism is not supported yet; use tensor_parallel_size 1")
 
     def _check_reasoning(self) -> None:
         config = self.reasoning_config

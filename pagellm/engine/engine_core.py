@@ -74,6 +74,8 @@ class EngineCore:
             num_state_slots=kv.num_state_slots,
             state_checkpoint_interval=config.state_checkpoint_interval,
         )
+        if config.kv_offloading_backend is not None:
+            self.kv_cache_manager.enable_tier(executor.kv_tier_keys())
         self.scheduler = scheduler_cls(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,

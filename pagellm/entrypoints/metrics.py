@@ -109,6 +109,8 @@ class EngineMetrics:
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
         # Speculative decoding's counters, made on the first step of an engine that speculates.
         self._spec: Optional[dict] = None
+        self._tier: Optional[dict] = None  # the offloading tier's series, made when it first reports
+        self._tier_seen: dict[str, float] = {}
         self._seen_spec: Optional[SpecDecodingStats] = None
         self._interval_spec: Optional[SpecDecodingStats] = None
 
@@ -149,12 +151,56 @@ class EngineMetrics:
             self.state_checkpoints_saved.inc(state.num_checkpoints_written - self._seen_saved)
             self.state_checkpoints_restored.inc(state.num_checkpoints_restored - self._seen_restored)
             self._seen_saved, self._seen_restored = state.num_checkpoints_written, state.num_checkpoints_restored
+        if stats.kv_tier is not None:
+            self._record_tier(stats)
         if now - self._last_log_time >= self.log_interval_s:
             busy = stats.num_running_reqs or stats.num_waiting_reqs or self._interval_generation_tokens
             if busy:
                 self._log(stats, now)
             else:  # idle: start the next interval fresh rather than log zeros
                 self._reset_interval(now)
+
+    # (metric, help, where: "core" or "worker", field); cumulative counters advance by what they gained.
+    _TIER_COUNTERS = (
+        ("kv_tier_saves", "Prefix blocks evicted from the KV cache and saved to the offloading tier.", "core", "num_saves"),
+        ("kv_tier_loads", "Requests whose prefix was loaded from the offloading tier.", "core", "num_loads"),
+        ("kv_tier_blocks_loaded", "Token blocks loaded from the offloading tier.", "core", "num_blocks_loaded"),
+        ("kv_tier_blocks_failed", "Token blocks whose load failed (damaged, missing): recomputed.", "core", "num_blocks_failed"),
+        ("kv_tier_hit_tokens", "Prompt tokens served from the offloading tier.", "core", "num_hit_tokens"),
+        ("kv_tier_bytes_written", "Bytes written to the offloading tier.", "worker", "bytes_written"),
+        ("kv_tier_bytes_read", "Bytes read from the offloading tier.", "worker", "bytes_read"),
+        ("kv_tier_load_seconds", "Seconds loads took, from order to pages in the cache.", "worker", "load_seconds"),
+        ("kv_tier_evictions", "Pages the offloading tier dropped for room (least recently used).", "worker", "num_evictions"),
+        ("kv_tier_corrupt", "Damaged, truncated or foreign tier files found (treated as misses).", "worker", "num_corrupt"),
+        ("kv_tier_write_errors", "Failed writes to the tier (disk full, read-only): the page is not kept.", "worker", "num_write_errors"),
+        ("kv_tier_read_errors", "Failed reads from the tier: the prefix is recomputed.", "worker", "num_read_errors"),
+        ("kv_tier_dropped_saves", "Saves dropped because the staging buffer was full.", "worker", "num_dropped_saves"),
+    )
+
+    def _record_tier(self, stats: SchedulerStats) -> None:
+        """The offloading tier's gauges and counters (pagellm.core.kv_tier, pagellm.kv_offload)."""
+        if self._tier is None:
+            reg, name = self.registry, self._model_name
+            self._tier = {
+                metric: Counter(f"pagellm:{metric}", doc, ["model_name"], registry=reg).labels(name)
+                for metric, doc, _, _ in self._TIER_COUNTERS
+            }
+            for metric, doc in (
+                ("kv_tier_pages", "Pages the offloading tier holds."),
+                ("kv_tier_used_bytes", "Bytes the offloading tier holds."),
+                ("kv_tier_capacity_bytes", "The offloading tier's size (--kv-offloading-size)."),
+                ("num_requests_loading", "Requests waiting for their prefix's pages from the offloading tier."),
+            ):
+                self._tier[metric] = Gauge(f"pagellm:{metric}", doc, ["model_name"], registry=reg).labels(name)
+        sources = {"core": stats.kv_tier, "worker": stats.kv_tier_worker}
+        for metric, _, where, field_name in self._TIER_COUNTERS:
+            value = float(getattr(sources[where], field_name, 0) or 0)
+            self._tier[metric].inc(max(0.0, value - self._tier_seen.get(metric, 0.0)))
+            self._tier_seen[metric] = value
+        self._tier["kv_tier_pages"].set(stats.kv_tier.num_keys)
+        self._tier["kv_tier_used_bytes"].set(getattr(stats.kv_tier_worker, "bytes_used", 0) or 0)
+        self._tier["kv_tier_capacity_bytes"].set(getattr(stats.kv_tier_worker, "capacity_bytes", 0) or 0)
+        self._tier["num_requests_loading"].set(stats.num_loading_reqs)
 
     def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
         """vLLM's spec_decode_* counters, advanced by what the engine's cumulative ones gained."""

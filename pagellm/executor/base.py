@@ -45,6 +45,10 @@ class Executor(ABC):
     def release_kv_cache(self) -> None:
         self.collective_rpc("release_kv_cache")
 
+    def kv_tier_keys(self) -> list[bytes]:
+        """What the offloading tier holds at start (rank 0's; the tier runs on one rank)."""
+        return self.collective_rpc("kv_tier_keys")[0]
+
     def add_lora(self, lora: LoRARequest) -> None:
         self.collective_rpc("add_lora", lora)
 

@@ -21,6 +21,7 @@ import torch
 from pagellm.attention.selector import get_attn_backend
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group, init_tensor_parallel
+from pagellm.executor.kv_tier import distinct_kv_tensors, make_offloader
 from pagellm.lora.model_manager import LoRAModelManager
 from pagellm.lora.request import LoRARequest
 from pagellm.models.loader import load_model_for_engine
@@ -180,6 +181,7 @@ class Worker:
                 self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, resolved.precision.lora_dtype, self.device
             )
             logger.info("LoRA: %d slots of rank <= %d (%.1f MiB)", config.max_loras, config.max_lora_rank, lora_manager.nbytes / 2**20)
+        offloader = make_offloader(resolved, kv_cache, self.rank, distinct_kv_tensors(kv_caches, draft_caches))
         if structured_output is None and self.rank == 0 and config.tensor_parallel_size > 1 and not config.is_pooling:
             structured_output = self._structured_output()  # the driver's stays in its process
         self.runner = ModelRunner(
@@ -196,13 +198,21 @@ class Worker:
             drafter=drafter,
             pooler_config=config.pooler_config,
             lora_manager=lora_manager,
+            offloader=offloader,
         )
         self.prefaulter = KVCachePrefaulter([c for c in kv_caches if isinstance(c, torch.Tensor)] + draft_caches)
         if config.tensor_parallel_size > 1:
             self._log_rank()
 
+    def kv_tier_keys(self) -> list[bytes]:
+        """The keys this rank's offloading tier holds (what it found at start), for the scheduler."""
+        offloader = self.runner.offloader if self.runner is not None else None
+        return offloader.store.keys() if offloader is not None else []
+
     def release_kv_cache(self) -> None:
         """Drops the runner and its caches (before a benchmark builds another design's)."""
+        if self.runner is not None and self.runner.offloader is not None:
+            self.runner.offloader.close()
         self.runner = None
         self.prefaulter = None
 

@@ -18,6 +18,7 @@ from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import pack_cache
+from pagellm.kv_offload.offloader import KVOffloader
 from pagellm.lora.model_manager import LoRAModelManager
 from pagellm.pooling_params import PoolerConfig
 from pagellm.sample.logprobs import compute_prompt_logprobs
@@ -62,10 +63,12 @@ class ModelRunner:
         drafter: Optional[object] = None,
         pooler_config: Optional[PoolerConfig] = None,
         lora_manager: Optional[LoRAModelManager] = None,
+        offloader: Optional[KVOffloader] = None,
     ) -> None:
         self.model = model
         # Adapters' slots and each request's adapter; the step's segments are published through it.
         self.lora_manager = lora_manager
+        self.offloader = offloader  # the offloading tier's pages in and out (pagellm.kv_offload)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -203,9 +206,23 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        offloader = self.offloader
+        if offloader is not None:
+            # Evicted pages leave the cache before this step's forward pass can overwrite them;
+            # loads go to the tier's thread and land beside the steps.
+            offloader.save(out.kv_saves)
+            for req_id, items in out.kv_loads.items():
+                offloader.load(req_id, items)
         # A first start's packed-weights file is written between steps, not beside them.
         with pack_cache.stepping():
-            return self._execute_model(out)
+            result = self._execute_model(out)
+        if offloader is not None:
+            if out.is_empty:
+                offloader.wait(0.005)  # only loads are in flight: give them a moment instead of spinning
+            report = offloader.poll()
+            result.kv_loads_done, result.kv_tier_removed = report.loaded, report.removed
+            result.kv_tier_stats = offloader.stats
+        return result
 
     @torch.inference_mode()
     def _execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
