@@ -406,6 +406,43 @@ def format_workload(summary: dict[str, Any], kv_budget_tokens: Optional[int] = N
     return "\n".join(lines)
 
 
+TIER_SERIES = (
+    "kv_tier_hit_tokens_total",
+    "kv_tier_loads_total",
+    "kv_tier_blocks_loaded_total",
+    "kv_tier_blocks_failed_total",
+    "kv_tier_saves_total",
+    "kv_tier_bytes_read_total",
+    "kv_tier_bytes_written_total",
+    "kv_tier_load_seconds_total",
+    "kv_tier_evictions_total",
+    "kv_tier_corrupt_total",
+    "kv_tier_write_errors_total",
+    "kv_tier_dropped_saves_total",
+)
+
+
+def scrape_tier(base_url: str) -> Optional[dict[str, float]]:
+    """pagellm's offloading-tier counters from /metrics; None where the server has none (no tier,
+    or another server)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith("pagellm:") and name[len("pagellm:") :] in TIER_SERIES:
+            values[name[len("pagellm:") :]] = values.get(name[len("pagellm:") :], 0.0) + float(line.rsplit(" ", 1)[1])
+    return values or None
+
+
+def tier_delta(before: Optional[dict[str, float]], after: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+    if after is None:
+        return None
+    return {k: v - (before or {}).get(k, 0.0) for k, v in after.items()}
+
+
 def format_report(result: dict[str, Any]) -> str:
     sources = ", ".join(f"{k} {v}" for k, v in sorted(result["cached_tokens_source"].items())) or "-"
     lines = [
@@ -424,8 +461,21 @@ def format_report(result: dict[str, Any]) -> str:
         f"{'  mean TTFT first / later turns (ms):':<40}{result['first_turns']['mean_ttft_ms']:.1f} / "
         f"{result['later_turns']['mean_ttft_ms']:.1f}",
         f"{'Mean E2E latency (ms):':<40}{result['mean_e2el_ms']:.1f}",
-        "=" * 60,
     ]
+    tier = result.get("kv_tier")
+    if tier:
+        loads = tier.get("kv_tier_loads_total", 0.0)
+        lines += [
+            f"{'Tier: prompt tokens served:':<40}{tier.get('kv_tier_hit_tokens_total', 0):.0f}"
+            f" ({tier.get('kv_tier_blocks_loaded_total', 0):.0f} blocks, {tier.get('kv_tier_blocks_failed_total', 0):.0f} failed)",
+            f"{'Tier: MB read / written:':<40}{tier.get('kv_tier_bytes_read_total', 0) / 1e6:.1f} / "
+            f"{tier.get('kv_tier_bytes_written_total', 0) / 1e6:.1f}",
+            f"{'Tier: mean load (ms):':<40}{1e3 * tier.get('kv_tier_load_seconds_total', 0) / loads if loads else 0:.1f}"
+            f" over {loads:.0f} loads",
+            f"{'Tier: evictions / damaged / dropped saves:':<40}{tier.get('kv_tier_evictions_total', 0):.0f} / "
+            f"{tier.get('kv_tier_corrupt_total', 0):.0f} / {tier.get('kv_tier_dropped_saves_total', 0):.0f}",
+        ]
+    lines.append("=" * 60)
     return "\n".join(lines)
 
 
@@ -462,6 +512,7 @@ def main(args: argparse.Namespace) -> int:
     probe_ids = token_ids[np.random.default_rng(args.seed + 7919).integers(0, token_ids.size, size=8)].tolist()
     probe: Prompt = tokenizer.decode(probe_ids) if args.prompt_format == "text" else probe_ids
     base_url = args.base_url or f"http://{args.host}:{args.port}"
+    tier_before = scrape_tier(base_url)
     traces, duration, model = asyncio.run(
         run_load(
             base_url, workload, prompts, model=args.model, endpoint=args.endpoint, max_concurrency=args.max_concurrency,
@@ -471,6 +522,7 @@ def main(args: argparse.Namespace) -> int:
     for i, t in enumerate([t for t in traces if not t.success][:10]):
         print(f"Error {i} (session {t.session}, turn {t.turn}): {t.error}")
     result = agent_report(traces, duration, summary, args.kv_budget_tokens)
+    result["kv_tier"] = tier_delta(tier_before, scrape_tier(base_url))
     result.update(label=args.label, model_id=model, base_url=base_url, prompt_format=args.prompt_format,
                   max_concurrency=args.max_concurrency)
     print(format_report(result))

@@ -138,3 +138,21 @@ def test_registered_as_bench_agent():
     args = build_parser().parse_args(["bench", "agent", "--num-sessions", "4", "--save-result", "out.json", "--dry-run"])
     assert (args.num_sessions, args.num_turns, args.save_result, args.dry_run, args.prompt_format) == (4, 8, "out.json", True, "ids")
     assert callable(args.func)
+
+
+def test_the_tiers_counters_are_read_from_metrics_and_reported(monkeypatch):
+    import httpx
+
+    from pagellm.bench import agent
+
+    texts = iter([
+        'pagellm:kv_tier_hit_tokens_total{model_name="m"} 100.0\npagellm:kv_tier_loads_total{model_name="m"} 1.0\n',
+        'pagellm:kv_tier_hit_tokens_total{model_name="m"} 612.0\npagellm:kv_tier_loads_total{model_name="m"} 5.0\n'
+        'pagellm:kv_tier_load_seconds_total{model_name="m"} 0.4\npagellm:kv_cache_usage_perc{model_name="m"} 0.5\n',
+    ])
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(200, text=next(texts)))
+    before, after = agent.scrape_tier("http://x"), agent.scrape_tier("http://x")
+    delta = agent.tier_delta(before, after)
+    assert delta == {"kv_tier_hit_tokens_total": 512.0, "kv_tier_loads_total": 4.0, "kv_tier_load_seconds_total": 0.4}
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(200, text="llamacpp:prompt_tokens_total 5\n"))
+    assert agent.scrape_tier("http://x") is None and agent.tier_delta(None, None) is None

@@ -77,3 +77,36 @@ def test_a_hybrid_models_state_slots_and_checkpoints_are_metrics():
     assert value("pagellm:state_checkpoint_bytes") == 4 << 20
     assert value("pagellm:state_checkpoints_saved_total") == 7
     assert value("pagellm:state_checkpoints_restored_total") == 4
+
+
+def test_the_offloading_tiers_counters_and_the_dashboards_point():
+    from pagellm.core.kv_tier import KVTierCoreStats
+    from pagellm.entrypoints.dashboard.hub import StatsSampler
+    from pagellm.kv_offload.offloader import OffloaderStats
+
+    registry = CollectorRegistry()
+    metrics = EngineMetrics("m", registry=registry)
+
+    def value(name: str) -> float:
+        return registry.get_sample_value(name, {"model_name": "m"})
+
+    def worker(**kw) -> OffloaderStats:
+        fields = {f.name: 0 for f in dataclasses.fields(OffloaderStats)}
+        return OffloaderStats(**{**fields, "capacity_bytes": 1 << 30, **kw})
+
+    sampler = StatsSampler(metrics)
+    core = KVTierCoreStats(num_keys=10, num_saves=10, num_loads=1, num_blocks_loaded=4, num_hit_tokens=64)
+    metrics.record_step(EngineStats(scheduler_stats(kv_tier=core, kv_tier_worker=worker(bytes_written=5000, bytes_used=5000))), 0.0)
+    sampler.sample(now=100.0)
+    core = dataclasses.replace(core, num_loads=3, num_blocks_loaded=9, num_blocks_failed=1, num_hit_tokens=144)
+    after = worker(bytes_written=7000, bytes_read=3_000_000, num_corrupt=1)
+    stats = scheduler_stats(kv_tier=core, kv_tier_worker=after, num_loading_reqs=2)
+    metrics.record_step(EngineStats(stats), 0.1)
+    assert value("pagellm:kv_tier_loads_total") == 3 and value("pagellm:kv_tier_blocks_loaded_total") == 9
+    assert value("pagellm:kv_tier_hit_tokens_total") == 144 and value("pagellm:kv_tier_blocks_failed_total") == 1
+    assert value("pagellm:kv_tier_bytes_written_total") == 7000 and value("pagellm:kv_tier_corrupt_total") == 1
+    assert value("pagellm:kv_tier_pages") == 10 and value("pagellm:kv_tier_capacity_bytes") == 1 << 30
+    assert value("pagellm:num_requests_loading") == 2
+    point = sampler.sample(now=102.0)
+    assert point["tier_hit_tps"] == pytest.approx(40.0) and point["tier_read_mbps"] == pytest.approx(1.5)
+    assert point["tier_write_mbps"] == pytest.approx(0.001) and point["tier_pages"] == 10

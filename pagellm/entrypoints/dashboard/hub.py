@@ -119,6 +119,11 @@ class StatsSampler:
             point["spec_acceptance"] = delta("pagellm:spec_decode_num_accepted_tokens_total", rate_base) / drafted
             num_drafts = delta("pagellm:spec_decode_num_drafts_total", rate_base)
             point["spec_tokens_per_verification"] = 1 + point["spec_acceptance"] * drafted / num_drafts if num_drafts else None
+        if "pagellm:kv_tier_pages" in raw and dt > 0:  # the offloading tier: what it served and moved
+            point["tier_hit_tps"] = delta("pagellm:kv_tier_hit_tokens_total", rate_base) / dt
+            point["tier_read_mbps"] = delta("pagellm:kv_tier_bytes_read_total", rate_base) / dt / 1e6
+            point["tier_write_mbps"] = delta("pagellm:kv_tier_bytes_written_total", rate_base) / dt / 1e6
+            point["tier_pages"] = raw["pagellm:kv_tier_pages"]
         base = self._raw[0][1]
         for key, name in (("ttft", "pagellm:time_to_first_token_seconds_bucket"), ("tpot", "pagellm:inter_token_latency_seconds_bucket")):
             buckets = raw.get(name, [])

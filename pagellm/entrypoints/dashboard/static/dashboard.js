@@ -462,6 +462,7 @@
     { el: 'chart-ttft', keys: [['ttft_p50', 'p50', '#1c7ed6', 1], ['ttft_p90', 'p90', '#f08c00', 1], ['ttft_p99', 'p99', '#e03131', 1]] },
     { el: 'chart-tpot', keys: [['tpot_p50', 'p50', '#1c7ed6', 1], ['tpot_p90', 'p90', '#f08c00', 1], ['tpot_p99', 'p99', '#e03131', 1]] },
     { el: 'chart-spec', keys: [['spec_acceptance', 'accepted %', '#2f9e44', 100], ['spec_tokens_per_verification', 'tokens / step', '#e8590c', 1]] },
+    { el: 'chart-tier', keys: [['tier_hit_tps', 'tokens/s from tier', '#1c7ed6', 1], ['tier_read_mbps', 'MB/s read', '#2f9e44', 1], ['tier_write_mbps', 'MB/s written', '#e8590c', 1]] },
   ];
   for (const c of CHARTS) for (const [k] of c.keys) series[k] = [];
 
@@ -483,6 +484,7 @@
   function pushPoint(p) {
     series.t.push(p.t);
     if (p.spec_acceptance !== undefined) $('panel-spec').hidden = false;  // only an engine that speculates
+    if (p.tier_hit_tps !== undefined) $('panel-tier').hidden = false;  // only an engine with an offloading tier
     for (const c of CHARTS) for (const [k, , , scale] of c.keys) series[k].push(p[k] === null || p[k] === undefined ? null : p[k] * scale);
     if (series.t.length > HISTORY) for (const k in series) series[k].splice(0, series[k].length - HISTORY);
   }
