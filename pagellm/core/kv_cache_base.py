@@ -152,6 +152,9 @@ class KVCacheManagerBase(ABC):
     def finish_tier_loads(self, loaded: dict[str, int], removed: Iterable[bytes]) -> list[str]:
         return []
 
+    def tier_flush_orders(self) -> list[tuple[int, bytes]]:
+        return []
+
     def check_integrity(self) -> None:
         """Raises if the pool's reference counts disagree with the block tables."""
         self.block_pool.check_integrity()

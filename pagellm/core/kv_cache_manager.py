@@ -228,6 +228,14 @@ class KVCacheManager(KVCacheManagerBase):
         self.tier.note_evicted(evicted)
         return self.tier.take_orders()
 
+    def tier_flush_orders(self) -> list[tuple[int, BlockHash]]:
+        """Every cached block the tier lacks, to save now (at shutdown): their keys join the tier."""
+        if self.tier is None:
+            return []
+        saves = [(block.block_id, key) for key, block in self.block_pool.cached_blocks.items() if key not in self.tier.keys]
+        self.tier.note_evicted(saves)
+        return self.tier.take_orders()[0]
+
     def finish_tier_loads(self, loaded: dict[str, int], removed: Iterable[BlockHash]) -> list[str]:
         """The worker's report: per request, how many leading pages loaded (the rest failed), and
         keys the tier dropped. The loaded blocks join the prefix cache; returns the requests whose

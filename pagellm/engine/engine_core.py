@@ -12,7 +12,7 @@ from pagellm.core.block_hash import make_block_hasher
 from pagellm.core.kv_cache_base import create_kv_cache_manager
 from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.kv_cache_manager import KVCacheManager  # noqa: F401  (registers "paged")
-from pagellm.core.sched_output import EngineCoreOutput
+from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.stats import EngineStats, StepStats, StepTotals
 from pagellm.executor.base import Executor
@@ -213,7 +213,25 @@ class EngineCore:
         return self.executor.prefault_kv_cache()
 
     def shutdown(self) -> None:
+        self.flush_kv_tier()
         self.executor.shutdown()
+
+    def flush_kv_tier(self) -> int:
+        """Saves every cached block the offloading tier lacks and waits for the writes (a disk tier
+        then holds, for the next start, what this run computed); returns the pages saved."""
+        saves = self.kv_cache_manager.tier_flush_orders()
+        if not saves:
+            return 0
+        out = SchedulerOutput(
+            new_reqs=[], cached_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+            finished_req_ids=set(), preempted_req_ids=set(), kv_saves=saves,
+        )
+        try:
+            self.executor.execute_model(out)
+            self.executor.collective_rpc("drain_kv_tier")
+        except Exception:  # shutting down: what did not reach the tier is recomputed next time
+            logger.exception("could not flush the KV offloading tier")
+        return len(saves)
 
     def stats(self) -> EngineStats:
         """A read-only snapshot: queues, KV cache, prefix cache and step counters (all cumulative)."""

@@ -204,6 +204,11 @@ class Worker:
         if config.tensor_parallel_size > 1:
             self._log_rank()
 
+    def drain_kv_tier(self, timeout_s: float = 120.0) -> None:
+        """Waits for the offloading tier's queued writes (a flush before shutdown)."""
+        if self.runner is not None and self.runner.offloader is not None:
+            self.runner.offloader.drain(timeout_s)
+
     def kv_tier_keys(self) -> list[bytes]:
         """The keys this rank's offloading tier holds (what it found at start), for the scheduler."""
         offloader = self.runner.offloader if self.runner is not None else None

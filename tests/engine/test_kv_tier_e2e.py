@@ -193,3 +193,19 @@ def test_a_server_killed_mid_write_leaves_nothing_that_is_read(tmp_path, cold):
         assert _tier(llm)[1].num_corrupt == 0
     finally:
         llm.shutdown()
+
+
+def test_a_clean_shutdown_writes_what_is_still_in_memory(tmp_path, cold):
+    llm = _llm(tmp_path / "tier")
+    try:
+        assert _run_each(llm, _docs()[:1])[0] == (cold[0], 0)
+        assert _tier(llm)[0].num_saves == 0  # nothing evicted yet
+    finally:
+        llm.shutdown()  # flushes the cached blocks to the tier
+    assert len(_files(tmp_path / "tier")) == DOC_LEN // 16
+    llm = _llm(tmp_path / "tier")
+    try:
+        assert _run_each(llm, _docs()[:1])[0] == (cold[0], DOC_LEN // 16 * 16)
+        assert _tier(llm)[0].num_blocks_loaded == DOC_LEN // 16
+    finally:
+        llm.shutdown()
