@@ -87,6 +87,11 @@ measure() {  # pid label tokenizer
       echo "$label: the load failed; see $out/$label.log" | tee -a "$out/summary.txt"
       tail -3 "$out/$label.log" | sed 's/^/    /' | tee -a "$out/summary.txt"
     fi
+    # The server's resident memory once the load is done (its process tree): what a tier adds, if anything.
+    local rss_kib
+    rss_kib=$(ps -o rss= -p "$pid" $(pgrep -d' ' -P "$pid" | sed 's/^/-p /') 2>/dev/null | awk '{s+=$1} END {print s}')
+    python3 -c "import sys; print(f'{sys.argv[1]}: resident after the load {int(sys.argv[2]) / 2**20:.2f} GiB')" "$label" "${rss_kib:-0}" \
+      | tee -a "$out/summary.txt"
   fi
   stop "$pid"
 }
