@@ -472,7 +472,7 @@ def format_report(result: dict[str, Any]) -> str:
             f"{tier.get('kv_tier_bytes_written_total', 0) / 1e6:.1f}",
             f"{'Tier: mean load (ms):':<40}{1e3 * tier.get('kv_tier_load_seconds_total', 0) / loads if loads else 0:.1f}"
             f" over {loads:.0f} loads",
-            f"{'Tier: evictions / damaged / dropped saves:':<40}{tier.get('kv_tier_evictions_total', 0):.0f} / "
+            f"{'Tier: evicted / damaged / dropped:':<40}{tier.get('kv_tier_evictions_total', 0):.0f} / "
             f"{tier.get('kv_tier_corrupt_total', 0):.0f} / {tier.get('kv_tier_dropped_saves_total', 0):.0f}",
         ]
     lines.append("=" * 60)

@@ -220,15 +220,17 @@ class EngineCore:
         """Saves every cached block the offloading tier lacks and waits for the writes (a disk tier
         then holds, for the next start, what this run computed); returns the pages saved."""
         saves = self.kv_cache_manager.tier_flush_orders()
-        if not saves:
-            return 0
-        out = SchedulerOutput(
-            new_reqs=[], cached_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-            finished_req_ids=set(), preempted_req_ids=set(), kv_saves=saves,
-        )
+        # A few pages at a time, each batch written before the next: the staging buffer is bounded
+        # and would drop what does not fit.
+        chunk = 16
         try:
-            self.executor.execute_model(out)
-            self.executor.collective_rpc("drain_kv_tier")
+            for i in range(0, len(saves), chunk):
+                out = SchedulerOutput(
+                    new_reqs=[], cached_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                    finished_req_ids=set(), preempted_req_ids=set(), kv_saves=saves[i : i + chunk],
+                )
+                self.executor.execute_model(out)
+                self.executor.collective_rpc("drain_kv_tier")
         except Exception:  # shutting down: what did not reach the tier is recomputed next time
             logger.exception("could not flush the KV offloading tier")
         return len(saves)

@@ -133,6 +133,8 @@ def start_engine(args: argparse.Namespace) -> Union["AsyncLLM", "DPAsyncLLM"]:
         raise ValueError(f"data_parallel_size must be positive, got {dp}")
     if args.lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if dp > 1 and config.kv_offloading_dir is not None:
+        raise ValueError("data-parallel replicas cannot share one --kv-offloading-dir; run one server per directory")
     if dp > 1 and config.enable_lora:
         raise ValueError("LoRA under data parallelism is not supported yet; use --data-parallel-size 1 with --enable-lora")
     if dp > 1:
