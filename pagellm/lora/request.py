@@ -23,5 +23,6 @@ class LoRARequest:
 
     @property
     def cache_key(self) -> str:
-        """What the prefix cache mixes into a request's first block: two adapters never share KV."""
-        return f"lora:{self.lora_int_id}:{self.lora_name}"
+        """What the prefix cache mixes into a request's first block: two adapters never share KV. The
+        path is part of it because a disk tier's keys outlive the server (docs/kv_offloading.md)."""
+        return f"lora:{self.lora_int_id}:{self.lora_name}:{self.lora_path}"
