@@ -127,3 +127,48 @@ class ToolParser(ABC):
             out.tool_calls.append((i, call))
         self._num_calls = max(self._num_calls, len(part.calls))
         return out
+
+
+PENDING, DONE, BAD = "pending", "done", "bad"
+
+
+@dataclass
+class CallScan:
+    """A reply read by a ``ScanningToolParser``: content up to ``content_end``, then ``calls``."""
+
+    content_end: int
+    calls: list[ParsedToolCall] = field(default_factory=list)
+    state: str = DONE  # DONE: every call read; PENDING: the last one is still open; BAD: one will never parse
+    tail: Optional[ParsedToolCall] = None  # an open last call that the whole reply takes as it stands
+
+
+class ScanningToolParser(ToolParser):
+    """A format whose reply is content up to the first of ``starts``, then calls that ``_scan`` reads:
+    ``extract`` and ``partial`` follow from the scan's state."""
+
+    starts: tuple[str, ...] = ()
+
+    @abstractmethod
+    def _scan(self, text: str, final: bool) -> Optional[CallScan]:
+        """The calls of the text (None when nothing may start one); ``final`` when it is the whole reply."""
+
+    def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
+        scan = self._scan(text, final=True)
+        if scan is None or scan.state == BAD or (scan.state == PENDING and scan.tail is None):
+            return ParsedMessage(text, [])
+        calls = scan.calls + ([scan.tail] if scan.tail is not None else [])
+        if not calls:
+            return ParsedMessage(text, [])
+        content = text[: scan.content_end]
+        return ParsedMessage(content if content.strip() else None, calls)
+
+    def partial(self, text: str, token_ids: Sequence[int] = ()) -> PartialParse:
+        scan = self._scan(text, final=False)
+        if scan is None:
+            end, calls = held_back(text, self.starts), []
+        elif scan.state == BAD and not scan.calls:
+            return PartialParse(len(text))  # the reply will be content whatever follows
+        else:
+            end, calls = scan.content_end, scan.calls
+        # Whitespace alone before the calls is not content (the whole reply says None), so it waits.
+        return PartialParse(end if text[:end].strip() else 0, calls)

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from pagellm.entrypoints.openai.tool_parsers.base import ParsedMessage, ParsedToolCall, PartialParse, ToolParser, held_back
-
-PENDING, DONE, BAD = "pending", "done", "bad"
-
+from pagellm.entrypoints.openai.tool_parsers.base import BAD, PENDING, CallScan, ParsedToolCall, ScanningToolParser
 
 # A JSON string (its closing quote captured, absent while it is still open) or one bracket. Strings are matched
 # whole by the regex engine, so a long argument costs one match per delta rather than a Python step per character.
@@ -58,17 +54,10 @@ def arguments_json(args: Any) -> Optional[str]:
         return None
 
 
-@dataclass
-class _Scan:
-    content_end: int
-    calls: list[ParsedToolCall] = field(default_factory=list)
-    state: str = DONE  # DONE: every call read; PENDING: the last one is still open; BAD: one will never parse
-
-
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(ScanningToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
-    markers = (TAG,)
+    markers = starts = (TAG,)
 
     @staticmethod
     def _call(block: str) -> Optional[ParsedToolCall]:
@@ -87,13 +76,13 @@ class Llama3JsonToolParser(ToolParser):
             return None
         return None if args is None else ParsedToolCall(obj["name"], args)
 
-    def _scan(self, text: str) -> Optional[_Scan]:
+    def _scan(self, text: str, final: bool) -> Optional[CallScan]:
         """None when nothing in the text may start a call."""
         tag, brace = text.find(self.TAG), text.find("{")
         starts = [i for i in (tag, brace) if i >= 0]
         if not starts:
             return None
-        scan = _Scan(min(starts))
+        scan = CallScan(min(starts))
         pos = brace
         while pos >= 0:
             end = json_value_end(text, pos)
@@ -107,22 +96,3 @@ class Llama3JsonToolParser(ToolParser):
             scan.calls.append(call)
             pos = text.find("{", end)
         return scan
-
-    def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
-        scan = self._scan(text)
-        if scan is None or scan.state != DONE or not scan.calls:
-            return ParsedMessage(text, [])
-        content = text[: scan.content_end]
-        return ParsedMessage(content if content.strip() else None, scan.calls)
-
-    def partial(self, text: str, token_ids: Sequence[int] = ()) -> PartialParse:
-        scan = self._scan(text)
-        if scan is None:
-            end = held_back(text, [self.TAG])
-        elif scan.state == BAD and not scan.calls:
-            # The reply will be content whatever follows: no need to hold it back.
-            return PartialParse(len(text))
-        else:
-            end = scan.content_end
-        # Whitespace alone before the calls is not content (the whole reply says None), so it waits.
-        return PartialParse(end if text[:end].strip() else 0, scan.calls if scan else [])

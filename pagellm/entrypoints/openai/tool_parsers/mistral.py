@@ -16,13 +16,11 @@ import json
 import random
 import re
 import string
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
-from pagellm.entrypoints.openai.tool_parsers.base import ParsedMessage, ParsedToolCall, PartialParse, ToolParser, held_back
+from pagellm.entrypoints.openai.tool_parsers.base import BAD, PENDING, CallScan, ParsedToolCall, ScanningToolParser
 from pagellm.entrypoints.openai.tool_parsers.llama3_json import arguments_json, json_value_end
 
-PENDING, DONE, BAD = "pending", "done", "bad"
 _ALPHANUMERIC = string.ascii_letters + string.digits
 _NAME = re.compile(r"[^\s{}\[\]\"]+")
 
@@ -35,20 +33,14 @@ def is_mistral_call_id(call_id: str) -> bool:
     return len(call_id) == 9 and call_id.isascii() and call_id.isalnum()
 
 
-@dataclass
-class _Scan:
-    content_end: int
-    calls: list[ParsedToolCall] = field(default_factory=list)
-    state: str = DONE  # DONE: every call read; PENDING: the last one is still open; BAD: one will never parse
-
-
-class MistralToolParser(ToolParser):
+class MistralToolParser(ScanningToolParser):
     name = "mistral"
     BOT, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
     markers = (BOT, ARGS, CALL_ID)
+    starts = (BOT,)
 
     @staticmethod
-    def _array_calls(seg: str, start: int, scan: _Scan) -> None:
+    def _array_calls(seg: str, start: int, scan: CallScan) -> None:
         """The calls of a JSON array opening at ``seg[start]``, read item by item so that each can be sent once
         complete; whatever follows the array is ignored, as vLLM's fallback does."""
         pos = start + 1
@@ -82,7 +74,7 @@ class MistralToolParser(ToolParser):
             pos = end
 
     @classmethod
-    def _named_call(cls, seg: str, scan: _Scan) -> None:
+    def _named_call(cls, seg: str, scan: CallScan) -> None:
         """``NAME[CALL_ID]ID[ARGS]{json}`` (the bracketed parts optional); text after the object is ignored."""
         brace = seg.find("{")
         if brace < 0:
@@ -107,11 +99,11 @@ class MistralToolParser(ToolParser):
             return
         scan.calls.append(ParsedToolCall(name, args, call_id if is_mistral_call_id(call_id) else mistral_call_id()))
 
-    def _scan(self, text: str) -> Optional[_Scan]:
+    def _scan(self, text: str, final: bool) -> Optional[CallScan]:
         first = text.find(self.BOT)
         if first < 0:
             return None
-        scan = _Scan(first)
+        scan = CallScan(first)
         segments = text[first + len(self.BOT) :].split(self.BOT)
         for i, seg in enumerate(segments):
             last = i == len(segments) - 1
@@ -128,21 +120,3 @@ class MistralToolParser(ToolParser):
                 scan.state = BAD  # the next [TOOL_CALLS] came before this call was whole
                 return scan
         return scan
-
-    def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
-        scan = self._scan(text)
-        if scan is None or scan.state != DONE or not scan.calls:
-            return ParsedMessage(text, [])
-        content = text[: scan.content_end]
-        return ParsedMessage(content if content.strip() else None, scan.calls)
-
-    def partial(self, text: str, token_ids: Sequence[int] = ()) -> PartialParse:
-        scan = self._scan(text)
-        if scan is None:
-            end = held_back(text, [self.BOT])
-        elif scan.state == BAD and not scan.calls:
-            return PartialParse(len(text))  # the reply will be content whatever follows
-        else:
-            end = scan.content_end
-        # Whitespace alone before the calls is not content (the whole reply says None), so it waits.
-        return PartialParse(end if text[:end].strip() else 0, scan.calls if scan else [])

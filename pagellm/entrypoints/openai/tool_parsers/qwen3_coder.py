@@ -12,12 +12,9 @@ import ast
 import json
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from pagellm.entrypoints.openai.tool_parsers.base import ParsedMessage, ParsedToolCall, PartialParse, ToolParser, held_back
-
-PENDING, DONE, BAD = "pending", "done", "bad"
+from pagellm.entrypoints.openai.tool_parsers.base import BAD, PENDING, CallScan, ParsedToolCall, ScanningToolParser
 
 _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 _INT_PREFIXES = ("int", "uint", "long", "short", "unsigned")
@@ -83,17 +80,10 @@ def convert_value(value: str, prop: Any, known: bool) -> Any:
     return literal if _json_safe(literal) else value
 
 
-@dataclass
-class _Scan:
-    content_end: int
-    calls: list[ParsedToolCall] = field(default_factory=list)
-    state: str = DONE  # DONE: every call read; PENDING: the last one is still open; BAD: one will never parse
-    tail: Optional[ParsedToolCall] = None  # the open last call read as it stands (vLLM takes it at the reply's end)
 
-
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(ScanningToolParser):
     name = "qwen3_coder"
-    MARKERS = ("<tool_call>", "<function=")
+    starts = ("<tool_call>", "<function=")
     markers = ("<tool_call>", "</tool_call>")
     # A function's body ends at </function>, at </tool_call> when the model left </function> out, or at
     # the end of the reply; a parameter's value at its close tag or where the next tag of the call begins.
@@ -124,12 +114,12 @@ class Qwen3CoderToolParser(ToolParser):
             args[pname] = convert_value(value, props.get(pname), pname in props)
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
 
-    def _scan(self, text: str, final: bool) -> Optional[_Scan]:
+    def _scan(self, text: str, final: bool) -> Optional[CallScan]:
         """The calls of the text; ``final`` when it is the whole reply, the only time the open last call is read."""
-        starts = [i for i in (text.find(m) for m in self.MARKERS) if i >= 0]
+        starts = [i for i in (text.find(m) for m in self.starts) if i >= 0]
         if not starts:
             return None
-        scan = _Scan(min(starts))
+        scan = CallScan(min(starts))
         pos = scan.content_end
         # str.find rather than a lazy regex: the base rescans the reply on every delta, and a long open
         # argument would otherwise cost a regex step per character each time.
@@ -147,24 +137,3 @@ class Qwen3CoderToolParser(ToolParser):
             scan.calls.append(call)
             pos = end + tag_len
         return scan
-
-    def extract(self, text: str, token_ids: Sequence[int] = ()) -> ParsedMessage:
-        scan = self._scan(text, final=True)
-        if scan is None or scan.state == BAD or (scan.state == PENDING and scan.tail is None):
-            return ParsedMessage(text, [])
-        calls = scan.calls + ([scan.tail] if scan.tail is not None else [])
-        if not calls:
-            return ParsedMessage(text, [])
-        content = text[: scan.content_end]
-        return ParsedMessage(content if content.strip() else None, calls)
-
-    def partial(self, text: str, token_ids: Sequence[int] = ()) -> PartialParse:
-        scan = self._scan(text, final=False)
-        if scan is None:
-            end, calls = held_back(text, self.MARKERS), []
-        elif scan.state == BAD and not scan.calls:
-            return PartialParse(len(text))  # the reply will be content whatever follows
-        else:
-            end, calls = scan.content_end, scan.calls
-        # Whitespace alone before the calls is not content (the whole reply says None), so it waits.
-        return PartialParse(end if text[:end].strip() else 0, calls)
