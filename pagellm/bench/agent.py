@@ -45,7 +45,7 @@ from typing import Any, Optional, Sequence
 import httpx
 import numpy as np
 
-from pagellm.bench.serve import Prompt, _sse_data, completion_payload, get_first_model
+from pagellm.bench.serve import Prompt, StreamError, completion_messages, completion_payload, get_first_model
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -249,30 +249,21 @@ async def _request_turn_once(client: httpx.AsyncClient, url: str, payload: dict[
     last = st
     chunks = 0
     try:
-        async with client.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                trace.error = f"HTTP {response.status_code}: {body[:500]}"
-                return trace
-            async for data in _sse_data(response):
-                if data == "[DONE]":
-                    continue
-                message = json.loads(data)
-                if message.get("error"):
-                    trace.error = str(message["error"])
-                    return trace
-                if message.get("choices"):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        trace.ttft = now - st
-                    last = now
-                    chunks += 1
-                _read_cached(message, trace)
+        async for message in completion_messages(client, url, payload):
+            if message.get("choices"):
+                now = time.perf_counter()
+                if chunks == 0:
+                    trace.ttft = now - st
+                last = now
+                chunks += 1
+            _read_cached(message, trace)
         trace.latency = last - st
         if chunks:
             trace.success = True
         else:
             trace.error = "the stream carried no completion chunk"
+    except StreamError as e:
+        trace.error = str(e)
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         trace.error = f"{type(e).__name__}: {e}"
     return trace

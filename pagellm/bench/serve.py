@@ -95,6 +95,26 @@ async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
             yield line[len("data:") :].strip()
 
 
+class StreamError(Exception):
+    """A completion stream that failed: an HTTP error status, or an error object in the stream."""
+
+
+async def completion_messages(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON messages of one streamed completion, up to ``[DONE]``; StreamError for an HTTP error
+    answer (its body's start) or an in-band error."""
+    async with client.stream("POST", url, json=payload) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")
+            raise StreamError(f"HTTP {response.status_code}: {body[:500]}")
+        async for data in _sse_data(response):
+            if data == "[DONE]":
+                continue
+            message = json.loads(data)
+            if message.get("error"):
+                raise StreamError(str(message["error"]))
+            yield message
+
+
 def completion_payload(
     model: str, prompt: Prompt, output_len: int, temperature: Optional[float] = None, extra_body: Optional[dict] = None
 ) -> dict[str, Any]:
@@ -120,38 +140,29 @@ async def request_completion(client: httpx.AsyncClient, url: str, payload: dict[
     trace.start_time = st
     last = st
     try:
-        async with client.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                trace.error = f"HTTP {response.status_code}: {body[:500]}"
-                return trace
-            async for data in _sse_data(response):
-                if data == "[DONE]":
-                    continue
-                message = json.loads(data)
-                if message.get("error"):
-                    trace.error = str(message["error"])
-                    return trace
-                choices = message.get("choices")
-                if choices:
-                    now = time.perf_counter()
-                    if trace.num_chunks == 0:
-                        trace.ttft = now - st
-                    else:
-                        trace.itl.append(now - last)
-                    last = now
-                    trace.num_chunks += 1
-                    text_parts.append(choices[0].get("text") or "")
-                # vLLM reads usage only from choice-less chunks; a server that puts it on the last
-                # token's chunk is counted too.
-                if message.get("usage"):
-                    trace.output_tokens = message["usage"].get("completion_tokens")
+        async for message in completion_messages(client, url, payload):
+            choices = message.get("choices")
+            if choices:
+                now = time.perf_counter()
+                if trace.num_chunks == 0:
+                    trace.ttft = now - st
+                else:
+                    trace.itl.append(now - last)
+                last = now
+                trace.num_chunks += 1
+                text_parts.append(choices[0].get("text") or "")
+            # vLLM reads usage only from choice-less chunks; a server that puts it on the last
+            # token's chunk is counted too.
+            if message.get("usage"):
+                trace.output_tokens = message["usage"].get("completion_tokens")
         trace.generated_text = "".join(text_parts)
         trace.latency = last - st
         if trace.num_chunks:
             trace.success = True
         else:
             trace.error = "the stream carried no completion chunk, so there is no TTFT; counted as failed"
+    except StreamError as e:
+        trace.error = str(e)
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         trace.error = f"{type(e).__name__}: {e}"
     return trace
