@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from pagellm.entrypoints.openai.protocol import random_id
+from pagellm.reasoning.tags import held_back as held_back  # call markers are held back as reasoning markers are
 
 
 @dataclass
@@ -45,18 +46,6 @@ class PartialParse:
 
     content_end: int
     calls: list[ParsedToolCall] = field(default_factory=list)
-
-
-def held_back(text: str, markers: Sequence[str]) -> int:
-    """The length of text that may be sent while none of ``markers`` has appeared: all of it less a
-    tail that could be the beginning of one of them."""
-    keep = len(text)
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):
-            if marker.startswith(text[-k:]):
-                keep = min(keep, len(text) - k)
-                break
-    return keep
 
 
 class ToolParser(ABC):
