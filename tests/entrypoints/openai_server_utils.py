@@ -133,3 +133,29 @@ class HealthWatcher:
                 if self.server.proc.poll() is not None:
                     return
             time.sleep(0.02)
+
+
+THINKING_TEMPLATE = os.path.join(os.path.dirname(__file__), "data", "thinking_chatml.jinja")
+
+
+def thinking_llama_args(path) -> list[str]:
+    """Saves a tiny random Llama (SmolLM2's vocabulary, seeded) at ``path``; returns the serve flags
+    for it with SmolLM2's tokenizer, a chat template that opens ``<think>`` and ``--reasoning-parser qwen3``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagellm.models.loader import default_model_path
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return [str(path), "--tokenizer", default_model_path(), "--chat-template", THINKING_TEMPLATE, "--reasoning-parser", "qwen3"]

@@ -20,19 +20,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import pytest
-import torch
-from openai_server_utils import API_KEY, SERVER_ARGS, RemoteServer
-
-from pagellm.models.loader import default_model_path
+from openai_server_utils import API_KEY, SERVER_ARGS, RemoteServer, thinking_llama_args
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = Path(__file__).parent / "data" / "thinking_chatml.jinja"
 BUDGET = 4
 QUESTION = "What is the weather in Paris?"
 CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
@@ -53,22 +48,7 @@ def constrained(text: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("thinking-tools-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    args = [str(path), "--tokenizer", default_model_path(), "--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3"]
+    args = thinking_llama_args(tmp_path_factory.mktemp("thinking-tools-llama"))
     srv = RemoteServer([*args, "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", *SERVER_ARGS])
     yield srv
     srv.stop_and_check()

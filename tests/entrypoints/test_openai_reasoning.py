@@ -5,19 +5,16 @@ constrains only what follows the thinking; the Responses API returns a reasoning
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
-import torch
-from openai_server_utils import SERVER_ARGS, RemoteServer
+from openai_server_utils import SERVER_ARGS, RemoteServer, thinking_llama_args
 
 from pagellm.models.loader import default_model_path
 from pagellm.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = Path(__file__).parent / "data" / "thinking_chatml.jinja"
 MESSAGES = [{"role": "user", "content": "Is the sky blue?"}]
 SCHEMA = {
     "type": "object",
@@ -34,23 +31,7 @@ def end_ids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("thinking-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    args = [str(path), "--tokenizer", default_model_path(), "--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3"]
-    srv = RemoteServer([*args, *SERVER_ARGS])
+    srv = RemoteServer([*thinking_llama_args(tmp_path_factory.mktemp("thinking-llama")), *SERVER_ARGS])
     yield srv
     srv.stop_and_check()
 
