@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, reply streamed or not."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence, Union
@@ -226,10 +227,13 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.add_requests(request_id, [prompt], params, time.monotonic(), lora_request)
         return ChatRun(request, request_id, created, streams[0], n, role, echo, tool_mode, kwargs)
 
+    @functools.cached_property
+    def _special_tokens(self) -> frozenset[str]:
+        return frozenset(getattr(self.async_llm.tokenizer, "all_special_tokens", ()))
+
     def _special(self, markers: Sequence[Optional[str]]) -> bool:
         """Whether any of ``markers`` is a special token (skipped from the text unless asked not to)."""
-        special = set(getattr(self.async_llm.tokenizer, "all_special_tokens", ()))
-        return any(m in special for m in markers if m)
+        return any(m in self._special_tokens for m in markers if m)
 
     @property
     def _special_markers(self) -> bool:
