@@ -109,8 +109,8 @@ def test_dashboard_shows_shared_blocks_matching_metrics(server, tmp_path):
             num_blocks = page.evaluate("window.dashboard.numBlocks")
 
             # Drawn cells == legend == the pool's counter sent in the same engine step.
-            legend = page.evaluate(READ_LEGEND_JS)
-            drawn = page.evaluate(COUNT_DRAWN_JS)
+            # One evaluation reads both: an update between two evaluations would redraw in between.
+            legend, drawn = page.evaluate(f"[({READ_LEGEND_JS})(), ({COUNT_DRAWN_JS})()]")
             assert {k: legend[k] for k in drawn} == drawn
             assert legend["used"] + legend["shared"] == legend["engine_used"]
             assert sum(drawn.values()) == num_blocks and drawn["cached"] > 0
