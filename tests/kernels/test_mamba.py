@@ -1,0 +1,135 @@
+"""The Mamba-2 selective state scan (pagellm.kernels.mamba): the torch reference against a naive per-token
+loop and transformers' Mamba-2 functions, the C++ kernel against the loop (float32 and bfloat16)."""
+from __future__ import annotations
+
+import os
+
+# transformers imports triton, whose helpers take the interpreter only if TRITON_INTERPRET is set first
+# (see test_recurrent.py).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers.models.mamba2 import modeling_mamba2 as hf
+
+from pagellm.kernels import mamba
+
+# Decodes, short and long prefills (past one and two 16-token chunks), a zero-length sequence.
+LENGTHS = [1, 5, 0, 16, 17, 1, 40, 1]
+# Checkpoints at chunk boundaries (16, 32), mid-chunk, at offset 1 and at the end; two on one offset.
+CHECKPOINTS = {0: [1], 1: [1, 3, 5], 3: [16], 4: [7, 16, 17], 6: [15, 16, 16, 32, 33, 40]}
+NO_LIMIT = (0.0, float("inf"))
+
+
+def naive_scan(x, dt, A, B, C, D, dt_bias, state, query_start_loc, slot_ids, has_initial_state, checkpoints, dt_limit=NO_LIMIT):
+    """The recurrence token by token, in float64: the oracle."""
+    T, H, P = x.shape
+    rep = H // B.shape[1]
+    d = F.softplus(dt.double() + dt_bias.double()).clamp(min=dt_limit[0], max=dt_limit[1])
+    xd, Bh, Ch = x.double(), B.double().repeat_interleave(rep, 1), C.double().repeat_interleave(rep, 1)
+    y = torch.zeros(T, H, P, dtype=torch.float64)
+    starts = query_start_loc.tolist()
+    cps = [] if checkpoints is None else checkpoints.tolist()
+    new_slots = {}
+    for i, slot in enumerate(slot_ids.tolist()):
+        S = state[slot].double() if has_initial_state[i] else torch.zeros(state.shape[1:], dtype=torch.float64)
+        for t in range(starts[i], starts[i + 1]):
+            dA = (d[t] * A.double()).exp()  # [H]
+            S = dA[:, None, None] * S + (d[t][:, None] * xd[t])[..., None] * Bh[t][:, None, :]
+            y[t] = (S @ Ch[t][..., None])[..., 0] + D.double()[:, None] * xd[t]
+            for ci, o, s in cps:
+                if ci == i and o == t + 1 - starts[i]:
+                    new_slots[s] = S.float()
+        new_slots[slot] = S.float()
+    for s, value in new_slots.items():
+        state[s] = value
+    return y
+
+
+def _meta(lengths, num_slots, seed, checkpoint_offsets=None):
+    """query_start_loc, slot_ids (distinct, shuffled), has_initial_state (mixed) and checkpoints into fresh slots."""
+    gen = torch.Generator().manual_seed(seed)
+    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    perm = torch.randperm(num_slots, generator=gen)
+    slots = perm[: len(lengths)].to(torch.int64)
+    has_init = torch.tensor([i % 3 != 1 for i in range(len(lengths))])
+    free = perm[len(lengths):].tolist()
+    rows = [(i, o, free.pop()) for i, n in enumerate(lengths) for o in (checkpoint_offsets or {}).get(i, []) if 1 <= o <= n]
+    return qsl, slots, has_init, torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+
+
+def _inputs(lengths, H, G, P, N, seed=0, dtype=torch.float32, bc_dtype=None):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    x = torch.randn(T, H, P, generator=gen).to(dtype)
+    dt = (torch.randn(T, H, generator=gen) - 1.0).to(dtype)
+    A = -torch.exp(torch.rand(H, generator=gen) * 2.0)
+    B = (torch.randn(T, G, N, generator=gen) * 0.5).to(bc_dtype or dtype)
+    C = (torch.randn(T, G, N, generator=gen) * 0.5).to(bc_dtype or dtype)
+    D = torch.randn(H, generator=gen)
+    dt_bias = torch.randn(H, generator=gen) * 0.5
+    return x, dt, A, B, C, D, dt_bias
+
+
+def _check_against_naive(fn, lengths, H, G, P, N, dtype=torch.float32, dt_limit=NO_LIMIT, seed=0, tol=None, **kw):
+    num_slots = 2 * len(lengths) + sum(len(v) for v in CHECKPOINTS.values())
+    x, dt, A, B, C, D, dt_bias = _inputs(lengths, H, G, P, N, seed=seed, dtype=dtype)
+    qsl, slots, has_init, cps = _meta(lengths, num_slots, seed=seed + 1, checkpoint_offsets=CHECKPOINTS)
+    state0 = torch.randn(num_slots, H, P, N, generator=torch.Generator().manual_seed(seed + 2)) * 0.3
+    ref_state, state = state0.clone(), state0.clone()
+    ref = naive_scan(x, dt, A, B, C, D, dt_bias, ref_state, qsl, slots, has_init, cps, dt_limit)
+    y = fn(x, dt, A, B, C, D, dt_bias, state, qsl, slots, has_init, cps, dt_limit=dt_limit, **kw)
+    assert y.dtype == dtype and y.shape == x.shape
+    tol = tol or (1e-4 if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(y.float(), ref.float().to(dtype).float(), rtol=tol, atol=tol)
+    # Every slot: the written ones hold their states, the others are untouched.
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
+    return state
+
+
+@pytest.mark.parametrize("G", [1, 2])
+@pytest.mark.parametrize("dt_limit", [NO_LIMIT, (0.05, 0.4)])
+def test_reference_matches_naive(G, dt_limit):
+    _check_against_naive(mamba.selective_state_scan_reference, LENGTHS, H=4, G=G, P=8, N=12, dt_limit=dt_limit, chunk_size=16)
+
+
+def test_reference_matches_transformers():
+    """Whole sequences through transformers' mamba2_chunk_scan (prefill) and mamba2_selective_state_update (decode)."""
+    H, G, P, N, L = 4, 2, 8, 16, 37
+    x, dt, A, B, C, D, dt_bias = _inputs([L + 1], H, G, P, N, seed=5)
+    state = torch.zeros(1, H, P, N)
+    qsl, one, init = torch.tensor([0, L], dtype=torch.int32), torch.tensor([0]), torch.tensor([False])
+    y = mamba.selective_state_scan_reference(x[:L], dt[:L], A, B[:L], C[:L], D, dt_bias, state, qsl, one, init, None, chunk_size=8)
+    ref_y, ref_state = hf.mamba2_chunk_scan(x[None, :L], dt[None, :L], A, B[None, :L], C[None, :L], 16, D=D, dt_bias=dt_bias,
+                                            dt_softplus=True, return_final_states=True)
+    torch.testing.assert_close(y, ref_y[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state[0], ref_state[0], rtol=1e-4, atol=1e-4)
+    # One more token, from that state.
+    hf_state = ref_state.clone()
+    ref_y = hf.mamba2_selective_state_update(
+        hf_state, x[L:], dt[L:, :, None].expand(1, H, P), A[:, None, None].expand(H, P, N), B[L:], C[L:],
+        D=D[:, None].expand(H, P), dt_bias=dt_bias[:, None].expand(H, P), dt_softplus=True,
+    )
+    y = mamba.selective_state_scan_reference(x[L:], dt[L:], A, B[L:], C[L:], D, dt_bias, state, torch.tensor([0, 1], dtype=torch.int32),
+                                             one, torch.tensor([True]), None)
+    torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, hf_state, rtol=1e-4, atol=1e-4)
+
+
+def test_dispatch_checks_shapes():
+    x, dt, A, B, C, D, dt_bias = _inputs([3], H=4, G=3, P=2, N=5)
+    meta = (torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0]), torch.tensor([False]), None)
+    with pytest.raises(ValueError, match="multiple of 3 groups"):
+        mamba.selective_state_scan(x, dt, A, B, C, D, dt_bias, torch.zeros(1, 4, 2, 5), *meta)
+    x, dt, A, B, C, D, dt_bias = _inputs([3], H=4, G=2, P=2, N=5)
+    with pytest.raises(ValueError, match="state must be float32"):
+        mamba.selective_state_scan(x, dt, A, B, C, D, dt_bias, torch.zeros(1, 4, 2, 5, dtype=torch.bfloat16), *meta)
+    with pytest.raises(ValueError, match="state must be"):
+        mamba.selective_state_scan(x, dt, A, B, C, D, dt_bias, torch.zeros(1, 4, 5, 2), *meta)
+    with pytest.raises(ValueError, match="dt must be"):
+        mamba.selective_state_scan(x, dt[:, :2], A, B, C, D, dt_bias, torch.zeros(1, 4, 2, 5), *meta)
+
+
+def test_dispatch_runs():
+    _check_against_naive(mamba.selective_state_scan, LENGTHS, H=4, G=2, P=8, N=12)
