@@ -12,7 +12,9 @@ layer and one block table per request, exactly the layout before groups existed.
 
 A hybrid model's recurrent layers (Gated DeltaNet, Mamba) hold no KV: they are the layout's
 state kind, a fixed-size slot per request in each (pagellm.core.state_cache), and the attention
-groups cover the other layers.
+groups cover the other layers. Two more kinds of layer own no blocks: a block that is only an MLP
+(Nemotron-H's) holds nothing, and a layer that attends over an earlier layer's KV (Gemma 4's last
+layers) reads that layer's tensor and block table, as vLLM's KV sharing does.
 """
 from __future__ import annotations
 
@@ -26,6 +28,36 @@ _PAD_TO_LARGEST_RATIO = 1.25
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def kv_owning_layers(
+    num_layers: int, state_layer_ids: Sequence[int], no_cache_layer_ids: Sequence[int], kv_shared_layers: Sequence[tuple[int, int]]
+) -> tuple[int, ...]:
+    """The layers that hold KV of their own: not recurrent, not cacheless, not reading another's."""
+    other = set(state_layer_ids) | set(no_cache_layer_ids) | {layer for layer, _ in kv_shared_layers}
+    return tuple(i for i in range(num_layers) if i not in other)
+
+
+def check_layer_roles(
+    num_layers: int,
+    windows: Sequence[Optional[int]],
+    state_layer_ids: Sequence[int],
+    no_cache_layer_ids: Sequence[int],
+    kv_shared_layers: Sequence[tuple[int, int]],
+) -> None:
+    """Each layer has one role (KV of its own, recurrent state, no cache, or another layer's KV),
+    at least one holds KV, and a shared layer's source holds KV over the same window."""
+    shared = [layer for layer, _ in kv_shared_layers]
+    roles = list(state_layer_ids) + list(no_cache_layer_ids) + shared
+    if len(set(roles)) != len(roles) or any(not 0 <= i < num_layers for i in roles):
+        raise ValueError(f"layers with two roles or out of range among {num_layers}: recurrent {list(state_layer_ids)}, "
+                         f"no cache {list(no_cache_layer_ids)}, reading another's KV {shared}")
+    owners = kv_owning_layers(num_layers, state_layer_ids, no_cache_layer_ids, kv_shared_layers)
+    if not owners:
+        raise ValueError("a model needs at least one attention layer that holds KV")
+    for layer, source in kv_shared_layers:
+        if source not in owners or windows[layer] != windows[source]:
+            raise ValueError(f"layer {layer} reads the KV of layer {source}, which holds none of its own or attends over another window")
 
 
 @dataclass(frozen=True)
@@ -53,12 +85,15 @@ class KVCacheLayout:
     num_layers: int
     # Recurrent layers: a state slot per request each, no KV blocks (the state kind).
     state_layer_ids: tuple[int, ...] = ()
+    # Layers that own no blocks: no cache at all, or (layer, source) reading the source's KV.
+    no_cache_layer_ids: tuple[int, ...] = ()
+    kv_shared_layers: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise ValueError("a KV cache layout needs at least one group")
         seen = sorted(layer for g in self.groups for layer in g.layer_ids)
-        attention = [i for i in range(self.num_layers) if i not in self.state_layer_ids]
+        attention = list(kv_owning_layers(self.num_layers, self.state_layer_ids, self.no_cache_layer_ids, self.kv_shared_layers))
         if seen != attention:
             raise ValueError(f"the groups must cover the attention layers {attention} once each, got {seen}")
         if any(len(g.layer_ids) > self.group_size for g in self.groups):
@@ -73,7 +108,12 @@ class KVCacheLayout:
     @property
     def plain(self) -> bool:
         """One full-attention group of every layer: the layout of a cache without groups."""
-        return self.num_groups == 1 and not self.has_sliding_groups and not self.has_state
+        return self.num_groups == 1 and not self.has_sliding_groups and not self.has_state and not self.has_layers_without_blocks
+
+    @property
+    def has_layers_without_blocks(self) -> bool:
+        """Some non-recurrent layer owns no blocks (an MLP-only block, or one reading another's KV)."""
+        return bool(self.no_cache_layer_ids or self.kv_shared_layers)
 
     @property
     def has_state(self) -> bool:
@@ -89,11 +129,14 @@ class KVCacheLayout:
 
     @property
     def layer_group_ids(self) -> tuple[int, ...]:
-        """Per layer, the group whose block table and slot mapping it reads (-1: a recurrent layer)."""
+        """Per layer, the group whose block table and slot mapping it reads (-1: a recurrent layer
+        or one without a cache; a layer reading another's KV: that layer's group)."""
         out = [-1] * self.num_layers
         for group_id, group in enumerate(self.groups):
             for layer in group.layer_ids:
                 out[layer] = group_id
+        for layer, source in self.kv_shared_layers:
+            out[layer] = out[source]
         return tuple(out)
 
     @property
@@ -106,6 +149,8 @@ class KVCacheLayout:
                 out[layer] = position
         for position, layer in enumerate(self.state_layer_ids):
             out[layer] = position
+        for layer, source in self.kv_shared_layers:
+            out[layer] = out[source]
         return tuple(out)
 
     @property
@@ -147,6 +192,10 @@ class KVCacheLayout:
         parts = [f"{n} {'full' if w is None else f'sliding W={w}'}" for w, n in kinds.items()]
         groups = f"{self.num_groups} group{'s' if self.num_groups > 1 else ''}"
         state = f" and {len(self.state_layer_ids)} recurrent layers (a state slot per request)" if self.has_state else ""
+        if self.kv_shared_layers:
+            state += f", {len(self.kv_shared_layers)} layers reading an earlier layer's KV"
+        if self.no_cache_layer_ids:
+            state += f", {len(self.no_cache_layer_ids)} layers without a cache"
         return f"{groups} of {self.group_size} layer{'s' if self.group_size > 1 else ''} ({', '.join(parts)}){state}"
 
 
@@ -158,8 +207,13 @@ def single_group_layout(num_layers: int) -> KVCacheLayout:
     return KVCacheLayout((KVCacheGroupSpec(tuple(range(num_layers))),), num_layers, num_layers)
 
 
-def group_layers(layer_sliding_windows: Sequence[Optional[int]], state_layer_ids: Sequence[int] = ()) -> KVCacheLayout:
-    """Groups layers by attention kind, vLLM's way.
+def group_layers(
+    layer_sliding_windows: Sequence[Optional[int]],
+    state_layer_ids: Sequence[int] = (),
+    no_cache_layer_ids: Sequence[int] = (),
+    kv_shared_layers: Sequence[tuple[int, int]] = (),
+) -> KVCacheLayout:
+    """Groups layers by attention kind, vLLM's way (over the layers that hold KV of their own).
 
     Full attention comes first (group 0, the one whose table covers the whole context), then each
     window in the order its first layer appears. The group size is the smallest count of any kind
@@ -174,19 +228,20 @@ def group_layers(layer_sliding_windows: Sequence[Optional[int]], state_layer_ids
         if w is not None and (not isinstance(w, int) or w < 1):
             raise ValueError(f"a sliding window must be a positive number of tokens, got {w!r}")
     state = tuple(sorted(state_layer_ids))
+    no_cache, shared = tuple(sorted(no_cache_layer_ids)), tuple(sorted((int(a), int(b)) for a, b in kv_shared_layers))
+    check_layer_roles(len(windows), windows, state, no_cache, shared)
+    roles = dict(state_layer_ids=state, no_cache_layer_ids=no_cache, kv_shared_layers=shared)
+    owners = kv_owning_layers(len(windows), state, no_cache, shared)
     kinds: dict[Optional[int], list[int]] = {}
-    if any(w is None for i, w in enumerate(windows) if i not in state):
+    if any(windows[i] is None for i in owners):
         kinds[None] = []
-    for layer, window in enumerate(windows):
-        if layer not in state:
-            kinds.setdefault(window, []).append(layer)
-    if not kinds:
-        raise ValueError("a model needs at least one attention layer")
+    for layer in owners:
+        kinds.setdefault(windows[layer], []).append(layer)
     if len(kinds) == 1 and None in kinds:
-        if not state:
+        if not (state or no_cache or shared):
             return single_group_layout(len(windows))
         layers = tuple(kinds[None])
-        return KVCacheLayout((KVCacheGroupSpec(layers),), len(layers), len(windows), state)
+        return KVCacheLayout((KVCacheGroupSpec(layers),), len(layers), len(windows), **roles)
     counts = [len(layers) for layers in kinds.values()]
     group_size = min(counts)
     if max(counts) < min(counts) * _PAD_TO_LARGEST_RATIO:
@@ -195,4 +250,4 @@ def group_layers(layer_sliding_windows: Sequence[Optional[int]], state_layer_ids
     for window, layers in kinds.items():
         num_groups = cdiv(len(layers), group_size)
         groups.extend(KVCacheGroupSpec(tuple(layers[i::num_groups]), window) for i in range(num_groups))
-    return KVCacheLayout(tuple(groups), group_size, len(windows), state)
+    return KVCacheLayout(tuple(groups), group_size, len(windows), **roles)

@@ -40,13 +40,29 @@ TEXT_ARCHITECTURE_OF: dict[str, str] = {
 }
 
 
-def recurrent_state_of(hf_config: PretrainedConfig) -> tuple[tuple[int, ...], tuple]:
-    """A hybrid model's recurrent layers and their state tensors (empty for attention-only models
-    and for architectures not served here, which fail later with the list of supported ones)."""
+def _layer_roles_hook(hf_config: PretrainedConfig, name: str, default: tuple) -> tuple:
+    """What the model class's ``name`` classmethod says of the config's layers; ``default`` when
+    the class has none (and for architectures not served here, which fail later with the list of
+    supported ones)."""
     architectures = getattr(hf_config, "architectures", None) or []
     model_cls = MODEL_REGISTRY.get(architectures[0]) if architectures else None
-    state_of = getattr(model_cls, "recurrent_state", None)
-    return state_of(hf_config) if state_of is not None else ((), ())
+    hook = getattr(model_cls, name, None)
+    return hook(hf_config) if hook is not None else default
+
+
+def recurrent_state_of(hf_config: PretrainedConfig) -> tuple[tuple[int, ...], tuple]:
+    """A hybrid model's recurrent layers and their state tensors (empty for attention-only models)."""
+    return _layer_roles_hook(hf_config, "recurrent_state", ((), ()))
+
+
+def no_cache_layers_of(hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """Layers that hold neither KV nor state (a block that is only an MLP)."""
+    return tuple(_layer_roles_hook(hf_config, "no_cache_layers", ()))
+
+
+def kv_shared_layers_of(hf_config: PretrainedConfig) -> tuple[tuple[int, int], ...]:
+    """(layer, source) for each layer that attends over an earlier layer's KV instead of its own."""
+    return tuple((int(a), int(b)) for a, b in _layer_roles_hook(hf_config, "kv_shared_layers", ()))
 
 
 def supported_architectures() -> list[str]:

@@ -81,6 +81,11 @@ class ModelShape:
     # request instead of KV, each layer the same ``state_tensors``.
     state_layer_ids: tuple[int, ...] = ()
     state_tensors: tuple[StateTensorShape, ...] = ()
+    # Layers that hold neither KV nor state: a block that is only an MLP or MoE (Nemotron-H's).
+    no_cache_layer_ids: tuple[int, ...] = ()
+    # (layer, source): the layer attends over the source layer's KV and writes none of its own
+    # (Gemma 4's last layers); the source holds KV and attends over the same window.
+    kv_shared_layers: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_sliding_windows:
@@ -89,12 +94,18 @@ class ModelShape:
             raise ValueError(f"{len(self.layer_sliding_windows)} sliding windows for {self.num_layers} layers")
         if any(not 0 <= i < self.num_layers for i in self.state_layer_ids) or bool(self.state_layer_ids) != bool(self.state_tensors):
             raise ValueError(f"recurrent layers {self.state_layer_ids} with state {self.state_tensors} for {self.num_layers} layers")
-        if len(self.state_layer_ids) == self.num_layers:
-            raise ValueError("a model needs at least one attention layer")
+        if not self.kv_layer_ids:
+            raise ValueError("a model needs at least one attention layer that holds KV")  # the KV layout checks the rest
+
+    @property
+    def kv_layer_ids(self) -> tuple[int, ...]:
+        """The layers that hold KV of their own."""
+        other = set(self.state_layer_ids) | set(self.no_cache_layer_ids) | {layer for layer, _ in self.kv_shared_layers}
+        return tuple(i for i in range(self.num_layers) if i not in other)
 
     @property
     def has_sliding_layers(self) -> bool:
-        return any(w is not None for i, w in enumerate(self.layer_sliding_windows) if i not in self.state_layer_ids)
+        return any(self.layer_sliding_windows[i] is not None for i in self.kv_layer_ids)
 
     @property
     def is_hybrid(self) -> bool:
@@ -102,7 +113,8 @@ class ModelShape:
 
     @property
     def num_attention_layers(self) -> int:
-        return self.num_layers - len(self.state_layer_ids)
+        """Layers whose KV the cache holds (a layer reading another's KV not counted)."""
+        return len(self.kv_layer_ids)
 
     def state_slot_bytes(self, dtype: torch.dtype, tp_size: int = 1) -> int:
         """One request's recurrent state, every recurrent layer, on one rank."""
@@ -110,7 +122,8 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config: PretrainedConfig) -> "ModelShape":
-        from pagellm.models.registry import recurrent_state_of  # the model classes import this module
+        # Imported here: the model classes import this module.
+        from pagellm.models.registry import kv_shared_layers_of, no_cache_layers_of, recurrent_state_of
 
         num_heads = hf_config.num_attention_heads
         state_layer_ids, state_tensors = recurrent_state_of(hf_config)
@@ -122,4 +135,6 @@ class ModelShape:
             layer_sliding_windows=layer_sliding_windows(hf_config),
             state_layer_ids=state_layer_ids,
             state_tensors=state_tensors,
+            no_cache_layer_ids=no_cache_layers_of(hf_config),
+            kv_shared_layers=kv_shared_layers_of(hf_config),
         )

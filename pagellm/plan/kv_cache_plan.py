@@ -60,7 +60,11 @@ def kv_cache_layout_for(shape: ModelShape, kv_cache_manager: str = "paged") -> K
     if shape.is_hybrid:
         if not getattr(manager, "supports_recurrent_state", False):
             raise ValueError(f"the {kv_cache_manager!r} KV cache manager cannot keep a hybrid model's recurrent state; use 'paged'")
-        return group_layers(shape.layer_sliding_windows, shape.state_layer_ids)
+        return group_layers(shape.layer_sliding_windows, shape.state_layer_ids, shape.no_cache_layer_ids, shape.kv_shared_layers)
+    if shape.no_cache_layer_ids or shape.kv_shared_layers:
+        if not manager.supports_sliding_window:
+            raise ValueError(f"the {kv_cache_manager!r} KV cache manager cannot keep layers that share or skip a KV cache; use 'paged'")
+        return group_layers(shape.layer_sliding_windows, (), shape.no_cache_layer_ids, shape.kv_shared_layers)
     if manager.supports_sliding_window:
         return group_layers(shape.layer_sliding_windows)
     return single_group_layout(shape.num_layers)

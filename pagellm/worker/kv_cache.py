@@ -136,9 +136,10 @@ def allocate_grouped_kv_caches(
     """One KV cache per attention layer, as the model takes them: ``layout.group_size`` tensors,
     layer k of every group sharing tensor k (a block id is a page of one group, so the groups never
     collide). With one group this is ``allocate_kv_caches``: a tensor of its own per layer. A
-    recurrent layer's entry is None (its state is in ``allocate_state_caches``')."""
+    recurrent layer's entry is None (its state is in ``allocate_state_caches``'), as is a layer's
+    without a cache; a layer reading another's KV gets that layer's tensor."""
     tensors = allocate_kv_caches(layout.group_size, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    state = set(layout.state_layer_ids)
+    state = set(layout.state_layer_ids) | set(layout.no_cache_layer_ids)
     return [None if layer in state else tensors[i] for layer, i in enumerate(layout.layer_tensor_ids)]
 
 

@@ -81,7 +81,9 @@ class ModelRunner:
         self.device = next(c for c in kv_caches if isinstance(c, torch.Tensor)).device
         # Per layer, the group whose metadata it reads (None: one group, one metadata for all).
         self.layer_group_ids: Optional[tuple[int, ...]] = None
-        if kv_cache_layout is not None and (kv_cache_layout.num_groups > 1 or kv_cache_layout.has_state):
+        if kv_cache_layout is not None and (
+            kv_cache_layout.num_groups > 1 or kv_cache_layout.has_state or kv_cache_layout.has_layers_without_blocks
+        ):
             if kv_cache_layout.num_layers != len(kv_caches):
                 raise ValueError(f"a KV cache layout of {kv_cache_layout.num_layers} layers for {len(kv_caches)} KV caches")
             self.layer_group_ids = kv_cache_layout.layer_group_ids

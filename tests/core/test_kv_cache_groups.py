@@ -148,3 +148,31 @@ def test_a_hybrid_models_recurrent_layers_are_the_state_kind_beside_its_attentio
     assert "6 recurrent layers" in layout.describe()
     with pytest.raises(ValueError, match="at least one attention layer"):
         group_layers([None] * 2, state_layer_ids=(0, 1))
+
+
+def test_mlp_only_blocks_hold_nothing_beside_recurrent_and_attention_layers():
+    # Nemotron-H's "M-M*-": Mamba at 0 and 2, attention at 4, MLP-only blocks at 1, 3 and 5.
+    layout = group_layers([None] * 6, state_layer_ids=(0, 2), no_cache_layer_ids=(1, 3, 5))
+    assert layout.groups == (KVCacheGroupSpec((4,), None),) and layout.group_size == 1
+    assert layout.layer_group_ids == (-1, -1, -1, -1, 0, -1)
+    assert layout.layer_tensor_ids == (0, 0, 1, 0, 0, 0)  # state tensors 0 and 1; the attention layer's KV tensor 0
+    assert not layout.plain and "3 layers without a cache" in layout.describe()
+    attention_only = group_layers([None] * 3, no_cache_layer_ids=(1,))
+    assert attention_only.groups == (KVCacheGroupSpec((0, 2), None),) and attention_only.layer_group_ids == (0, -1, 0)
+    assert not attention_only.plain
+
+
+def test_layers_reading_an_earlier_layers_kv_own_no_blocks():
+    # Gemma 4's shape in small: five sliding (W=8) to one full; layers 6 and 7 read layers 4 and 5's KV.
+    windows = [8, 8, 8, 8, 8, None, 8, None]
+    layout = group_layers(windows, kv_shared_layers=((6, 4), (7, 5)))
+    assert [g.layer_ids for g in layout.groups] == [(5,), (0,), (1,), (2,), (3,), (4,)]
+    assert layout.layer_group_ids == (1, 2, 3, 4, 5, 0, 5, 0)  # the readers use their sources' block tables
+    assert layout.layer_tensor_ids == (0,) * 8
+    assert "2 layers reading an earlier layer's KV" in layout.describe()
+    with pytest.raises(ValueError, match="holds none of its own or attends over another window"):
+        group_layers(windows, kv_shared_layers=((6, 5),))  # a sliding layer cannot read a full layer's KV
+    with pytest.raises(ValueError, match="holds none of its own"):
+        group_layers(windows, kv_shared_layers=((6, 4), (7, 6)))  # a reader is no source
+    with pytest.raises(ValueError, match="two roles"):
+        group_layers([None] * 4, state_layer_ids=(0,), no_cache_layer_ids=(0,))

@@ -129,3 +129,17 @@ def test_cuda_graphs_keep_static_buffers_per_group():
     torch.testing.assert_close(got, echo_groups(ids, None, md))
     padded = graphs.graphs[4].output
     assert padded[3, 2] == PAD_SLOT_ID and padded[3, 4] == PAD_SLOT_ID  # the padding row, in both groups
+
+
+def test_layers_without_blocks_get_no_tensor_or_their_sources():
+    # Layer 1 holds no cache (an MLP-only block); layer 3 reads layer 0's KV.
+    layout = group_layers([None, None, None, None], no_cache_layer_ids=(1,), kv_shared_layers=((3, 0),))
+    caches = allocate_grouped_kv_caches(layout, 10, BLOCK, 2, 8, torch.float32, torch.device("cpu"))
+    assert caches[1] is None and caches[3] is caches[0] and caches[2] is not caches[0]
+    assert caches[0].shape == (2, 10, BLOCK, 2, 8)
+    model = RecordingModel()
+    runner = ModelRunner(model, caches, BLOCK, 4, 32, VOCAB, kv_cache_layout=layout)
+    runner.execute_model(step_output([new_request("a", [1, 2, 3, 4, 5], ([2, 5],))], scheduled={"a": 5}))
+    _, per_layer = model.calls[-1]
+    assert per_layer[1] is None and per_layer[3] is per_layer[0] and per_layer[2] is per_layer[0]
+    assert per_layer[3].slot_mapping.tolist() == [8, 9, 10, 11, 20]
