@@ -5,6 +5,10 @@ however many tokens chose it.
 Routing follows transformers: Mixtral / Qwen-MoE take the softmax over all experts in float32,
 then the top-k probabilities, renormalised to sum to one when the config asks (``norm_topk_prob``;
 Mixtral always); gpt-oss takes the top-k logits (its router has a bias), then their softmax.
+``scoring="sigmoid"`` (DeepSeek-V3, LFM2-MoE, Nemotron-H) scores each expert by the sigmoid of its
+logit; with ``e_score_correction_bias`` a learnt per-expert bias is added to the scores to choose the
+top k only, the weights being the chosen experts' unbiased scores (then renormalised if asked); a
+``routed_scaling_factor`` multiplies the final weights.
 
 Under tensor parallelism every rank holds every expert's share of the intermediate rows
 (Megatron's split inside each expert) and the layer sums the ranks' outputs with one all-reduce
@@ -60,15 +64,26 @@ class FusedMoE(nn.Module):
         softmax_after_topk: bool = False,
         bias: bool = False,
         router_name: str = "gate",
+        scoring: str = "softmax",
+        e_score_correction_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({num_experts})")
+        if scoring not in ("softmax", "sigmoid") or (scoring == "sigmoid" and softmax_after_topk):
+            raise ValueError(f"expert scoring {scoring!r} (softmax_after_topk={softmax_after_topk}) is not supported: softmax or sigmoid")
         self.tp = get_tp_group()
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
         self.softmax_after_topk = softmax_after_topk
+        self.scoring = scoring
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        # The correction bias (one per expert, float32 as routers keep it): a plain tensor filled at
+        # load, not a parameter, so the model's dtype does not round it; None until loaded.
+        self.wants_correction_bias = e_score_correction_bias
+        self.e_score_correction_bias: Optional[torch.Tensor] = None
         # Registered under the checkpoint's name for it (gpt-oss: router).
         self.router_name = router_name
         self.add_module(router_name, Linear(hidden_size, num_experts, bias=bias))
@@ -78,15 +93,33 @@ class FusedMoE(nn.Module):
         # What ops.moe_int8 takes of the experts, and the methods it was read from (None: not looked at yet).
         self._int8_experts: Optional[tuple] = None
 
+    def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: torch.Tensor) -> None:
+        """The layer's own tensor: the routing's ``e_score_correction_bias`` ``[experts]`` (every rank all of it)."""
+        if kind != "e_score_correction_bias" or not self.wants_correction_bias or tuple(source.shape) != (self.num_experts,):
+            raise ValueError(f"mixture of experts has no {kind!r} of shape {tuple(source.shape)}")
+        self.e_score_correction_bias = source.detach().to(torch.float32, copy=True)
+
+    def missing_weights(self) -> list[str]:
+        return ["e_score_correction_bias"] if self.wants_correction_bias and self.e_score_correction_bias is None else []
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` in x's dtype, expert ids ``[T, k]``) for each token."""
         logits = self._modules[self.router_name](x).float()
         if self.softmax_after_topk:
             top, expert_ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1).to(x.dtype), expert_ids
-        weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        scores = torch.sigmoid(logits) if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+        if self.wants_correction_bias:
+            if self.e_score_correction_bias.device != scores.device:
+                self.e_score_correction_bias = self.e_score_correction_bias.to(scores.device)
+            expert_ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
+            weights = scores.gather(1, expert_ids)
+        else:
+            weights, expert_ids = torch.topk(scores, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return weights.to(x.dtype), expert_ids
 
     def _int8_args(self) -> Optional[tuple[list[torch.Tensor], int, list[torch.Tensor], int]]:
