@@ -49,24 +49,30 @@ class InterleavedProjection(Linear):
 
 
 class DepthwiseConvWeight(nn.Module):
-    """A depthwise causal convolution's taps ``[C, K]`` (the checkpoint's ``conv1d.weight`` ``[C, 1, K]``),
-    this rank's channels: ``channel_ranges`` of the checkpoint's, in order."""
+    """A depthwise causal convolution's taps ``[C, K]`` (the checkpoint's ``conv1d.weight`` ``[C, 1, K]``)
+    and, with ``bias``, its bias ``[C]`` (Mamba's), this rank's channels: ``channel_ranges`` of the
+    checkpoint's, in order."""
 
-    def __init__(self, channel_ranges: tuple[tuple[int, int], ...], kernel_size: int) -> None:
+    def __init__(self, channel_ranges: tuple[tuple[int, int], ...], kernel_size: int, bias: bool = False) -> None:
         super().__init__()
         self.channel_ranges = channel_ranges
-        self.weight = nn.Parameter(torch.zeros(sum(rows for _, rows in channel_ranges), kernel_size))
-        self.loaded = False
+        channels = sum(rows for _, rows in channel_ranges)
+        self.weight = nn.Parameter(torch.zeros(channels, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+        self.loaded: set[str] = set()
 
     def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: torch.Tensor) -> None:
-        weight = source.reshape(source.shape[0], -1) if kind == "weight" else None
-        if weight is None or weight.shape[1] != self.weight.shape[1] or weight.shape[0] < max(s + n for s, n in self.channel_ranges):
-            raise ValueError(f"conv1d {kind} of shape {tuple(source.shape)} does not match the layer's {tuple(self.weight.shape)}")
-        self.weight.data.copy_(torch.cat([weight.narrow(0, start, rows) for start, rows in self.channel_ranges]))
-        self.loaded = True
+        dest = self.weight if kind == "weight" else self.bias if kind == "bias" else None
+        values = source.reshape(source.shape[0], -1) if kind == "weight" else source.reshape(-1, 1)
+        if dest is None or values.shape[1] != (dest.shape[1] if dest.dim() == 2 else 1) or values.shape[0] < max(
+            s + n for s, n in self.channel_ranges
+        ):
+            raise ValueError(f"conv1d {kind} of shape {tuple(source.shape)} does not match the layer's")
+        dest.data.copy_(torch.cat([values.narrow(0, start, rows) for start, rows in self.channel_ranges]).reshape(dest.shape))
+        self.loaded.add(kind)
 
     def missing_weights(self) -> list[str]:
-        return [] if self.loaded else ["weight"]
+        return [name for name in ("weight", "bias") if getattr(self, name) is not None and name not in self.loaded]
 
 
 class GatedRMSNorm(nn.Module):

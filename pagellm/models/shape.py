@@ -56,11 +56,17 @@ class StateTensorShape:
     shape: tuple[int, ...]
     split_dim: int
     float32: bool
+    # Runs of ``split_dim``, (units, elements per unit) each, that every rank holds whole when their
+    # units do not divide over the ranks (a Mamba-2 layer's B and C groups, vLLM's rule).
+    whole_if_indivisible: tuple[tuple[int, int], ...] = ()
 
     def per_rank(self, tp_size: int) -> tuple[int, ...]:
-        if self.shape[self.split_dim] % tp_size:
+        runs = [units * size for units, size in self.whole_if_indivisible]
+        rest = self.shape[self.split_dim] - sum(runs)
+        if rest % tp_size:
             raise ValueError(f"a recurrent state of shape {self.shape} cannot be split {tp_size} ways along dim {self.split_dim}")
-        return tuple(n // tp_size if d == self.split_dim else n for d, n in enumerate(self.shape))
+        held = rest // tp_size + sum(n // tp_size if units % tp_size == 0 else n for (units, _), n in zip(self.whole_if_indivisible, runs))
+        return tuple(held if d == self.split_dim else n for d, n in enumerate(self.shape))
 
     def nbytes(self, dtype: torch.dtype, tp_size: int = 1) -> int:
         element = 4 if self.float32 else torch.empty((), dtype=dtype).element_size()
