@@ -1,4 +1,5 @@
-"""Gated activations for a fused gate/up projection's output ``[T, 2d]`` (gate columns first).
+"""Gated activations for a fused gate/up projection's output ``[T, 2d]`` (gate columns first), and
+the plain ones of MLPs without a gate (Nemotron-H's squared ReLU).
 
 SiLU, GELU-tanh and gpt-oss's clamped SwiGLU go through the C++ kernels (and are fused into the
 gate/up product's epilogue where the weights are packed for it: ``ops.FUSED_ACTIVATIONS``); exact
@@ -54,3 +55,19 @@ def canonical_activation(hidden_act: str) -> str:
 
 def gated_activation(hidden_act: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return _GATED[canonical_activation(hidden_act)]
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2`` (transformers' ``relu2``, Nemotron-H's MLPs and experts)."""
+    return torch.square(F.relu(x))
+
+
+# transformers' hidden_act names -> the activation of an MLP without a gate (up, act, down).
+_PLAIN: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu2": relu_squared}
+
+
+def plain_activation(hidden_act: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation for a config's ``hidden_act`` in an MLP without a gate; ValueError for unsupported ones."""
+    if hidden_act not in _PLAIN:
+        raise ValueError(f"activation {hidden_act!r} is not supported for an MLP without a gate; supported: {', '.join(sorted(_PLAIN))}")
+    return _PLAIN[hidden_act]

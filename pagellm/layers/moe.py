@@ -8,7 +8,10 @@ Mixtral always); gpt-oss takes the top-k logits (its router has a bias), then th
 ``scoring="sigmoid"`` (DeepSeek-V3, LFM2-MoE, Nemotron-H) scores each expert by the sigmoid of its
 logit; with ``e_score_correction_bias`` a learnt per-expert bias is added to the scores to choose the
 top k only, the weights being the chosen experts' unbiased scores (then renormalised if asked); a
-``routed_scaling_factor`` multiplies the final weights.
+``routed_scaling_factor`` multiplies the final weights. With ``num_expert_groups`` > 1 (DeepSeek-V3's
+and Nemotron-H's grouped routing) the experts fall in equal groups, each scored by the sum of its two
+best (biased) scores, and the top k are chosen within the ``num_groups_used`` best groups only.
+``gated=False`` makes each expert a plain MLP (up, activation, down: Nemotron-H's squared ReLU).
 
 Under tensor parallelism every rank holds every expert's share of the intermediate rows
 (Megatron's split inside each expert) and the layer sums the ranks' outputs with one all-reduce
@@ -26,7 +29,7 @@ from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import ops
 from pagellm.layers.linear import Linear
 from pagellm.layers.linear_method import GGUFInt8Method
-from pagellm.layers.mlp import GatedMLP
+from pagellm.layers.mlp import MLP, GatedMLP
 
 
 class Experts(nn.ModuleList):
@@ -67,14 +70,23 @@ class FusedMoE(nn.Module):
         scoring: str = "softmax",
         e_score_correction_bias: bool = False,
         routed_scaling_factor: float = 1.0,
+        num_expert_groups: int = 1,
+        num_groups_used: int = 1,
+        gated: bool = True,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({num_experts})")
         if scoring not in ("softmax", "sigmoid") or (scoring == "sigmoid" and softmax_after_topk):
             raise ValueError(f"expert scoring {scoring!r} (softmax_after_topk={softmax_after_topk}) is not supported: softmax or sigmoid")
+        if num_expert_groups > 1 and (num_experts % num_expert_groups or num_experts // num_expert_groups < 2 or softmax_after_topk):
+            raise ValueError(f"{num_experts} experts cannot be routed in {num_expert_groups} groups of at least two")
+        if not 1 <= num_groups_used <= num_expert_groups:
+            raise ValueError(f"topk_group ({num_groups_used}) must be between 1 and the number of expert groups ({num_expert_groups})")
         self.tp = get_tp_group()
         self.num_experts = num_experts
+        self.num_expert_groups, self.num_groups_used = num_expert_groups, num_groups_used
+        self.gated = gated
         self.top_k = top_k
         self.renormalize = renormalize
         self.softmax_after_topk = softmax_after_topk
@@ -87,8 +99,9 @@ class FusedMoE(nn.Module):
         # Registered under the checkpoint's name for it (gpt-oss: router).
         self.router_name = router_name
         self.add_module(router_name, Linear(hidden_size, num_experts, bias=bias))
+        expert = GatedMLP if gated else MLP
         self.experts = Experts(
-            GatedMLP(hidden_size, intermediate_size, activation, bias=bias, reduce_results=False) for _ in range(num_experts)
+            expert(hidden_size, intermediate_size, activation, bias=bias, reduce_results=False) for _ in range(num_experts)
         )
         # What ops.moe_int8 takes of the experts, and the methods it was read from (None: not looked at yet).
         self._int8_experts: Optional[tuple] = None
@@ -109,10 +122,15 @@ class FusedMoE(nn.Module):
             top, expert_ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1).to(x.dtype), expert_ids
         scores = torch.sigmoid(logits) if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-        if self.wants_correction_bias:
-            if self.e_score_correction_bias.device != scores.device:
-                self.e_score_correction_bias = self.e_score_correction_bias.to(scores.device)
-            expert_ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
+        if self.wants_correction_bias or self.num_expert_groups > 1:
+            choice = scores
+            if self.wants_correction_bias:
+                if self.e_score_correction_bias.device != scores.device:
+                    self.e_score_correction_bias = self.e_score_correction_bias.to(scores.device)
+                choice = scores + self.e_score_correction_bias
+            if self.num_expert_groups > 1:
+                choice = self._in_best_groups(choice)
+            expert_ids = torch.topk(choice, self.top_k, dim=-1).indices
             weights = scores.gather(1, expert_ids)
         else:
             weights, expert_ids = torch.topk(scores, self.top_k, dim=-1)
@@ -122,10 +140,21 @@ class FusedMoE(nn.Module):
             weights = weights * self.routed_scaling_factor
         return weights.to(x.dtype), expert_ids
 
+    def _in_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` ``[T, experts]`` with every expert outside each token's ``num_groups_used`` best
+        groups (a group's score: the sum of its two best) set to -inf."""
+        groups = choice.view(choice.shape[0], self.num_expert_groups, -1)
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, self.num_groups_used, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+
     def _int8_args(self) -> Optional[tuple[list[torch.Tensor], int, list[torch.Tensor], int]]:
         """(gate_up panels, type, down panels, type) when every expert is two int8-kernel methods
         that ``ops.moe_int8`` runs in one call (gate_up with the fused activation, no biases, one
         type per projection); else None. Read once per loaded weights: a reload makes new methods."""
+        if not self.gated:
+            return None
         first, last = self.experts[0], self.experts[-1]
         key = (first.gate_up_proj.method, last.down_proj.method)
         if self._int8_experts is not None and self._int8_experts[0] == key:
