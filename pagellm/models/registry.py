@@ -6,9 +6,13 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from pagellm.models.gemma3 import Gemma3ForCausalLM
+from pagellm.models.gemma4 import Gemma4ForCausalLM
 from pagellm.models.gpt_oss import GptOssForCausalLM
+from pagellm.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from pagellm.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from pagellm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagellm.models.mixtral import MixtralForCausalLM
+from pagellm.models.nemotron_h import NemotronHForCausalLM
 from pagellm.models.phi3 import Phi3ForCausalLM
 from pagellm.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from pagellm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
@@ -25,16 +29,22 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
 }
 
 # Image-and-text checkpoints whose language model is served as this text-only architecture.
 TEXT_ARCHITECTURE_OF: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
@@ -63,6 +73,12 @@ def no_cache_layers_of(hf_config: PretrainedConfig) -> tuple[int, ...]:
 def kv_shared_layers_of(hf_config: PretrainedConfig) -> tuple[tuple[int, int], ...]:
     """(layer, source) for each layer that attends over an earlier layer's KV instead of its own."""
     return tuple((int(a), int(b)) for a, b in _layer_roles_hook(hf_config, "kv_shared_layers", ()))
+
+
+def layer_kv_heads_of(hf_config: PretrainedConfig) -> tuple[tuple[int, int], ...]:
+    """Per layer (KV heads, head size) where layers differ (Gemma 4's wider full layers); empty
+    when every layer has the config's one."""
+    return tuple((int(h), int(d)) for h, d in _layer_roles_hook(hf_config, "layer_kv_heads", ()))
 
 
 def supported_architectures() -> list[str]:
