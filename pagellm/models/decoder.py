@@ -163,7 +163,8 @@ class DecoderModel(nn.Module):
         per_layer = isinstance(attn_metadata, (list, tuple))
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            rope = ropes[layer.layer_type if layer.layer_type in ropes else next(iter(ropes))]
+            # No rotary kinds (a NoPE model): every layer gets None.
+            rope = ropes[layer.layer_type] if layer.layer_type in ropes else next(iter(ropes.values()), None)
             metadata = attn_metadata[i] if per_layer else attn_metadata
             hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)
         return self.norm.add_and_norm(hidden, residual)[0]
