@@ -4,7 +4,9 @@ The inverse frequencies come from transformers' own RoPE initializers, so every 
 we accept produces exactly the frequencies transformers would use for the same config; a model
 whose layer kinds rotate differently (Gemma 3: one base for sliding layers, another for full ones)
 builds one table per ``layer_type``. Partial rotary (Phi-4-mini) rotates the first
-``rotary_dim`` of each head and leaves the rest.
+``rotary_dim`` of each head and leaves the rest. Proportional RoPE (Gemma 4's full layers) pairs
+dimensions across the whole head as plain RoPE does, with the frequencies past its rotary share
+zero, so it is a whole-head table whose last pairs do not turn.
 
 LongRoPE's short and long factors: transformers switches the whole forward pass to the long ones
 once the sequence passes ``original_max_position_embeddings``, which cannot agree with keys
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
 # Variants whose frequencies do not depend on the current sequence length, so one table serves
 # every position. "dynamic" and "longrope" switch frequencies with the length of the whole batch in
 # transformers, which cannot agree with keys already written to a KV cache.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 
 def get_rope_parameters(hf_config: PretrainedConfig, layer_type: str | None = None) -> dict[str, Any]:
@@ -50,8 +52,12 @@ def get_rope_parameters(hf_config: PretrainedConfig, layer_type: str | None = No
 
 
 def rotary_dim_of(hf_config: PretrainedConfig, layer_type: str | None = None) -> int:
-    """How many of each head's dimensions rotate (``partial_rotary_factor`` of them)."""
-    factor = get_rope_parameters(hf_config, layer_type).get("partial_rotary_factor")
+    """How many of each head's dimensions rotate (``partial_rotary_factor`` of them; all of them
+    for proportional RoPE, whose table has zero frequencies past that share)."""
+    params = get_rope_parameters(hf_config, layer_type)
+    if params["rope_type"] == "proportional":
+        return head_dim_of(hf_config)
+    factor = params.get("partial_rotary_factor")
     if factor is None:
         factor = getattr(hf_config, "partial_rotary_factor", None) or 1.0
     return int(head_dim_of(hf_config) * float(factor))

@@ -92,6 +92,9 @@ class ModelShape:
     # (layer, source): the layer attends over the source layer's KV and writes none of its own
     # (Gemma 4's last layers); the source holds KV and attends over the same window.
     kv_shared_layers: tuple[tuple[int, int], ...] = ()
+    # Per layer (KV heads, head size) where layers differ (Gemma 4's full layers have wider heads);
+    # empty: every layer has ``(num_kv_heads, head_dim)``, which are otherwise layer 0's.
+    layer_kv_heads: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_sliding_windows:
@@ -100,6 +103,8 @@ class ModelShape:
             raise ValueError(f"{len(self.layer_sliding_windows)} sliding windows for {self.num_layers} layers")
         if any(not 0 <= i < self.num_layers for i in self.state_layer_ids) or bool(self.state_layer_ids) != bool(self.state_tensors):
             raise ValueError(f"recurrent layers {self.state_layer_ids} with state {self.state_tensors} for {self.num_layers} layers")
+        if self.layer_kv_heads and len(self.layer_kv_heads) != self.num_layers:
+            raise ValueError(f"KV head shapes for {len(self.layer_kv_heads)} layers, the model has {self.num_layers}")
         if not self.kv_layer_ids:
             raise ValueError("a model needs at least one attention layer that holds KV")  # the KV layout checks the rest
 
@@ -108,6 +113,10 @@ class ModelShape:
         """The layers that hold KV of their own."""
         other = set(self.state_layer_ids) | set(self.no_cache_layer_ids) | {layer for layer, _ in self.kv_shared_layers}
         return tuple(i for i in range(self.num_layers) if i not in other)
+
+    def kv_heads_of(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of one layer, all ranks' heads."""
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else (self.num_kv_heads, self.head_dim)
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -129,18 +138,24 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, hf_config: PretrainedConfig) -> "ModelShape":
         # Imported here: the model classes import this module.
-        from pagellm.models.registry import kv_shared_layers_of, no_cache_layers_of, recurrent_state_of
+        from pagellm.models.registry import kv_shared_layers_of, layer_kv_heads_of, no_cache_layers_of, recurrent_state_of
 
         num_heads = hf_config.num_attention_heads
         state_layer_ids, state_tensors = recurrent_state_of(hf_config)
+        per_layer = layer_kv_heads_of(hf_config)
+        if per_layer:  # the config refuses one head size for all layers
+            num_kv_heads, head_dim = per_layer[0]
+        else:
+            num_kv_heads, head_dim = int(getattr(hf_config, "num_key_value_heads", None) or num_heads), head_dim_of(hf_config)
         return cls(
             num_layers=int(hf_config.num_hidden_layers),
-            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
-            head_dim=head_dim_of(hf_config),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             vocab_size=int(hf_config.vocab_size),
             layer_sliding_windows=layer_sliding_windows(hf_config),
             state_layer_ids=state_layer_ids,
             state_tensors=state_tensors,
             no_cache_layer_ids=no_cache_layers_of(hf_config),
             kv_shared_layers=kv_shared_layers_of(hf_config),
+            layer_kv_heads=per_layer if len(set(per_layer)) > 1 else (),
         )

@@ -8,6 +8,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.models.shape import ModelShape
 
 
 def make_random_hf_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
@@ -38,12 +39,13 @@ class PagedDriver:
         self.model = model
         self.block_size = block_size
         param = next(model.parameters())
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        num_kv_heads = hf_config.num_key_value_heads
+        shape = ModelShape.from_hf_config(hf_config)
         self.kv_caches = [
-            torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=param.dtype, device=param.device)
-            for _ in range(hf_config.num_hidden_layers)
+            torch.full((2, num_blocks, block_size, *shape.kv_heads_of(i)), float("nan"), dtype=param.dtype, device=param.device)
+            for i in range(hf_config.num_hidden_layers)
         ]
+        for layer, source in shape.kv_shared_layers:  # a layer reading another's KV gets its cache
+            self.kv_caches[layer] = self.kv_caches[source]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.blocks: dict[int, list[int]] = {}
