@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
+from pagellm.kernels import ops
 from pagellm.kernels.recurrent import _checkpoints_by_sequence
 
 CHUNK_SIZE = 256
@@ -194,4 +195,10 @@ def selective_state_scan(
         checkpoints = torch.empty((0, 3), dtype=torch.int64)
     args = (x, dt, A, B, C, D, dt_bias, state, query_start_loc, slot_ids, has_initial_state, checkpoints,
             (float(dt_limit[0]), float(dt_limit[1])))
+    if ops.selective_state_scan_supports(x, state):
+        return ops.selective_state_scan(*args)
+    if x.device.type == "cuda":
+        from pagellm.kernels import triton_mamba
+
+        return triton_mamba.selective_state_scan(*args)
     return selective_state_scan_reference(*args, chunk_size=chunk_size)

@@ -588,3 +588,74 @@ def gated_delta_rule(
         bool(use_qk_l2norm),
     )
     return out
+
+
+# --- Mamba-2 selective state scan (mamba.cpp) ----------------------------------------------------------
+
+
+def _mamba_ops_loaded() -> bool:
+    return available() and hasattr(torch.ops.pagellm_mamba, "selective_state_scan")
+
+
+def selective_state_scan_supports(x: torch.Tensor, state: torch.Tensor) -> bool:
+    """Whether :func:`selective_state_scan` covers these tensors: CPU, x float32 or bfloat16, a contiguous float32 state."""
+    return (
+        x.device.type == "cpu"
+        and state.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and state.dtype == torch.float32
+        and state.is_contiguous()
+        and _mamba_ops_loaded()
+    )
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[T, a, b]`` as float32 whose ``[a, b]`` part is contiguous; a view of split projections
+    (any token stride) is taken as is."""
+    t = t.to(torch.float32)
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
+def selective_state_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    checkpoints: torch.Tensor,
+    dt_limit: tuple[float, float],
+) -> torch.Tensor:
+    """pagellm.kernels.mamba.selective_state_scan's C++ kernel (check :func:`selective_state_scan_supports`); returns y."""
+    if not (x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]):
+        x = x.contiguous()
+    dt = dt.to(torch.float32)
+    if dt.stride(-1) != 1:
+        dt = dt.contiguous()
+    B, C = _rows_of(B), _rows_of(C)
+    if B.stride() != C.stride():
+        B, C = B.contiguous(), C.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.pagellm_mamba.selective_state_scan(
+        out,
+        x,
+        dt,
+        A.to(torch.float32).contiguous(),
+        B,
+        C,
+        D.to(torch.float32).contiguous(),
+        dt_bias.to(torch.float32).contiguous(),
+        state,
+        query_start_loc.to(torch.int64).contiguous(),
+        slot_ids.to(torch.int64).contiguous(),
+        has_initial_state.to(torch.bool).contiguous(),
+        checkpoints.to(torch.int64).reshape(-1, 3).contiguous(),
+        float(dt_limit[0]),
+        float(dt_limit[1]),
+    )
+    return out

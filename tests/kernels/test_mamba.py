@@ -13,7 +13,7 @@ import torch
 from torch.nn import functional as F
 from transformers.models.mamba2 import modeling_mamba2 as hf
 
-from pagellm.kernels import mamba
+from pagellm.kernels import mamba, ops
 
 # Decodes, short and long prefills (past one and two 16-token chunks), a zero-length sequence.
 LENGTHS = [1, 5, 0, 16, 17, 1, 40, 1]
@@ -133,3 +133,98 @@ def test_dispatch_checks_shapes():
 
 def test_dispatch_runs():
     _check_against_naive(mamba.selective_state_scan, LENGTHS, H=4, G=2, P=8, N=12)
+
+
+# --- C++ against the naive loop -------------------------------------------------------------------
+
+needs_cpp = pytest.mark.skipif(not ops._mamba_ops_loaded(), reason="C++ Mamba-2 kernel unavailable")
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 1, 8, 12), (6, 3, 40, 16), (2, 2, 64, 128)])
+def test_cpp_matches_naive(dtype, shape):
+    H, G, P, N = shape
+    x = torch.zeros(1, H, P, dtype=dtype)
+    assert ops.selective_state_scan_supports(x, torch.zeros(1, H, P, N))
+    _check_against_naive(mamba.selective_state_scan, LENGTHS, H=H, G=G, P=P, N=N, dtype=dtype)
+
+
+@needs_cpp
+def test_cpp_dt_limit_and_strided_inputs():
+    """dt clamped; x, dt, B and C as views into one projection (the layer's split), B and C in bfloat16."""
+    H, G, P, N = 4, 2, 8, 12
+    x, dt, A, B, C, D, dt_bias = _inputs(LENGTHS, H, G, P, N, seed=3)
+    T = x.shape[0]
+    packed = torch.cat([x.reshape(T, -1), B.reshape(T, -1), C.reshape(T, -1), dt], dim=1)
+    xv = packed[:, : H * P].view(T, H, P)
+    Bv = packed[:, H * P: H * P + G * N].view(T, G, N).to(torch.bfloat16)
+    Cv = packed[:, H * P + G * N: H * P + 2 * G * N].view(T, G, N)
+    dtv = packed[:, -H:]
+    num_slots = 40
+    qsl, slots, has_init, cps = _meta(LENGTHS, num_slots, seed=4, checkpoint_offsets=CHECKPOINTS)
+    state0 = torch.randn(num_slots, H, P, N) * 0.3
+    ref_state, state = state0.clone(), state0.clone()
+    limit = (0.05, 0.4)
+    ref = naive_scan(x, dt, A, Bv.float(), C, D, dt_bias, ref_state, qsl, slots, has_init, cps, limit)
+    y = mamba.selective_state_scan(xv, dtv, A, Bv, Cv, D, dt_bias, state, qsl, slots, has_init, cps, dt_limit=limit)
+    torch.testing.assert_close(y, ref.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
+
+
+@needs_cpp
+def test_cpp_zero_state_ignores_slot_contents():
+    H, G, P, N = 2, 1, 8, 16
+    x, dt, A, B, C, D, dt_bias = _inputs([1, 9, 0], H, G, P, N)
+    state = torch.full((3, H, P, N), float("nan"))
+    y = mamba.selective_state_scan(x, dt, A, B, C, D, dt_bias, state, torch.tensor([0, 1, 10, 10], dtype=torch.int32),
+                                   torch.tensor([1, 0, 2]), torch.tensor([False, False, False]), None)
+    assert torch.isfinite(y).all() and torch.isfinite(state).all()
+
+
+@needs_cpp
+def test_cpp_split_prefill_equals_one_call():
+    """A 300-token sequence in one call equals its first 100 tokens, then one decode, then the rest from the state."""
+    H, G, P, N = 4, 1, 16, 32
+    x, dt, A, B, C, D, dt_bias = _inputs([300], H, G, P, N, seed=7)
+    init = torch.randn(1, H, P, N) * 0.3
+    one = init.clone()
+    meta = (torch.tensor([0]), torch.tensor([True]), None)
+    y_one = mamba.selective_state_scan(x, dt, A, B, C, D, dt_bias, one, torch.tensor([0, 300], dtype=torch.int32), *meta)
+    two = init.clone()
+    parts = []
+    for a, e in ((0, 100), (100, 101), (101, 300)):
+        parts.append(mamba.selective_state_scan(x[a:e], dt[a:e], A, B[a:e], C[a:e], D, dt_bias, two,
+                                                torch.tensor([0, e - a], dtype=torch.int32), *meta))
+    torch.testing.assert_close(torch.cat(parts), y_one, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_falls_back_to_reference(monkeypatch):
+    monkeypatch.setattr(ops, "selective_state_scan_supports", lambda *a: False)
+    _check_against_naive(mamba.selective_state_scan, LENGTHS, H=4, G=2, P=8, N=12)
+
+
+# --- Triton under the interpreter (tiny: the interpreter is slow) ---------------------------------
+
+
+@pytest.mark.skipif(os.environ["TRITON_INTERPRET"] != "1", reason="needs TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_naive(dtype):
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'pagellm[gpu]')")
+    from pagellm.kernels import triton_mamba
+
+    lengths = [1, 5, 0, 9, 1]
+    cps = {0: [1], 1: [2, 5], 3: [4, 4, 9]}
+    H, G, P, N = 4, 2, 6, 5
+    x, dt, A, B, C, D, dt_bias = _inputs(lengths, H, G, P, N, seed=9, dtype=dtype)
+    qsl, slots, has_init, checkpoints = _meta(lengths, 16, seed=10, checkpoint_offsets=cps)
+    state0 = torch.randn(16, H, P, N) * 0.3
+    ref_state, state = state0.clone(), state0.clone()
+    limit = (0.05, 2.0)
+    ref = naive_scan(x, dt, A, B, C, D, dt_bias, ref_state, qsl, slots, has_init, checkpoints, limit)
+    y = triton_mamba.selective_state_scan(x, dt, A, B, C, D, dt_bias, state, qsl, slots, has_init, checkpoints, limit)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), ref.float().to(dtype).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
