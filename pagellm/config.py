@@ -276,8 +276,6 @@ class EngineConfig:
             raise ValueError(f"kv_offloading_backend needs kv_offloading_size, a positive number of GiB, got {size!r}")
         if not self.enable_prefix_caching:
             raise ValueError("KV offloading keeps prefix-cache blocks: it needs prefix caching on")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("KV offloading under tensor parallelism is not supported yet; use tensor_parallel_size 1")
 
     def _check_reasoning(self) -> None:
         config = self.reasoning_config

@@ -13,7 +13,7 @@ from pagellm.core.block_hash import BlockHash, group_block_hash, group_of_block_
 from pagellm.core.block_pool import KVCacheBlock
 from pagellm.core.kv_cache_base import KVCacheBlocks, KVCacheManagerBase, register_kv_cache_manager
 from pagellm.core.kv_cache_groups import KVCacheLayout, single_group_layout
-from pagellm.core.kv_tier import KVTier, TierLoad
+from pagellm.core.kv_tier import KVTier, TierLoad, state_tier_key
 from pagellm.core.single_type_manager import SingleTypeKVCacheManager
 from pagellm.core.state_cache import StateCacheManager, StateStep
 from pagellm.request import Request
@@ -176,25 +176,50 @@ class KVCacheManager(KVCacheManagerBase):
     # ---- the offloading tier (pagellm.core.kv_tier) ---------------------------------------
 
     def enable_tier(self, keys: Iterable[BlockHash]) -> None:
-        """Puts an offloading tier under the prefix cache, holding ``keys`` (what it found at start)."""
+        """Puts an offloading tier under the prefix cache, holding ``keys`` (what it found at start:
+        pages, and a hybrid model's states)."""
         if not self.enable_caching:
             raise ValueError("KV offloading keeps prefix-cache blocks: it needs prefix caching on")
-        if self.state_cache is not None:
-            raise ValueError("the KV offloading tier does not hold a hybrid model's recurrent state yet")
         self.tier = KVTier.with_keys(keys)
         self.block_pool.evictions = []
+        if self.state_cache is not None:
+            self.state_cache.enable_tier()
 
     def tier_hit(self, request: Request, num_hit_tokens: int) -> int:
-        """Token blocks that continue the request's memory hit in the tier (every group's page)."""
+        """Token blocks that continue the request's memory hit in the tier (every group's page; a
+        hybrid model's pages in the pool or the tier, and a state where they end)."""
         tier = self.tier
         if tier is None or request.request_id in tier.tried or request.sampling_params.prompt_logprobs is not None:
             return 0
         last = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        first = num_hit_tokens // self.block_size
+        if self.state_cache is not None:
+            return self._hybrid_tier_hit(request, first, last)
         num_blocks = 0
-        for i in range(num_hit_tokens // self.block_size, last):
+        for i in range(first, last):
             if not all(group_block_hash(request.block_hashes[i], g) in tier.keys for g in range(len(self.group_managers))):
                 break
             num_blocks += 1
+        return num_blocks
+
+    def _hybrid_tier_hit(self, request: Request, first: int, last: int) -> int:
+        """The recurrent layers resume only from a state saved where the hit ends: the most blocks
+        past ``first`` whose pages are each in the pool or the tier and at whose end a state is in
+        either, one of them at least from the tier (else the memory hit would have had it)."""
+        tier, pool, state = self.tier, self.block_pool, self.state_cache
+        num_blocks, pages_from_tier = 0, False
+        for i in range(first, last):
+            block_hash = request.block_hashes[i]
+            for g in range(len(self.group_managers)):
+                if pool.get_cached_block(block_hash, g) is None:
+                    if group_block_hash(block_hash, g) not in tier.keys:
+                        return num_blocks
+                    pages_from_tier = True
+            if state.pool.get_cached_block(block_hash) is not None:
+                if pages_from_tier:
+                    num_blocks = i + 1 - first
+            elif state_tier_key(block_hash) in tier.keys:
+                num_blocks = i + 1 - first
         return num_blocks
 
     def start_tier_load(self, request: Request, computed: Optional[KVCacheBlocks], num_hit_tokens: int, num_blocks: int) -> bool:
@@ -204,42 +229,70 @@ class KVCacheManager(KVCacheManagerBase):
         num_groups = len(self.group_managers)
         if tier is None:
             return False
+        first = num_hit_tokens // self.block_size
         held = [b for group in self._computed_by_group(computed) for b in group]
+        # (token block, key) of each page to load; a hybrid model's pages the pool holds are held instead.
+        wanted: list[tuple[int, BlockHash]] = []
+        for j in range(num_blocks):
+            block_hash = request.block_hashes[first + j]
+            for g in range(num_groups):
+                cached = pool.get_cached_block(block_hash, g) if self.state_cache is not None else None
+                if cached is not None:
+                    held.append(cached)
+                else:
+                    wanted.append((j, group_block_hash(block_hash, g)))
         pool.touch(held)  # before allocating, which could otherwise evict them
-        if num_blocks * num_groups > pool.num_free_blocks:
+        if len(wanted) > pool.num_free_blocks:
             pool.free_blocks(reversed(held))
             return False
-        blocks = pool.get_new_blocks(num_blocks * num_groups)
-        first = num_hit_tokens // self.block_size
-        keys = [group_block_hash(request.block_hashes[first + j], g) for j in range(num_blocks) for g in range(num_groups)]
-        items = [(b.block_id, k) for b, k in zip(blocks, keys)]
-        tier.loads[request.request_id] = TierLoad(items, blocks, held, num_groups)
-        tier.new_loads[request.request_id] = items
+        load = TierLoad([], [], held, num_groups, item_blocks=[j for j, _ in wanted], num_blocks=num_blocks)
+        state = self.state_cache
+        if state is not None:
+            end_hash = request.block_hashes[first + num_blocks - 1]
+            if state.pool.get_cached_block(end_hash) is not None:
+                load.held_state = state.hold_for_tier(end_hash)
+            else:
+                load.state_slot, load.state_hash = state.slot_for_tier(), end_hash
+            if load.held_state is None and load.state_slot is None:  # no slot to spare now
+                pool.free_blocks(reversed(held))
+                return False
+        load.blocks = pool.get_new_blocks(len(wanted))
+        load.items = [(b.block_id, key) for b, (_, key) in zip(load.blocks, wanted)]
+        tier.loads[request.request_id] = load
+        tier.new_loads[request.request_id] = load.sent
         tier.tried.add(request.request_id)
         tier.stats.num_loads += 1
         return True
 
     def take_tier_orders(self) -> tuple[list[tuple[int, BlockHash]], dict[str, list[tuple[int, BlockHash]]]]:
-        """The step's saves (pages the pool handed out again) and loads, for the worker."""
+        """The step's saves (pages the pool handed out again, a hybrid model's checkpoints the slot
+        pool did) and loads, for the worker."""
         if self.tier is None:
             return [], {}
         evicted = self.block_pool.evictions or []
         self.block_pool.evictions = []
+        if self.state_cache is not None:
+            evicted += [(slot, state_tier_key(h)) for slot, h in self.state_cache.take_evictions()]
         self.tier.note_evicted(evicted)
         return self.tier.take_orders()
 
     def tier_flush_orders(self) -> list[tuple[int, BlockHash]]:
-        """Every cached block the tier lacks, to save now (at shutdown): their keys join the tier."""
+        """Every cached block (and checkpoint) the tier lacks, to save now (at shutdown): their keys join the tier."""
         if self.tier is None:
             return []
         saves = [(block.block_id, key) for key, block in self.block_pool.cached_blocks.items() if key not in self.tier.keys]
+        if self.state_cache is not None:
+            for block_hash, slot in self.state_cache.pool.cached_blocks.items():
+                if state_tier_key(block_hash) not in self.tier.keys:
+                    saves.append((slot.block_id, state_tier_key(block_hash)))
         self.tier.note_evicted(saves)
         return self.tier.take_orders()[0]
 
     def finish_tier_loads(self, loaded: dict[str, int], removed: Iterable[BlockHash]) -> list[str]:
-        """The worker's report: per request, how many leading pages loaded (the rest failed), and
-        keys the tier dropped. The loaded blocks join the prefix cache; returns the requests whose
-        loads ended and that wait to be admitted."""
+        """The worker's report: per request, how many leading items loaded (the rest failed; a
+        hybrid model's state counts first), and keys the tier dropped. The loaded blocks join the
+        prefix cache and a loaded state is a checkpoint; returns the requests whose loads ended
+        and that wait to be admitted."""
         tier, pool = self.tier, self.block_pool
         if tier is None:
             return []
@@ -249,20 +302,50 @@ class KVCacheManager(KVCacheManagerBase):
             load = tier.loads.pop(req_id, None)
             if load is None:
                 continue
-            num_ok_blocks = num_ok // load.num_groups
-            for (_, key), block in zip(load.items[: num_ok_blocks * load.num_groups], load.blocks):
-                pool.cache_loaded_block(block, key)
-            if num_ok < len(load.items):
-                tier.forget([load.items[num_ok][1]])
-            tier.stats.num_blocks_loaded += num_ok_blocks
-            tier.stats.num_blocks_failed += len(load.items) // load.num_groups - num_ok_blocks
-            tier.stats.num_hit_tokens += num_ok_blocks * self.block_size
+            sent = load.sent
+            if num_ok < len(sent):
+                tier.forget([sent[num_ok][1]])
+            if self.state_cache is None:
+                self._finish_pages(load, num_ok)
+            else:
+                self._finish_hybrid(load, num_ok, num_ok == len(sent))
             # Deepest pages first into the free queue: evicted before the prefix they continue.
             pool.free_blocks(reversed(load.blocks))
             pool.free_blocks(reversed(load.held))
             if not load.aborted:
                 ended.append(req_id)
         return ended
+
+    def _finish_pages(self, load: TierLoad, num_ok: int) -> None:
+        stats = self.tier.stats
+        num_ok_blocks = num_ok // load.num_groups
+        for (_, key), block in zip(load.items[: num_ok_blocks * load.num_groups], load.blocks):
+            self.block_pool.cache_loaded_block(block, key)
+        stats.num_blocks_loaded += num_ok_blocks
+        stats.num_blocks_failed += len(load.items) // load.num_groups - num_ok_blocks
+        stats.num_hit_tokens += num_ok_blocks * self.block_size
+
+    def _finish_hybrid(self, load: TierLoad, num_ok: int, complete: bool) -> None:
+        """A hybrid load's pages and state: each item loaded is kept (a page in the prefix cache,
+        the state as a checkpoint); the hit counts only when all of them loaded."""
+        stats, state = self.tier.stats, self.state_cache
+        num_ok_pages = num_ok
+        if load.state_slot is not None:
+            state_ok = num_ok >= 1
+            num_ok_pages = max(0, num_ok - 1)
+            state.release_tier_slot(load.state_slot, load.state_hash if state_ok else None)
+            stats.num_states_loaded += state_ok
+            stats.num_states_failed += not state_ok
+        if load.held_state is not None:
+            state.release_tier_slot(load.held_state)
+        for (_, key), block in zip(load.items[:num_ok_pages], load.blocks):
+            self.block_pool.cache_loaded_block(block, key)
+        tier_blocks = set(load.item_blocks)
+        failed = set(load.item_blocks[num_ok_pages:])
+        stats.num_blocks_loaded += len(tier_blocks - failed)
+        stats.num_blocks_failed += len(failed)
+        if complete:
+            stats.num_hit_tokens += load.num_blocks * self.block_size
 
     # ---- a hybrid model's recurrent state (pagellm.core.state_cache) --------------------
 

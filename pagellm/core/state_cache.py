@@ -71,6 +71,9 @@ class StateCacheManager:
         # Checkpoints being copied into live slots this step: held so nothing reuses them meanwhile.
         self.restoring: list[KVCacheBlock] = []
         self.steps: dict[str, StateStep] = {}
+        # Slots the offloading tier holds during a load: one a state is loaded into, or a
+        # checkpoint the loaded pages lead up to (pagellm.core.kv_tier).
+        self.tier_held: list[KVCacheBlock] = []
         self.num_checkpoints_written = 0
         self.num_checkpoints_restored = 0
 
@@ -173,6 +176,45 @@ class StateCacheManager:
         if slot is not None:
             self.pool.free_blocks([slot])
 
+    # ---- the offloading tier (pagellm.core.kv_tier) -------------------------------------
+
+    def enable_tier(self) -> None:
+        """Checkpoints handed out again are recorded (``take_evictions``), to be saved first."""
+        self.pool.evictions = []
+
+    def take_evictions(self) -> list[tuple[int, BlockHash]]:
+        """(slot, block hash) of each checkpoint handed out again since the last call."""
+        evicted = self.pool.evictions or []
+        self.pool.evictions = [] if self.pool.evictions is not None else None
+        return evicted
+
+    def hold_for_tier(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
+        """The checkpoint saved at ``block_hash``, held while pages leading to it load; None when
+        there is none or holding it would take the last free slot (a live slot's)."""
+        slot = self.pool.get_cached_block(block_hash)
+        if slot is None or (slot.ref_cnt == 0 and self.pool.num_free_blocks <= 1):
+            return None
+        self.pool.touch([slot])
+        self.tier_held.append(slot)
+        return slot
+
+    def slot_for_tier(self) -> Optional[KVCacheBlock]:
+        """A free slot for a state loaded from the tier (evicting the least recently used
+        checkpoint); None when it would be the last free slot."""
+        if self.pool.num_free_blocks <= 1:
+            return None
+        slot = self.pool.get_new_blocks(1)[0]
+        self.tier_held.append(slot)
+        return slot
+
+    def release_tier_slot(self, slot: KVCacheBlock, block_hash: Optional[BlockHash] = None) -> None:
+        """Gives back a slot ``hold_for_tier`` or ``slot_for_tier`` gave; a state loaded under
+        ``block_hash`` stays as a checkpoint (free and findable)."""
+        self.tier_held.remove(slot)
+        if block_hash is not None:
+            self.pool.cache_loaded_block(slot, block_hash)
+        self.pool.free_blocks([slot])
+
     # ---- reading ------------------------------------------------------------------------
 
     @property
@@ -194,6 +236,6 @@ class StateCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        held = len({b.block_id for b in [*self.live.values(), *(s for s, _ in self.pending), *self.restoring]})
+        held = len({b.block_id for b in [*self.live.values(), *(s for s, _ in self.pending), *self.restoring, *self.tier_held]})
         if held != self.pool.num_used_blocks:
             raise RuntimeError(f"state slots: {self.pool.num_used_blocks} in use, {held} accounted for")

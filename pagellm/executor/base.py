@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Optional
 
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.executor.kv_tier import common_keys
 from pagellm.executor.worker import Worker
 from pagellm.lora.request import LoRARequest
 from pagellm.plan.kv_cache_plan import KVCachePlan
@@ -46,8 +47,8 @@ class Executor(ABC):
         self.collective_rpc("release_kv_cache")
 
     def kv_tier_keys(self) -> list[bytes]:
-        """What the offloading tier holds at start (rank 0's; the tier runs on one rank)."""
-        return self.collective_rpc("kv_tier_keys")[0]
+        """What the offloading tier holds at start: the keys every rank's store holds."""
+        return common_keys(self.collective_rpc("kv_tier_keys"))
 
     def add_lora(self, lora: LoRARequest) -> None:
         self.collective_rpc("add_lora", lora)

@@ -32,6 +32,7 @@ from typing import Any
 
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.executor.base import Executor, WorkerDiedError
+from pagellm.executor.kv_tier import TierReportJoiner
 from pagellm.executor.worker import RankSpec, Worker, join_rank, rank_cpus, rpc_results, serve_rpc
 from pagellm.plan.resolved_config import ResolvedConfig
 
@@ -123,6 +124,7 @@ class MultiprocExecutor(Executor):
         self.execute_timeout_s = execute_timeout_s
         self.last_timings: dict[str, float] = {}
         self._dead: str | None = None
+        self.tier_joiner = TierReportJoiner(world_size)  # the ranks' offloading tier reports, as one
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[Any] = []
@@ -199,7 +201,9 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-        output, timings = self._broadcast(("exec", payload))[0]
+        replies = self._broadcast(("exec", payload))
+        output, timings = replies[0]
+        self.tier_joiner.apply(output, replies[1:])
         self.last_timings = timings
         return output
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.executor.base import Executor, WorkerDiedError
+from pagellm.executor.kv_tier import TierReportJoiner
 from pagellm.executor.mp_executor import EXECUTE_TIMEOUT_S, READY_TIMEOUT_S
 from pagellm.executor.worker import RankSpec, Worker, join_rank, rpc_results, serve_rpc
 from pagellm.plan.resolved_config import ResolvedConfig
@@ -77,6 +78,7 @@ class RayExecutor(Executor):
         self.execute_timeout_s = execute_timeout_s
         self.last_timings: dict[str, float] = {}
         self._dead: str | None = None
+        self.tier_joiner = TierReportJoiner(world_size)  # the ranks' offloading tier reports, as one
         gpus = 1 if resolved.device.type == "cuda" else 0
         actor_cls = ray.remote(num_cpus=0, num_gpus=gpus)(RayRank)
         self.actors = [actor_cls.remote() for _ in range(world_size)]
@@ -125,7 +127,9 @@ class RayExecutor(Executor):
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
         payload = self.ray.put(pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL))
-        output, timings = self._gather([a.execute.remote(payload) for a in self.actors], self.execute_timeout_s)[0]
+        replies = self._gather([a.execute.remote(payload) for a in self.actors], self.execute_timeout_s)
+        output, timings = replies[0]
+        self.tier_joiner.apply(output, replies[1:])
         self.last_timings = timings
         return output
 

@@ -21,7 +21,8 @@ import torch
 from pagellm.attention.selector import get_attn_backend
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group, init_tensor_parallel
-from pagellm.executor.kv_tier import distinct_kv_tensors, make_offloader
+from pagellm.distributed.partition import split_evenly
+from pagellm.executor.kv_tier import RankTierReport, distinct_kv_tensors, make_offloader, state_tensors_of
 from pagellm.lora.model_manager import LoRAModelManager
 from pagellm.lora.request import LoRARequest
 from pagellm.models.loader import load_model_for_engine
@@ -155,10 +156,13 @@ class Worker:
         resolved, config = self.resolved, self.resolved.args
         cache_dtype = resolved.precision.kv_cache_dtype
         head_dim = resolved.model.shape.head_dim
-        kv_caches = allocate_grouped_kv_caches(
-            kv_cache.layout, kv_cache.num_blocks, kv_cache.block_size, self._num_kv_heads(), head_dim, cache_dtype, self.device
-        )
         shape, tp_size = resolved.model.shape, config.tensor_parallel_size
+        # Layers of different shapes (Gemma 4): each layer's own KV heads on this rank.
+        layer_kv_heads = [(split_evenly(h, tp_size)[self.rank][1], d) for h, d in shape.layer_kv_heads] if shape.layer_kv_heads else None
+        kv_caches = allocate_grouped_kv_caches(
+            kv_cache.layout, kv_cache.num_blocks, kv_cache.block_size, self._num_kv_heads(), head_dim, cache_dtype, self.device,
+            layer_kv_heads,
+        )
         state_caches = allocate_state_caches(
             len(shape.state_layer_ids),
             kv_cache.num_state_slots,
@@ -181,7 +185,9 @@ class Worker:
                 self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, resolved.precision.lora_dtype, self.device
             )
             logger.info("LoRA: %d slots of rank <= %d (%.1f MiB)", config.max_loras, config.max_lora_rank, lora_manager.nbytes / 2**20)
-        offloader = make_offloader(resolved, kv_cache, self.rank, distinct_kv_tensors(kv_caches, draft_caches))
+        offloader = make_offloader(
+            resolved, kv_cache, self.rank, distinct_kv_tensors(kv_caches, draft_caches), state_tensors_of(kv_caches, kv_cache)
+        )
         if structured_output is None and self.rank == 0 and config.tensor_parallel_size > 1 and not config.is_pooling:
             structured_output = self._structured_output()  # the driver's stays in its process
         self.runner = ModelRunner(
@@ -235,13 +241,17 @@ class Worker:
         return self.runner.last_timings if self.runner is not None else {}
 
     def execute_and_time(self, scheduler_output: SchedulerOutput) -> Any:
-        """A rank's step: rank 0 returns (output, timings with the collectives' share), others None."""
+        """A rank's step: rank 0 returns (output, timings with the collectives' share); the others
+        their offloading tier's report (``RankTierReport``, which the executor joins into rank 0's
+        output), or None without a tier."""
         tp = get_tp_group()
         tp.comm_s = 0.0
         t0 = time.perf_counter()
         out = self.execute_model(scheduler_output)
         if self.rank != 0:
-            return None
+            if self.runner.offloader is None:
+                return None
+            return RankTierReport(out.kv_loads_done, out.kv_tier_removed, out.kv_tier_stats)
         return out, dict(self.last_timings, comm=tp.comm_s, worker=time.perf_counter() - t0)
 
     def add_lora(self, lora: LoRARequest) -> None:

@@ -1,10 +1,13 @@
-"""Moving KV pages between the paged KV cache tensors and a ``KVStore``, beside the engine's steps.
+"""Moving KV pages (and a hybrid model's recurrent states) between the engine's cache tensors and a
+``KVStore``, beside the engine's steps.
 
 A block's page is ``t[:, block_id]`` of every KV cache tensor in turn; its payload in the store is
-those bytes concatenated. Saves copy the page out on the engine's thread at once (the step about to
-run may overwrite the block) into a bounded staging buffer, and one background I/O thread writes
-them; loads are read and copied into their blocks on that thread, ahead of any queued save, and
-the engine learns which finished from ``poll``. The staging buffer is the only memory this adds.
+those bytes concatenated. A hybrid model's state is ``t[slot]`` of every recurrent state tensor in
+turn, saved and loaded the same way under its own keys. Saves copy the page out on the engine's
+thread at once (the step about to run may overwrite the block) into a bounded staging buffer, and
+one background I/O thread writes them; loads are read and copied into their blocks on that thread,
+ahead of any queued save, and the engine learns which finished from ``poll``. The staging buffer is
+the only memory this adds.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import torch
 from pagellm.kv_offload.store import KVStore, KVTierStats, check_key
 
 logger = logging.getLogger(__name__)
+
+# Spaces of ids an item lives in: KV cache blocks, or recurrent state slots.
+PAGES, STATES = 0, 1
 
 
 @dataclass
@@ -48,80 +54,132 @@ class OffloaderStats(KVTierStats):
     load_seconds: float = 0.0  # from load() to done, summed over loads
     staged_bytes: int = 0
     staged_bytes_peak: int = 0
+    state_bytes: int = 0  # one recurrent state's payload (0: no states)
+    num_state_saves: int = 0  # states copied out and queued (also in num_saves)
+    num_states_loaded: int = 0  # (also in num_pages_loaded)
 
 
 @dataclass
 class _Load:
     req_id: str
-    items: list[tuple[int, bytes]]
+    items: list[tuple[int, int, bytes]]  # (space, id, key)
     queued_at: float
 
 
 @dataclass
 class _Layout:
-    """One tensor's part of a page: where it sits in the payload and its shape as bytes."""
+    """One tensor's part of an item: where it sits in the payload and its shape as bytes."""
 
     offset: int
     nbytes: int
-    shape: tuple[int, ...]  # [2, block_size, num_kv_heads, row_width * element size]
-    as_bytes: torch.Tensor  # the whole tensor viewed as uint8, [2, num_blocks, *shape[1:]]
+    shape: tuple[int, ...]  # the item's part as bytes: [2, block_size, heads, row bytes] or a state's [*shape, bytes]
+    as_bytes: torch.Tensor  # the whole tensor viewed as uint8
     as_numpy: Optional[np.ndarray]  # the same memory as a numpy array (CPU tensors)
+    dim: int  # the dimension ids index: 1 for KV ([2, num_blocks, ...]), 0 for states ([num_slots, ...])
+
+    def part(self, item_id: int, numpy: bool):
+        t = self.as_numpy if numpy else self.as_bytes
+        return t[:, item_id] if self.dim == 1 else t[item_id]
+
+
+@dataclass
+class _Space:
+    """The tensors one kind of item spans, and the staging slots of its items."""
+
+    name: str
+    layouts: list[_Layout]
+    item_bytes: int
+    num_ids: int
+    num_slots: int = 0
+    staging: Optional[torch.Tensor] = None
+    staging_np: Optional[np.ndarray] = None
+    free_slots: list[int] = field(default_factory=list)
+
+    def staged(self, slot: int) -> np.ndarray:
+        return self.staging_np[slot * self.item_bytes : (slot + 1) * self.item_bytes]
+
+
+def _layouts(tensors: list[torch.Tensor], dim: int, what: str, seen: set[int]) -> list[_Layout]:
+    layouts, offset = [], 0
+    ids = "blocks" if dim == 1 else "slots"
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if dim == 1 and (not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != 2):
+            raise ValueError(f"{what}[{i}] must be a tensor [2, num_blocks, block_size, num_kv_heads, row_width], got {_describe(t)}")
+        if dim == 0 and (not isinstance(t, torch.Tensor) or t.dim() < 2):
+            raise ValueError(f"{what}[{i}] must be a tensor [num_slots, ...], got {_describe(t)}")
+        if t.shape[dim] != first.shape[dim] or t.device != first.device:
+            raise ValueError(f"{what}[{i}] has {t.shape[dim]} {ids} on {t.device}; {what}[0] has {first.shape[dim]} on {first.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{what}[{i}] must be contiguous")
+        if t.data_ptr() in seen:
+            raise ValueError(f"{what}[{i}] is listed twice: pass each distinct cache tensor once")
+        seen.add(t.data_ptr())
+        as_bytes = t.view(torch.uint8)  # byte copies: no dtype (bfloat16, fp8) needs numpy's support
+        shape = (2, *as_bytes.shape[2:]) if dim == 1 else tuple(as_bytes.shape[1:])
+        nbytes = int(np.prod(shape))
+        as_numpy = as_bytes.numpy() if t.device.type == "cpu" else None
+        layouts.append(_Layout(offset, nbytes, shape, as_bytes, as_numpy, dim))
+        offset += nbytes
+    return layouts
 
 
 class KVOffloader:
-    """Saves and loads pages of ``kv_tensors`` through ``store`` on one daemon I/O thread.
+    """Saves and loads pages of ``kv_tensors`` (and states of ``state_tensors``, a hybrid model's
+    recurrent layers' ``[num_slots, ...]`` tensors) through ``store`` on one daemon I/O thread.
 
     The engine's thread calls ``save``, ``load``, ``poll``, ``wait``, ``drain`` and ``close``.
     """
 
-    def __init__(self, kv_tensors: list[torch.Tensor], store: KVStore, max_staged_bytes: int = 256 * 2**20) -> None:
+    def __init__(
+        self,
+        kv_tensors: list[torch.Tensor],
+        store: KVStore,
+        max_staged_bytes: int = 256 * 2**20,
+        state_tensors: Optional[list[torch.Tensor]] = None,
+    ) -> None:
         if not isinstance(kv_tensors, (list, tuple)) or not kv_tensors:
             raise ValueError("kv_tensors must be a non-empty list of KV cache tensors")
-        first = kv_tensors[0]
         seen: set[int] = set()
-        self._layouts: list[_Layout] = []
-        offset = 0
-        for i, t in enumerate(kv_tensors):
-            if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != 2:
-                raise ValueError(
-                    f"kv_tensors[{i}] must be a tensor [2, num_blocks, block_size, num_kv_heads, row_width], got {_describe(t)}"
-                )
-            if t.shape[1] != first.shape[1] or t.device != first.device:
-                raise ValueError(
-                    f"kv_tensors[{i}] has {t.shape[1]} blocks on {t.device}; kv_tensors[0] has {first.shape[1]} on {first.device}"
-                )
-            if not t.is_contiguous():
-                raise ValueError(f"kv_tensors[{i}] must be contiguous")
-            if t.data_ptr() in seen:
-                raise ValueError(f"kv_tensors[{i}] is listed twice: pass each distinct KV cache tensor once")
-            seen.add(t.data_ptr())
-            as_bytes = t.view(torch.uint8)  # byte copies: no dtype (bfloat16, fp8) needs numpy's support
-            shape = (2, *as_bytes.shape[2:])
-            nbytes = int(np.prod(shape))
-            as_numpy = as_bytes.numpy() if t.device.type == "cpu" else None
-            self._layouts.append(_Layout(offset, nbytes, shape, as_bytes, as_numpy))
-            offset += nbytes
-        self.page_bytes = offset
+        kv = _layouts(list(kv_tensors), 1, "kv_tensors", seen)
+        first = kv_tensors[0]
+        self.page_bytes = sum(lay.nbytes for lay in kv)
         self.num_blocks = int(first.shape[1])
         self.device = first.device
-        if not isinstance(max_staged_bytes, int) or max_staged_bytes < self.page_bytes:
-            raise ValueError(f"max_staged_bytes ({max_staged_bytes!r}) must hold at least one page of {self.page_bytes} bytes")
+        self._spaces = [_Space("block", kv, self.page_bytes, self.num_blocks)]
+        self.state_bytes = 0
+        if state_tensors:
+            states = _layouts(list(state_tensors), 0, "state_tensors", seen)
+            if state_tensors[0].device != self.device:
+                raise ValueError(f"state_tensors are on {state_tensors[0].device}, kv_tensors on {self.device}")
+            self.state_bytes = sum(lay.nbytes for lay in states)
+            self._spaces.append(_Space("state slot", states, self.state_bytes, int(state_tensors[0].shape[0])))
+        if not isinstance(max_staged_bytes, int) or max_staged_bytes < self.page_bytes + self.state_bytes:
+            what = "one page and one state" if self.state_bytes else "one page"
+            raise ValueError(
+                f"max_staged_bytes ({max_staged_bytes!r}) must hold at least {what} ({self.page_bytes + self.state_bytes} bytes)"
+            )
         self.store = store
         self.max_staged_bytes = max_staged_bytes
-        self._num_slots = max_staged_bytes // self.page_bytes
+        # States get a quarter of the staging (at least one); pages the rest.
+        if self.state_bytes:
+            room = min(max_staged_bytes // 4, max_staged_bytes - self.page_bytes)
+            num_state_slots = max(1, room // self.state_bytes)
+            self._spaces[STATES].num_slots = num_state_slots
+            max_staged_bytes -= num_state_slots * self.state_bytes
+        self._spaces[PAGES].num_slots = max_staged_bytes // self.page_bytes
+        for space in self._spaces:
+            space.free_slots = list(range(space.num_slots - 1, -1, -1))
         self._is_cuda = self.device.type == "cuda"
 
         # Staging: allocated on the first save. Its pages are touched only as slots are used, and
         # freed slots are reused last-in first-out, so resident memory follows the backlog's peak.
-        self._staging: Optional[torch.Tensor] = None
-        self._staging_np: Optional[np.ndarray] = None
-        self._free_slots = list(range(self._num_slots - 1, -1, -1))
-        self._staged: dict[bytes, int] = {}  # key -> slot, until written
-        self._load_buf: Optional[torch.Tensor] = None  # (CUDA) a pinned page between the payload and the device
+        self._staged: dict[bytes, tuple[int, int]] = {}  # key -> (space, slot), until written
+        self._load_bufs: dict[int, torch.Tensor] = {}  # (CUDA) a pinned item per space between the payload and the device
         self._stream: Optional[torch.cuda.Stream] = None
 
         self._cv = threading.Condition()
-        self._saves: deque[tuple[bytes, int]] = deque()
+        self._saves: deque[tuple[bytes, int, int]] = deque()
         self._loads: deque[_Load] = deque()
         self._busy = False
         self._loading: set[str] = set()  # req ids queued or loading
@@ -130,58 +188,63 @@ class KVOffloader:
         self._stopping = False
         self._closed = False
         self._thread: Optional[threading.Thread] = None
-        self._stats = OffloaderStats(page_bytes=self.page_bytes, max_staged_bytes=max_staged_bytes)
+        self._stats = OffloaderStats(page_bytes=self.page_bytes, max_staged_bytes=self.max_staged_bytes, state_bytes=self.state_bytes)
 
     # The engine's side.
 
-    def save(self, items: list[tuple[int, bytes]]) -> None:
-        """Copy each (block id, key) page out now and queue it for writing; never blocks on I/O."""
+    def save(self, items: list[tuple[int, bytes]], state_items: list[tuple[int, bytes]] = ()) -> None:
+        """Copy each (block id, key) page and each (slot, key) state out now and queue it for
+        writing; never blocks on I/O."""
         self._check_open()
-        for block_id, key in items:
-            self._check_item(block_id, key)
-        chosen: list[tuple[int, bytes, int]] = []
+        jobs = [(PAGES, i, k) for i, k in items] + [(STATES, i, k) for i, k in state_items]
+        for space, item_id, key in jobs:
+            self._check_item(space, item_id, key)
+        chosen: list[tuple[int, int, bytes, int]] = []
         with self._cv:
-            for block_id, key in items:
+            for space, item_id, key in jobs:
                 if key in self._staged or self.store.contains(key):
                     self._stats.num_skipped_saves += 1
                     continue
-                if not self._free_slots:
+                free = self._spaces[space].free_slots
+                if not free:
                     # Dropping costs a recompute later if the prefix comes back; waiting would stall every request's step now.
                     self._stats.num_dropped_saves += 1
                     self._removed.append(key)
                     continue
-                slot = self._free_slots.pop()
-                self._staged[key] = slot
-                chosen.append((block_id, key, slot))
-            self._stats.staged_bytes = len(self._staged) * self.page_bytes
-            self._stats.staged_bytes_peak = max(self._stats.staged_bytes_peak, self._stats.staged_bytes)
+                slot = free.pop()
+                self._staged[key] = (space, slot)
+                chosen.append((space, item_id, key, slot))
+            self._update_staged_bytes()
         if not chosen:
             return
-        self._ensure_staging()
-        for block_id, _, slot in chosen:
-            self._copy_out(block_id, slot)
+        for space, item_id, _, slot in chosen:
+            self._copy_out(space, item_id, slot)
         with self._cv:
-            self._saves.extend((key, slot) for _, key, slot in chosen)
+            self._saves.extend((key, space, slot) for space, _, key, slot in chosen)
             self._stats.num_saves += len(chosen)
+            self._stats.num_state_saves += sum(1 for c in chosen if c[0] == STATES)
             self._start()
             self._cv.notify_all()
 
-    def load(self, req_id: str, items: list[tuple[int, bytes]]) -> None:
-        """Queue reading each (block id, key) into its block, ahead of queued saves; ``poll`` reports it."""
+    def load(self, req_id: str, items: list[tuple[int, bytes]], state_item: Optional[tuple[int, bytes]] = None) -> None:
+        """Queue reading each (block id, key) into its block, after the (slot, key) ``state_item``
+        into its slot if one is given, ahead of queued saves; ``poll`` reports how many of those
+        items (the state counting first) loaded."""
         self._check_open()
         if not isinstance(req_id, str):
             raise ValueError(f"req_id must be a str, got {req_id!r}")
-        for block_id, key in items:
-            self._check_item(block_id, key)
+        jobs = ([(STATES, *state_item)] if state_item is not None else []) + [(PAGES, i, k) for i, k in items]
+        for space, item_id, key in jobs:
+            self._check_item(space, item_id, key)
         with self._cv:
             if req_id in self._loading or req_id in self._loaded:
                 raise ValueError(f"request {req_id!r} already has a load queued or unreported; poll() it first")
-            if not items:
+            if not jobs:
                 self._loaded[req_id] = 0
                 self._cv.notify_all()
                 return
             self._loading.add(req_id)
-            self._loads.append(_Load(req_id, list(items), time.perf_counter()))
+            self._loads.append(_Load(req_id, jobs, time.perf_counter()))
             self._start()
             self._cv.notify_all()
 
@@ -219,7 +282,9 @@ class KVOffloader:
         if self._thread is not None:
             self._thread.join(timeout=30.0)
         self._closed = True
-        self._staging = self._staging_np = self._load_buf = None
+        for space in self._spaces:
+            space.staging = space.staging_np = None
+        self._load_bufs = {}
 
     @property
     def stats(self) -> OffloaderStats:
@@ -228,41 +293,57 @@ class KVOffloader:
             ours = {k: v for k, v in asdict(self._stats).items() if k not in tier}
         return OffloaderStats(**tier, **ours)
 
+    @property
+    def _staging(self) -> Optional[torch.Tensor]:
+        """The pages' staging buffer (None until the first save)."""
+        return self._spaces[PAGES].staging
+
     # Copies.
 
-    def _copy_out(self, block_id: int, slot: int) -> None:
-        """Block ``block_id``'s page into staging slot ``slot`` (synchronous: the block may be overwritten next)."""
-        base = slot * self.page_bytes
-        for lay in self._layouts:
+    def _copy_out(self, space_id: int, item_id: int, slot: int) -> None:
+        """An item's bytes into its staging slot (synchronous: the block or slot may be overwritten next)."""
+        space = self._ensure_staging(space_id)
+        base = slot * space.item_bytes
+        for lay in space.layouts:
             if lay.as_numpy is not None:
                 # numpy: a plain single-threaded memcpy, off torch's intra-op thread pool the step uses.
-                dst = self._staging_np[base + lay.offset : base + lay.offset + lay.nbytes].reshape(lay.shape)
-                np.copyto(dst, lay.as_numpy[:, block_id])
+                dst = space.staging_np[base + lay.offset : base + lay.offset + lay.nbytes].reshape(lay.shape)
+                np.copyto(dst, lay.part(item_id, numpy=True))
             else:
-                self._staging[base + lay.offset : base + lay.offset + lay.nbytes].view(lay.shape).copy_(lay.as_bytes[:, block_id])
+                space.staging[base + lay.offset : base + lay.offset + lay.nbytes].view(lay.shape).copy_(lay.part(item_id, numpy=False))
 
-    def _copy_in(self, block_id: int, src: np.ndarray) -> None:
-        """A whole payload (``page_bytes`` uint8) into block ``block_id``'s page of every tensor."""
+    def _copy_in(self, space_id: int, item_id: int, src: np.ndarray) -> None:
+        """A whole payload (uint8) into item ``item_id`` of every tensor of its space."""
+        space = self._spaces[space_id]
         if not self._is_cuda:
-            for lay in self._layouts:
-                np.copyto(lay.as_numpy[:, block_id], src[lay.offset : lay.offset + lay.nbytes].reshape(lay.shape))
+            for lay in space.layouts:
+                np.copyto(lay.part(item_id, numpy=True), src[lay.offset : lay.offset + lay.nbytes].reshape(lay.shape))
             return
-        if self._load_buf is None:
-            self._load_buf = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=True)
+        buf = self._load_bufs.get(space_id)
+        if buf is None:
+            buf = self._load_bufs[space_id] = torch.empty(space.item_bytes, dtype=torch.uint8, pin_memory=True)
+        if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        np.copyto(self._load_buf.numpy(), src)
+        np.copyto(buf.numpy(), src)
         # A side stream: the copy runs beside the engine's kernels on the default stream rather
         # than queueing behind them; done before the buffer is reused and before the load reports.
         with torch.cuda.stream(self._stream):
-            for lay in self._layouts:
-                lay.as_bytes[:, block_id].copy_(self._load_buf[lay.offset : lay.offset + lay.nbytes].view(lay.shape), non_blocking=True)
+            for lay in space.layouts:
+                lay.part(item_id, numpy=False).copy_(buf[lay.offset : lay.offset + lay.nbytes].view(lay.shape), non_blocking=True)
         self._stream.synchronize()
 
-    def _ensure_staging(self) -> None:
-        if self._staging is None:
+    def _ensure_staging(self, space_id: int) -> _Space:
+        space = self._spaces[space_id]
+        if space.staging is None:
             # Pinned for a GPU cache: device-to-host copies at full speed. Pinned memory is resident at once.
-            self._staging = torch.empty(self._num_slots * self.page_bytes, dtype=torch.uint8, pin_memory=self._is_cuda)
-            self._staging_np = self._staging.numpy()
+            space.staging = torch.empty(space.num_slots * space.item_bytes, dtype=torch.uint8, pin_memory=self._is_cuda)
+            space.staging_np = space.staging.numpy()
+        return space
+
+    def _update_staged_bytes(self) -> None:
+        """Under the lock: the staged bytes now, and their peak."""
+        self._stats.staged_bytes = sum(self._spaces[s].item_bytes for s, _ in self._staged.values())
+        self._stats.staged_bytes_peak = max(self._stats.staged_bytes_peak, self._stats.staged_bytes)
 
     # The I/O thread.
 
@@ -276,7 +357,7 @@ class KVOffloader:
             with self._cv:
                 self._cv.wait_for(lambda: self._loads or self._saves or self._stopping)
                 if self._loads:
-                    job: _Load | tuple[bytes, int] = self._loads.popleft()
+                    job: _Load | tuple[bytes, int, int] = self._loads.popleft()
                 elif self._saves:
                     job = self._saves.popleft()
                 else:
@@ -292,17 +373,17 @@ class KVOffloader:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _do_save(self, key: bytes, slot: int) -> None:
-        base = slot * self.page_bytes
+    def _do_save(self, key: bytes, space_id: int, slot: int) -> None:
+        space = self._spaces[space_id]
         try:
-            ok = self.store.write(key, memoryview(self._staging_np[base : base + self.page_bytes]))
+            ok = self.store.write(key, memoryview(space.staged(slot)))
         except Exception:  # a store's bug must not kill the thread every later load waits on
             logger.exception("KV tier write of %s failed", key.hex())
             ok = False
         with self._cv:
             del self._staged[key]
-            self._free_slots.append(slot)
-            self._stats.staged_bytes = len(self._staged) * self.page_bytes
+            space.free_slots.append(slot)
+            self._update_staged_bytes()
             if not ok:
                 self._stats.num_failed_saves += 1
                 self._removed.append(key)
@@ -310,30 +391,35 @@ class KVOffloader:
     def _do_load(self, job: _Load) -> None:
         done = 0
         from_staging = 0
+        num_states = 0
         try:
-            for block_id, key in job.items:
+            for space_id, item_id, key in job.items:
+                space = self._spaces[space_id]
                 with self._cv:
-                    slot = self._staged.get(key)
+                    staged = self._staged.get(key)
                 # Only this thread frees a staged slot, so it stays put while read here.
-                if slot is not None:
-                    src = self._staging_np[slot * self.page_bytes : (slot + 1) * self.page_bytes]
+                if staged is not None and staged[0] == space_id:
+                    src = space.staged(staged[1])
                     from_staging += 1
                 else:
                     payload = self.store.read(key)
                     if payload is None:
                         break
-                    if len(payload) != self.page_bytes:
-                        # Same identity, other page geometry: the identity left a shape out.
-                        logger.warning("KV tier entry %s holds %d bytes, a page is %d; dropped", key.hex(), len(payload), self.page_bytes)
+                    if len(payload) != space.item_bytes:
+                        # Same identity, other geometry: the identity left a shape out.
+                        logger.warning(
+                            "KV tier entry %s holds %d bytes, a %s's is %d; dropped", key.hex(), len(payload), space.name, space.item_bytes
+                        )
                         self.store.remove(key)
                         with self._cv:
                             self._removed.append(key)
                         break
                     src = np.frombuffer(payload, dtype=np.uint8)
-                self._copy_in(block_id, src)
+                self._copy_in(space_id, item_id, src)
                 done += 1
+                num_states += space_id == STATES
         except Exception:  # the request recomputes what did not load; the thread goes on
-            logger.exception("KV tier load for request %s failed after %d pages", job.req_id, done)
+            logger.exception("KV tier load for request %s failed after %d items", job.req_id, done)
         with self._cv:
             self._loading.discard(job.req_id)
             self._loaded[job.req_id] = done
@@ -341,6 +427,7 @@ class KVOffloader:
             self._stats.num_pages_loaded += done
             self._stats.num_pages_failed += len(job.items) - done
             self._stats.num_pages_from_staging += from_staging
+            self._stats.num_states_loaded += num_states
             self._stats.load_seconds += time.perf_counter() - job.queued_at
 
     # Checks.
@@ -349,9 +436,13 @@ class KVOffloader:
         if self._closed or self._stopping:
             raise RuntimeError("the KV offloader is closed")
 
-    def _check_item(self, block_id: int, key: bytes) -> None:
-        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block id {block_id!r} is outside the KV cache's {self.num_blocks} blocks")
+    def _check_item(self, space_id: int, item_id: int, key: bytes) -> None:
+        if space_id >= len(self._spaces):
+            raise ValueError("a state item for an offloader without state tensors")
+        space = self._spaces[space_id]
+        if not isinstance(item_id, int) or not 0 <= item_id < space.num_ids:
+            plural = "blocks" if space_id == PAGES else "state slots"
+            raise ValueError(f"{space.name} id {item_id!r} is outside the cache's {space.num_ids} {plural}")
         check_key(key)
 
 

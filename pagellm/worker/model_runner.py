@@ -15,6 +15,7 @@ import torch
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.state_metadata import StateMetadata
 from pagellm.core.kv_cache_groups import KVCacheLayout
+from pagellm.core.kv_tier import is_state_key
 from pagellm.core.sched_output import LogprobRow, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import pack_cache
@@ -210,11 +211,12 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         offloader = self.offloader
         if offloader is not None:
-            # Evicted pages leave the cache before this step's forward pass can overwrite them;
-            # loads go to the tier's thread and land beside the steps.
-            offloader.save(out.kv_saves)
+            # Evicted pages (and a hybrid model's checkpoints) leave the cache before this step's
+            # forward pass can overwrite them; loads go to the tier's thread and land beside the steps.
+            offloader.save([i for i in out.kv_saves if not is_state_key(i[1])], [i for i in out.kv_saves if is_state_key(i[1])])
             for req_id, items in out.kv_loads.items():
-                offloader.load(req_id, items)
+                state = items[0] if items and is_state_key(items[0][1]) else None  # a state loads first
+                offloader.load(req_id, items[1:] if state is not None else items, state)
         # A first start's packed-weights file is written between steps, not beside them.
         with pack_cache.stepping():
             result = self._execute_model(out)

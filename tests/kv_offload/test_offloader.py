@@ -330,3 +330,113 @@ def test_resident_memory_stays_near_the_staging_bound(tmp_path):
     assert st.staged_bytes_peak <= staged
     assert peak - base < staged + 16 * 2**20, (peak - base) / 2**20
     off.close()
+
+
+# ---- a hybrid model's recurrent states: [num_slots, ...] tensors saved and loaded beside pages ---
+
+NUM_SLOTS = 5
+
+
+def make_states(seed: int = 1) -> list[torch.Tensor]:
+    """Two recurrent layers' state tensors (a conv window in bfloat16, a float32 matrix state)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(2):
+        out += [torch.randn(NUM_SLOTS, 6, 3, generator=g).to(torch.bfloat16), torch.randn(NUM_SLOTS, 2, 4, 4, generator=g)]
+    return out
+
+
+def state_of(states: list[torch.Tensor], slot: int) -> bytes:
+    return b"".join(t[slot].contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in states)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_states_round_trip_beside_pages(tmp_path):
+    tensors = [t.cuda() for t in make_tensors([torch.bfloat16])]
+    states = [t.cuda() for t in make_states()]
+    off = KVOffloader(tensors, store_of("disk", tmp_path), state_tensors=states)
+    pages, saved = snapshot(tensors), state_of(states, 1)
+    off.save([(1, key(1))], [(1, key(100))])
+    for t in states:
+        t[1] = 0
+    off.drain()
+    off.load("r", [(5, key(1))], state_item=(4, key(100)))
+    off.wait(10)
+    assert off.poll().loaded == {"r": 2}
+    assert state_of(states, 4) == saved and snapshot(tensors)[5] == pages[1]
+    off.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_a_state_saves_and_loads_first_into_another_slot_beside_pages(tmp_path, kind):
+    tensors, states = make_tensors([torch.bfloat16]), make_states()
+    off = KVOffloader(tensors, store_of(kind, tmp_path), state_tensors=states)
+    assert off.state_bytes == len(state_of(states, 0)) and off.stats.state_bytes == off.state_bytes
+    pages, saved_state = snapshot(tensors), state_of(states, 1)
+    off.save([(0, key(0)), (1, key(1))], [(1, key(100))])
+    for t in states:
+        t[1] = 0  # the slot is reused at once: its state lives on in staging
+    off.drain()
+    off.load("r", [(6, key(0)), (7, key(1))], state_item=(3, key(100)))
+    off.wait(10)
+    assert off.poll().loaded == {"r": 3}
+    assert state_of(states, 3) == saved_state and snapshot(tensors)[6:8] == pages[0:2]
+    st = off.stats
+    assert (st.num_state_saves, st.num_states_loaded, st.num_pages_loaded) == (1, 1, 3)
+    off.close()
+
+
+def test_a_missing_state_stops_the_load_before_its_pages(tmp_path):
+    tensors, states = make_tensors([torch.float16]), make_states()
+    off = KVOffloader(tensors, HostKVStore(10**9), state_tensors=states)
+    off.save([(0, key(0))])
+    off.drain()
+    before = snapshot(tensors)
+    off.load("r", [(6, key(0))], state_item=(2, key(100)))
+    off.wait(10)
+    assert off.poll().loaded == {"r": 0} and snapshot(tensors)[6] == before[6]
+
+
+def test_a_state_stored_under_a_pages_size_is_dropped(tmp_path):
+    # A state key whose file holds a page (the identity left a shape out): dropped, not copied.
+    tensors, states = make_tensors([torch.float16]), make_states()
+    store = HostKVStore(10**9)
+    off = KVOffloader(tensors, store, state_tensors=states)
+    off.save([(0, key(100))])
+    off.drain()
+    off.load("r", [], state_item=(2, key(100)))
+    off.wait(10)
+    rep = off.poll()
+    assert rep.loaded == {"r": 0} and rep.removed == [key(100)] and not store.contains(key(100))
+
+
+def test_staging_keeps_room_for_states_and_pages():
+    tensors, states = make_tensors([torch.float16]), make_states()
+    page_bytes, state_bytes = len(page(tensors, 0)), len(state_of(states, 0))
+    with pytest.raises(ValueError, match="one page and one state"):
+        KVOffloader(tensors, HostKVStore(10**9), max_staged_bytes=page_bytes + state_bytes - 1, state_tensors=states)
+    store = GatedStore()
+    off = KVOffloader(tensors, store, max_staged_bytes=page_bytes + state_bytes, state_tensors=states)
+    off.save([(0, key(0)), (1, key(1))], [(0, key(100)), (1, key(101))])  # one of each fits
+    st = off.stats
+    assert (st.num_saves, st.num_dropped_saves, st.staged_bytes) == (2, 2, page_bytes + state_bytes)
+    assert off.poll().removed == [key(1), key(101)]
+    store.gate.set()
+    off.close()
+
+
+def test_bad_state_input():
+    tensors, states = make_tensors([torch.float16]), make_states()
+    store = HostKVStore(10**9)
+    with pytest.raises(ValueError, match="num_slots"):
+        KVOffloader(tensors, store, state_tensors=[torch.zeros(4)])
+    with pytest.raises(ValueError, match="slots"):
+        KVOffloader(tensors, store, state_tensors=[states[0], torch.zeros(NUM_SLOTS + 1, 3)])
+    with pytest.raises(ValueError, match="listed twice"):
+        KVOffloader(tensors, store, state_tensors=[states[0], states[0]])
+    off = KVOffloader(tensors, store, state_tensors=states)
+    with pytest.raises(ValueError, match="outside"):
+        off.save([], [(NUM_SLOTS, key(0))])
+    with pytest.raises(ValueError, match="without state tensors"):
+        KVOffloader(tensors, store).load("r", [], state_item=(0, key(0)))
+    off.close()
