@@ -3,7 +3,8 @@
 One library holds them all: paged attention (op namespace ``pagellm_attn``), the fused layer ops
 (``pagellm_ops``), the packed small-batch matmul (``pagellm_gemm``), its int8 dot-product
 form for GGUF block weights (``pagellm_gemm_int8``), sampling from logits
-(``pagellm_sample``) and batched multi-LoRA's shrink and expand (``pagellm_lora``), called only
+(``pagellm_sample``), batched multi-LoRA's shrink and expand (``pagellm_lora``) and the hybrid models'
+recurrent layers (``pagellm_recurrent``, ``pagellm_mamba``), called only
 through :mod:`pagellm.kernels.ops`. It is compiled once with
 ``-O3 -march=native -fopenmp`` (``$PAGELLM_CPU_ARCH`` replaces ``native``) into the
 ``extensions`` folder of ``$PAGELLM_CACHE_DIR`` (see :mod:`pagellm.envs`), in a folder named by a
@@ -35,11 +36,11 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "gemm_bf16.cpp", "gemm_int8.cpp", "sampling.cpp", "lora_shrink_expand.cpp",
-        "recurrent.cpp",
+        "recurrent.cpp", "mamba.cpp",
     )
 )
 HEADERS = tuple(CSRC / name for name in (
-    "amx.h", "bf16_tiles.h", "vec.h", "quant_blocks.h", "kv_types.h", "weight_layout.h", "parallel_panels.h",
+    "amx.h", "bf16_tiles.h", "vec.h", "quant_blocks.h", "kv_types.h", "weight_layout.h", "parallel_panels.h", "seq_meta.h",
 ))
 LIB_NAME = "pagellm_cpu_kernels"
 
