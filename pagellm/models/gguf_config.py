@@ -51,6 +51,7 @@ GGUF_CONFIG_KEYS: dict[str, dict[str, str | None]] = {
         "expert_used_count": "num_experts_per_tok",
         "sliding_window": "sliding_window",
     },
+    "lfm2": {**_COMMON_KEYS, "shortconv.l_cache": "conv_L_cache"},
     "tokenizer": {
         "ggml.bos_token_id": "bos_token_id",
         "ggml.eos_token_id": "eos_token_id",

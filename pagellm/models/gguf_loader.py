@@ -55,10 +55,11 @@ _SCALAR_FORMATS: dict[int, str] = {
 
 # llama.cpp permutes Q/K rows only when converting these architectures (transformers'
 # TENSOR_PROCESSORS applies the inverse for the same set).
-_PERMUTED_QK_ARCHITECTURES = ("llama",)
+_PERMUTED_QK_ARCHITECTURES = ("llama", "granitehybrid", "nemotron_h", "nemotron_h_moe")
 
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")  # ssm_a has no suffix
+# ssm_a has no suffix; LFM2's shortconv.conv has a dot in its kind.
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_.]+?)(?:\.(weight|bias))?$")
 
 
 @dataclass(frozen=True)
@@ -206,12 +207,13 @@ def _cached_gguf_file(path: str, mtime_ns: int, size: int) -> GGUFFile:
 def _hf_name(gguf_name: str, arch: GGUFArch) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor, or None for tensors we do not load."""
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _TOP_LEVEL_NAMES:
-        return f"{_TOP_LEVEL_NAMES[base]}.{suffix}"
+    top_level = {**_TOP_LEVEL_NAMES, **arch.top_level_names}
+    if base in top_level:
+        return f"{top_level[base]}.{suffix}"
     match = _BLOCK_TENSOR.match(gguf_name)
     names = {**LLAMA_BLOCK_NAMES, **arch.block_names}
     if match and match.group(2) in names:
-        kind = SUFFIXLESS.get(match.group(2), match.group(3))
+        kind = {**SUFFIXLESS, **arch.suffixless}.get(match.group(2), match.group(3))
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{kind}" if kind else None
     return None  # e.g. rope_freqs.weight, which transformers ignores too
 

@@ -2,8 +2,9 @@
 the architectures the test suite builds tiny checkpoints of (the converter itself is not on the
 CI machine). Names come from gguf-py's ``TensorNameMap`` (the converter's own table), and the
 converter's conventions are applied: llama's Q/K row permutation, Gemma's norms stored as
-``1 + w``, experts stacked into one ``[experts, rows, cols]`` tensor per projection, and the
-linear-attention layers of Qwen3-Next / Qwen3.5 as conversion/qwen.py writes them (``_linear_attention``)."""
+``1 + w``, experts stacked into one ``[experts, rows, cols]`` tensor per projection, the
+linear-attention layers of Qwen3-Next / Qwen3.5 as conversion/qwen.py writes them (``_linear_attention``),
+and LFM2's as conversion/lfm2.py does (KV heads per layer, the MLP width adjusted, the conv kernel squeezed)."""
 from __future__ import annotations
 
 import math
@@ -28,11 +29,16 @@ ARCHS = {
     "qwen3_next": MODEL_ARCH.QWEN3NEXT,
     "qwen3_5_text": MODEL_ARCH.QWEN35,
     "qwen3_5_moe_text": MODEL_ARCH.QWEN35MOE,
+    "nemotron_h": MODEL_ARCH.NEMOTRON_H,  # nemotron_h_moe where it has experts (_nemotron_h_moe)
+    "granitemoehybrid": MODEL_ARCH.GRANITE_HYBRID,
+    "lfm2": MODEL_ARCH.LFM2,
+    "lfm2_moe": MODEL_ARCH.LFM2MOE,
 }
 HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+LFM2 = ("lfm2", "lfm2_moe")
 # What the converter writes for Qwen3.5 when a checkpoint's rope parameters have no mrope_section.
 _QWEN35_DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward)\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 def _permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -83,11 +89,150 @@ def _linear_attention(name: str, t: torch.Tensor, config: PretrainedConfig) -> l
     return [(name, t)]
 
 
+def _lfm2_ff_dim(config: PretrainedConfig) -> int:
+    """conversion/lfm2.py's _add_feed_forward_length: the MLP width as the file states it."""
+    ff_dim = config.intermediate_size
+    if config.block_auto_adjust_ff_dim:
+        ff_dim = int(2 * ff_dim / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            ff_dim = int(config.block_ffn_dim_multiplier * ff_dim)
+        ff_dim = config.block_multiple_of * ((ff_dim + config.block_multiple_of - 1) // config.block_multiple_of)
+    return ff_dim
+
+
+def _granite_hybrid(name: str, t: torch.Tensor, config: PretrainedConfig) -> list[tuple[str, torch.Tensor]]:
+    """A Granite 4.0-H tensor as conversion/granite.py's GraniteHybridModel writes it: (HF-style
+    name for TensorNameMap, or a GGUF name, tensor). Its Mamba2Model base: A_log as -exp(A_log),
+    A and D as [heads, 1], dt_bias as dt_proj.bias, the conv kernel squeezed, the gated norm as
+    [groups, channels per group]; GraniteMoeModel: the fused gate/up halves apart, the shared MLP as
+    ffn_*_shexp beside experts, else as the dense ffn_*; llama's q/k permutation."""
+    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    experts = bool(config.num_local_experts)
+    if name.endswith("block_sparse_moe.input_linear.weight"):
+        gate, up = t.split(config.intermediate_size, dim=-2)
+        return [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+    if name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = t.split(config.shared_intermediate_size, dim=-2)
+        suffix = "_shexp" if experts else ""
+        return [(f"blk.{layer}.ffn_gate{suffix}.weight", gate), (f"blk.{layer}.ffn_up{suffix}.weight", up)]
+    if name.endswith("shared_mlp.output_linear.weight"):
+        return [(f"blk.{layer}.ffn_down{'_shexp' if experts else ''}.weight", t)]
+    if name.endswith("q_proj.weight"):
+        t = _permute(t, config.num_attention_heads)
+    elif name.endswith("k_proj.weight"):
+        t = _permute(t, config.num_key_value_heads)
+    elif name.endswith(".A_log"):
+        t = -torch.exp(t).reshape(-1, 1)
+    elif name.endswith(".D"):
+        t = t.reshape(-1, 1)
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "mamba.conv1d" in name:
+        t = t.squeeze()
+    elif name.endswith("mamba.norm.weight"):
+        inner = config.mamba_expand * config.hidden_size
+        t = t.reshape(config.mamba_n_groups, inner // config.mamba_n_groups)
+    return [(name, t)]
+
+
+def _write_granite_hybrid_metadata(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
+    """GraniteHybridModel.set_gguf_parameters beyond the common keys: Granite's multipliers (as
+    *_scale), the shared MLP's width, the Mamba dims, KV heads per layer (0 on a Mamba layer), and
+    RoPE off (rope_finetuned False, a 2**20 context) for every model but Bamba."""
+    if not config.num_local_experts:  # TextModel writes a count of 0 too
+        writer.add_expert_count(0)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    attention = [t in ("attention", "full_attention") for t in config.layer_types]
+    writer.add_head_count_kv([config.num_key_value_heads if a else 0 for a in attention])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_context_length(2**20)
+
+
+def _nemotron_h_moe(config: PretrainedConfig) -> bool:
+    """conversion/nemotron.py writes a checkpoint with routed experts (num_experts_per_tok in its
+    config.json) as nemotron_h_moe; transformers saves that field for every Nemotron-H, so here the
+    blocks decide."""
+    return config.model_type == "nemotron_h" and "moe" in config.layers_block_type
+
+
+def _nemotron_h(name: str, t: torch.Tensor, config: PretrainedConfig) -> tuple[str, torch.Tensor]:
+    """A Nemotron-H tensor as conversion/nemotron.py's NemotronHModel writes it (HF-style name for
+    TensorNameMap): with its Mamba2Model base, A_log as -exp(A_log), A and D as [heads, 1], dt_bias as
+    dt_proj.bias, the conv kernel squeezed, the gated norm as [groups, channels per group]; llama's q/k
+    permutation; the routing bias as e_score_correction.bias; experts under the names the stacking takes."""
+    if ".mixer.experts." in name:
+        return name.replace("backbone.", "model.", 1).replace(".mixer.experts.", ".mlp.experts."), t
+    if name.endswith(".mixer.q_proj.weight"):
+        t = _permute(t, config.num_attention_heads)
+    elif name.endswith(".mixer.k_proj.weight"):
+        t = _permute(t, config.num_key_value_heads)
+    elif name.endswith(".mixer.A_log"):
+        t = -torch.exp(t).reshape(-1, 1)
+    elif name.endswith(".mixer.D"):
+        t = t.reshape(-1, 1)
+    elif name.endswith(".mixer.dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif name.endswith(".mixer.conv1d.weight"):
+        t = t.squeeze(1)
+    elif name.endswith(".mixer.norm.weight"):
+        t = t.reshape(config.n_groups, -1)
+    elif name.endswith(".e_score_correction_bias"):
+        name = name.removesuffix("_bias") + ".bias"
+    return name, t
+
+
+def _write_nemotron_h_metadata(writer: gguf.GGUFWriter, config: PretrainedConfig, moe: bool) -> None:
+    """NemotronHModel.set_gguf_parameters and its bases' keys as the file ends up with them: a 2**20
+    context (no RoPE), the feed-forward length and KV heads per layer (0 elsewhere: llama.cpp tells the
+    blocks apart by them), layer_norm_epsilon, the rope dims hidden / heads (GraniteModel drops
+    head_dim; key_length keeps it), the Mamba dims, and the experts' routing."""
+    types = list(config.layers_block_type)
+    n_ff = config.moe_intermediate_size if moe else config.intermediate_size
+    writer.add_block_count(len(types))
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length([n_ff if t == ("moe" if moe else "mlp") else 0 for t in types])
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([config.num_key_value_heads if t == "full_attention" else 0 for t in types])
+    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_state_size(config.ssm_state_size)
+    writer.add_ssm_group_count(config.n_groups)
+    writer.add_ssm_inner_size(config.mamba_num_heads * config.mamba_head_dim)
+    writer.add_ssm_time_step_rank(config.mamba_num_heads)
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    if moe:
+        writer.add_expert_count(config.n_routed_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.moe_shared_expert_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+
+
 def _tensors(model_dir: Path, config: PretrainedConfig) -> dict[str, torch.Tensor]:
     weights = load_file(str(model_dir / "model.safetensors"))
     experts: dict[str, dict[int, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
+        if config.model_type == "nemotron_h":
+            name, t = _nemotron_h(name, t, config)
         m = _EXPERT.match(name)
         if m:
             experts.setdefault(f"{m.group(1)}.{m.group(3)}.weight", {})[int(m.group(2))] = t
@@ -101,9 +246,16 @@ def _tensors(model_dir: Path, config: PretrainedConfig) -> dict[str, torch.Tenso
         if config.model_type in HYBRID:
             out.update(_linear_attention(name, t, config))
             continue
+        if config.model_type == "granitemoehybrid":
+            out.update(_granite_hybrid(name, t, config))
+            continue
+        if config.model_type in LFM2:  # conversion/lfm2.py: the conv kernel squeezed, expert_bias as a bias
+            t = t.squeeze(1) if "conv.conv" in name else t
+            name = name.replace(".expert_bias", ".expert_bias.bias") if name.endswith(".expert_bias") else name
         out[name] = t
     for name, parts in experts.items():
-        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+        # LFM2-MoE's converter names the stacked experts without "model." (as TensorNameMap knows them).
+        out[name.removeprefix("model.") if config.model_type in LFM2 else name] = torch.stack([parts[e] for e in sorted(parts)])
     if config.model_type == "gpt_oss":  # stacked input-major experts, gate/up interleaved: split as llama.cpp does
         stacked = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")
         for name in [n for n in out if n.endswith(stacked)]:
@@ -164,9 +316,12 @@ def write_gguf(
     fuse_gate_up_exps: bool = False,
     mtp_layers: int = 0,
 ) -> Path:
-    arch = ARCHS[config.model_type]
+    arch = MODEL_ARCH.NEMOTRON_H_MOE if _nemotron_h_moe(config) else ARCHS[config.model_type]
     name_map = TensorNameMap(arch, config.num_hidden_layers + mtp_layers)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    if config.model_type == "nemotron_h":  # no RoPE, no rms_norm_eps: its own keys
+        _write_nemotron_h_metadata(writer, config, arch == MODEL_ARCH.NEMOTRON_H_MOE)
+        return _write_vocab_and_tensors(writer, config, _tensors(model_dir, config), name_map, qtype, path)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -176,10 +331,22 @@ def write_gguf(
     if getattr(config, "intermediate_size", None):  # Qwen3.5-MoE has none
         writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if config.model_type in LFM2:  # conversion/lfm2.py: KV heads per layer (0: conv), no head_dim keys
+        writer.add_head_count_kv([config.num_key_value_heads if t != "conv" else 0 for t in config.layer_types])
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        writer.add_shortconv_l_cache(config.conv_L_cache)
+        writer.add_vocab_size(config.vocab_size)
+        if config.model_type == "lfm2":
+            writer.add_feed_forward_length(_lfm2_ff_dim(config))
+        else:
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+            writer.add_leading_dense_block_count(config.num_dense_layers)
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    else:
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     params = config.rope_parameters
     if config.model_type == "gpt_oss":
         writer.add_sliding_window(config.sliding_window)
@@ -194,7 +361,8 @@ def write_gguf(
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(params["factor"])
     writer.add_rope_freq_base(params["rope_theta"])
-    writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
+    if config.model_type not in LFM2:  # conversion/lfm2.py writes no rotary width
+        writer.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
     if config.model_type == "phi3":  # as llama.cpp's converter: 0 for no window, LongRoPE as tensors
         writer.add_sliding_window(config.sliding_window or 0)
         if params.get("rope_type") == "longrope":
@@ -223,9 +391,18 @@ def write_gguf(
         writer.add_full_attention_interval(getattr(config, "full_attention_interval", 4))
         if config.model_type != "qwen3_next":
             writer.add_rope_dimension_sections((list(params.get("mrope_section", _QWEN35_DEFAULT_MROPE_SECTION)) + [0] * 4)[:4])
+    if config.model_type == "granitemoehybrid":
+        _write_granite_hybrid_metadata(writer, config)
+    tensors = _converter_options(_tensors(model_dir, config), config, fuse_qkv, fuse_gate_up_exps, mtp_layers)
+    return _write_vocab_and_tensors(writer, config, tensors, name_map, qtype, path)
+
+
+def _write_vocab_and_tensors(
+    writer: gguf.GGUFWriter, config: PretrainedConfig, tensors: dict[str, torch.Tensor], name_map: TensorNameMap,
+    qtype: GGMLQuantizationType, path: Path,
+) -> Path:
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    tensors = _converter_options(_tensors(model_dir, config), config, fuse_qkv, fuse_gate_up_exps, mtp_layers)
     for name, t in tensors.items():
         gguf_name = name if name.startswith("blk.") else name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
