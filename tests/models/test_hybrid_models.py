@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 from gguf_writer import write_gguf
 from hf_oracle import HFGreedy, check_close, hf_greedy_uncached
 from model_utils import make_random_hf_model
@@ -24,16 +25,55 @@ _TINY = dict(
     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
 )
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+_NEMOTRON_H = dict(layers_block_type=None, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4)
 
 
 def _config(model_type: str, **fields) -> Callable[[], PretrainedConfig]:
     return lambda: AutoConfig.for_model(model_type, **{**_TINY, **fields})
 
 
+# Granite 4.0-H: Mamba-2 layers and one attention layer, NoPE, Granite's multipliers; two groups of B and C in the
+# dense model (split over TP ranks), one in the MoE model (as the released ones: every rank holds it).
+_GRANITE = dict(
+    vocab_size=128, hidden_size=64, max_position_embeddings=256, num_attention_heads=4, num_key_value_heads=2,
+    num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+    mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, position_embedding_type="nope",
+    embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=2.0,
+)
+
+
+def _granite(**fields) -> Callable[[], PretrainedConfig]:
+    return lambda: AutoConfig.for_model("granitemoehybrid", **{**_GRANITE, **fields})
+
+
+# LFM2: gated short convolutions and one attention layer; the MLP's width from 2/3 of intermediate_size
+# rounded up to block_multiple_of (100 -> 66 -> 96); LFM2-MoE's first block dense, the others experts.
+_LFM2 = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=100, max_position_embeddings=256, num_attention_heads=4,
+    num_key_value_heads=2, num_hidden_layers=4, conv_L_cache=3, layer_types=["conv", "conv", "full_attention", "conv"],
+)
+
+
+def _lfm2(model_type: str, **fields) -> Callable[[], PretrainedConfig]:
+    return lambda: AutoConfig.for_model(model_type, **{**_LFM2, **fields})
+
+
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen3.5": _config("qwen3_5_text"),
     "qwen3.5-moe": _config("qwen3_5_moe_text", **_MOE),
     "qwen3-next": _config("qwen3_next", **_MOE),
+    "lfm2": _lfm2("lfm2", block_multiple_of=32),
+    "lfm2-moe": _lfm2("lfm2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1),
+    "granite-4.0-h": _granite(num_local_experts=0, shared_intermediate_size=96),
+    "granite-4.0-h-moe": _granite(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=48, mamba_n_groups=1
+    ),
+    # Mamba-2 (M), attention (*), ReLU² MLP (-) and MoE (E) blocks; the MoE routes in two groups.
+    "nemotron-h": _config("nemotron_h", hybrid_override_pattern="M-M*-M-", **_NEMOTRON_H),
+    "nemotron-h-moe": _config(
+        "nemotron_h", hybrid_override_pattern="ME*EM", n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1, routed_scaling_factor=2.5, **_NEMOTRON_H,
+    ),
 }
 _MAX_TOKENS = 10
 
@@ -49,6 +89,10 @@ def _prompts() -> list[list[int]]:
 def checkpoint(request, tmp_path_factory) -> tuple[str, Path, PretrainedConfig, list[HFGreedy]]:
     path = tmp_path_factory.mktemp(request.param)
     hf_model = make_random_hf_model(CONFIGS[request.param](), seed=1)
+    with torch.no_grad():  # learnt buffers too (Nemotron-H's and LFM2-MoE's routing bias), which transformers initialises to zero
+        for name, buffer in hf_model.named_buffers():
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # LFM2-MoE: expert_bias
+                buffer.normal_(0.0, 0.1)
     hf_model.save_pretrained(path)
     return request.param, path, hf_model.config, [hf_greedy_uncached(hf_model, p, _MAX_TOKENS) for p in _prompts()]
 
