@@ -18,7 +18,7 @@ from pagellm.core.kv_cache_groups import KVCacheLayout, group_layers, single_gro
 from pagellm.core.kv_cache_manager import KVCacheManager  # noqa: F401  (registers "paged")
 from pagellm.distributed.partition import max_kv_heads_per_rank
 from pagellm.models.shape import ModelShape
-from pagellm.worker.kv_cache import bytes_per_block, determine_num_blocks
+from pagellm.worker.kv_cache import bytes_per_block, determine_num_blocks, grouped_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,11 @@ def plan_kv_cache(
     error when the user set it, and is lowered with a warning when it was the model's own."""
     kv_heads = max_kv_heads_per_rank(shape.num_kv_heads, config.tensor_parallel_size)
     block_size = config.block_size
-    block_bytes = bytes_per_block(layout.group_size, block_size, kv_heads, shape.head_dim, kv_cache_dtype)
+    if shape.layer_kv_heads:  # layers of different shapes: a tensor per shape at each group position
+        per_rank = [(max_kv_heads_per_rank(h, config.tensor_parallel_size), d) for h, d in shape.layer_kv_heads]
+        block_bytes = grouped_bytes_per_block(layout, per_rank, block_size, kv_cache_dtype)
+    else:
+        block_bytes = bytes_per_block(layout.group_size, block_size, kv_heads, shape.head_dim, kv_cache_dtype)
     if draft_shape is not None:
         if not layout.plain:
             raise ValueError("a speculative draft model needs a target whose layers all attend in full; use 'ngram'")

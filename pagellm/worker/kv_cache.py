@@ -1,4 +1,15 @@
-"""Sizing and allocating the paged KV cache tensors, and faulting their memory in while idle."""
+"""Sizing and allocating the paged KV cache tensors, and faulting their memory in while idle.
+
+Layers whose KV rows differ (Gemma 4: its full layers' heads are twice as wide as its sliding
+layers') cannot share one tensor per group position: position k gets a tensor for each (KV heads,
+head size) found at k across the groups (:func:`grouped_kv_tensors`). A block id is a page of one
+group in every tensor, so a block pays for the rows of every kind at each position while its
+group uses one kind's. The alternative, vLLM's page-size unification (pages of equal bytes, a
+narrow group holding more tokens per block), needs a block size per group in the KV cache manager,
+its prefix hashing and every block table; separate tensors change only allocation and sizing, and
+keep every tensor contiguous for the kernels (a narrow layer's view into wider pages would not be).
+A model whose layers share one shape keeps one tensor per position, byte for byte as before.
+"""
 from __future__ import annotations
 
 import ctypes
@@ -7,7 +18,7 @@ import math
 import mmap
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -132,15 +143,44 @@ def allocate_grouped_kv_caches(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    layer_kv_heads: Optional[Sequence[tuple[int, int]]] = None,
 ) -> list[torch.Tensor]:
     """One KV cache per attention layer, as the model takes them: ``layout.group_size`` tensors,
     layer k of every group sharing tensor k (a block id is a page of one group, so the groups never
     collide). With one group this is ``allocate_kv_caches``: a tensor of its own per layer. A
     recurrent layer's entry is None (its state is in ``allocate_state_caches``'), as is a layer's
-    without a cache; a layer reading another's KV gets that layer's tensor."""
-    tensors = allocate_kv_caches(layout.group_size, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    without a cache; a layer reading another's KV gets that layer's tensor. ``layer_kv_heads``:
+    per layer (this rank's KV heads, head size) where layers differ (:func:`grouped_kv_tensors`)."""
     state = set(layout.state_layer_ids) | set(layout.no_cache_layer_ids)
+    if layer_kv_heads is not None:  # layers of different shapes: a tensor per shape and position
+        shapes, tensor_ids = grouped_kv_tensors(layout, layer_kv_heads)
+        tensors = [allocate_kv_caches(1, num_blocks, block_size, heads, dim, dtype, device)[0] for heads, dim in shapes]
+        return [None if layer in state else tensors[i] for layer, i in enumerate(tensor_ids)]
+    tensors = allocate_kv_caches(layout.group_size, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     return [None if layer in state else tensors[i] for layer, i in enumerate(layout.layer_tensor_ids)]
+
+
+def grouped_kv_tensors(layout: KVCacheLayout, layer_kv_heads: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
+    """The pool's KV tensors as (KV heads, head size), position by position (one per shape found at
+    that position across the groups), and per layer the index of its tensor (a layer reading
+    another's KV: the source's; -1: a layer without KV)."""
+    index: dict[tuple[int, tuple[int, int]], int] = {}
+    tensor_ids = [-1] * layout.num_layers
+    for position in range(layout.group_size):
+        for group in layout.groups:
+            if position < len(group.layer_ids):
+                layer = group.layer_ids[position]
+                key = (position, (int(layer_kv_heads[layer][0]), int(layer_kv_heads[layer][1])))
+                tensor_ids[layer] = index.setdefault(key, len(index))
+    for layer, source in layout.kv_shared_layers:
+        tensor_ids[layer] = tensor_ids[source]
+    return [shape for _, shape in index], tensor_ids
+
+
+def grouped_bytes_per_block(layout: KVCacheLayout, layer_kv_heads: Sequence[tuple[int, int]], block_size: int, dtype: torch.dtype) -> int:
+    """One pool block across every KV tensor of :func:`grouped_kv_tensors`."""
+    shapes, _ = grouped_kv_tensors(layout, layer_kv_heads)
+    return sum(bytes_per_block(1, block_size, heads, head_dim, dtype) for heads, head_dim in shapes)
 
 
 def allocate_state_caches(

@@ -31,6 +31,7 @@ _TINY = dict(
     head_dim=16,
 )
 _WINDOW = 7  # shorter than the prompts and not a multiple of the block size
+_SLIDING, _FULL = "sliding_attention", "full_attention"
 _GEMMA_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
@@ -73,6 +74,39 @@ CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], bool]] = {
             query_pre_attn_scalar=24,
             rope_parameters=_GEMMA_ROPE,
             final_logit_softcapping=5.0,
+        ),
+        False,
+    ),
+    # Gemma 4: a wider-head full layer with proportional RoPE, per-layer inputs, the last two
+    # layers reading the KV of layers 1 and 2.
+    "gemma4": (
+        _config(
+            "gemma4_text",
+            num_hidden_layers=6,
+            layer_types=[_SLIDING, _SLIDING, _FULL, _SLIDING, _SLIDING, _FULL],
+            sliding_window=_WINDOW,
+            global_head_dim=32,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=128,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            final_logit_softcapping=30.0,
+        ),
+        False,
+    ),
+    # Gemma 4 31B-style: full layers with fewer, wider KV heads whose values are the keys'
+    # projection; no per-layer inputs, no KV sharing.
+    "gemma4-k-eq-v": (
+        _config(
+            "gemma4_text",
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            layer_types=[_SLIDING, _FULL, _SLIDING, _FULL],
+            sliding_window=_WINDOW,
+            global_head_dim=32,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=2,
+            hidden_size_per_layer_input=0,
         ),
         False,
     ),

@@ -13,7 +13,8 @@ from model_utils import make_random_hf_model
 from test_architectures import CONFIGS, GGUF_CONFIGS
 
 from pagellm import LLM, SamplingParams
-from pagellm.models.loader import default_model_path
+from pagellm.models.loader import default_model_path, load_hf_config
+from pagellm.models.shape import ModelShape
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +45,10 @@ def _generate(path: Path, **kwargs):
 
 def test_engine_greedy_matches_transformers(checkpoint) -> None:
     name, path, reference = checkpoint
-    config = CONFIGS[name][0]()
     # 96 tokens of every layer's KV (float32) cannot hold the four full-attention requests at
     # once: some are preempted and recomputed; 16 tokens a step split every prompt into chunks.
-    token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    shape = ModelShape.from_hf_config(load_hf_config(str(path)))
+    token_bytes = 2 * sum(heads * dim for heads, dim in map(shape.kv_heads_of, shape.kv_layer_ids)) * 4
     outputs = _generate(path, block_size=4, kv_cache_memory_bytes=96 * token_bytes, max_num_batched_tokens=16, max_num_seqs=4)
     for i, (ours, ref) in enumerate(zip(outputs, reference)):
         check_close(ours, ref, f"{name} prompt {i}")
