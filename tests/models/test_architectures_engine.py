@@ -75,3 +75,30 @@ def test_gguf_file_served_matches_transformers_on_one_and_two_ranks(name: str, t
     for i, (a, b, ref) in enumerate(zip(one, two, reference)):
         check_close(a, ref, f"{name} GGUF prompt {i}")
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+
+
+@pytest.mark.parametrize("name", ["gemma4"])
+def test_prefix_caching_equals_no_caching(name: str, tmp_path: Path) -> None:
+    """Prompts sharing a stem cut inside a 4-token block, each sent after the one it shares with:
+    hits skip the stem's full blocks (sliding windows and layers reading another's KV included)
+    and change no token."""
+    hf_model = make_random_hf_model(CONFIGS[name][0](), seed=1)
+    hf_model.save_pretrained(tmp_path)
+    stem = [(5 * j + 3) % 120 + 3 for j in range(45)]
+    prompts = [stem + [7, 8, 9], stem[:30] + [11, 12], stem[:41] + [21, 22, 23], stem[:37] + [1]]
+    reference = [hf_greedy_uncached(hf_model, p, _MAX_TOKENS) for p in prompts]
+
+    def run(caching: bool):
+        llm = LLM(model=str(tmp_path), tokenizer=default_model_path(), dtype="float32", max_model_len=96, block_size=4,
+                  num_kv_blocks=128, max_num_batched_tokens=16, enable_prefix_caching=caching)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, logprobs=5, ignore_eos=True)
+            return [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        finally:
+            llm.shutdown()
+
+    cached, plain = run(True), run(False)
+    assert [o.num_cached_tokens for o in cached] == [0, 28, 40, 36]  # each stem's full blocks (30, 41, 37 tokens)
+    for i, (a, b, ref) in enumerate(zip(cached, plain, reference)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"{name} prompt {i}: caching changed the output"
+        check_close(a, ref, f"{name} prompt {i}")
