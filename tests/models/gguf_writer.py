@@ -139,8 +139,10 @@ def _write_granite_hybrid_metadata(writer: gguf.GGUFWriter, config: PretrainedCo
     """GraniteHybridModel.set_gguf_parameters beyond the common keys: Granite's multipliers (as
     *_scale), the shared MLP's width, the Mamba dims, KV heads per layer (0 on a Mamba layer), and
     RoPE off (rope_finetuned False, a 2**20 context) for every model but Bamba."""
-    if not config.num_local_experts:  # TextModel writes a count of 0 too
+    if not config.num_local_experts:  # TextModel writes a count of 0 too, and the config's top-k
         writer.add_expert_count(0)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_vocab_size(config.vocab_size)
     writer.add_attention_scale(config.attention_multiplier)
     writer.add_embedding_scale(config.embedding_multiplier)
     writer.add_residual_scale(config.residual_multiplier)
@@ -345,8 +347,9 @@ def write_gguf(
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+        if config.model_type != "granitemoehybrid":  # conversion/granite.py drops head_dim
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
     params = config.rope_parameters
     if config.model_type == "gpt_oss":
         writer.add_sliding_window(config.sliding_window)
