@@ -34,36 +34,30 @@ def discretized_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[floa
     return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_limit[0], max=dt_limit[1])
 
 
-def _segment_sum(a: torch.Tensor) -> torch.Tensor:
-    """``out[..., l, s] = a[..., s + 1] + ... + a[..., l]`` for ``s <= l``, -inf above the diagonal
-    (transformers' ``segment_sum``: masked cumulative sums, not differences of one long cumsum, which
-    lose precision once the decay sums grow large)."""
-    c = a.shape[-1]
-    x = a[..., None].expand(*a.shape, c)  # x[..., l, s] = a[..., l]
-    strict = torch.tril(torch.ones(c, c, dtype=torch.bool, device=a.device), diagonal=-1)
-    x = x.masked_fill(~strict, 0).cumsum(dim=-2)
-    lower = torch.tril(torch.ones(c, c, dtype=torch.bool, device=a.device))
-    return x.masked_fill(~lower, float("-inf"))
-
-
 def _chunk_step(S: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor):
-    """One chunk of ``c`` tokens of one sequence in the SSD form, every head at once.
+    """One chunk of ``c`` tokens of one sequence in the SSD form (transformers' ``mamba2_chunk_scan``),
+    every head at once, the heads of a group sharing its ``C.B`` and reading B and C without copies.
 
     S [H, P, N]; x [c, H, P]; dt [c, H]; A [H]; B, C [c, G, N] (all float32). Returns (y without the
     D skip [c, H, P], the state after the chunk)."""
-    H, G = x.shape[1], B.shape[1]
+    c, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
     rep = H // G
-    xdt = (x * dt[..., None]).transpose(0, 1)  # [H, c, P]
-    a = (dt * A).t()  # [H, c]
-    cum = a.cumsum(dim=-1)
-    Bh = B.transpose(0, 1).repeat_interleave(rep, dim=0)  # [H, c, N]
-    Ch = C.transpose(0, 1).repeat_interleave(rep, dim=0)
-    # C.B per group, shared by its heads.
-    CB = (C.transpose(0, 1) @ B.transpose(0, 1).transpose(-1, -2)).repeat_interleave(rep, dim=0)  # [H, c, c]
-    y = (CB * _segment_sum(a).exp()) @ xdt  # within the chunk
-    y = y + (Ch @ S.transpose(-1, -2)) * cum.exp()[..., None]  # from the state before it
+    Bg, Cg = B.transpose(0, 1), C.transpose(0, 1)  # [G, c, N]
+    xdt = (x * dt[..., None]).permute(1, 0, 2)  # [H, c, P]
+    cum = (dt * A).t().cumsum(dim=-1)  # [H, c]
+    # decay[h, l, s] = exp(cum[l] - cum[s]) for s <= l (vLLM's and mamba_ssm's chunk-scan kernels take the
+    # same difference of cumulative sums in float32).
+    upper = torch.ones(c, c, dtype=torch.bool, device=x.device).triu(1)
+    decay = (cum[:, :, None] - cum[:, None, :]).masked_fill_(upper, float("-inf")).exp_()
+    scores = decay.view(G, rep, c, c).mul_((Cg @ Bg.transpose(-1, -2))[:, None])  # [G, rep, c, c]
+    y = scores.view(H, c, c) @ xdt  # within the chunk
+    # From the state before the chunk: C_t . S, decayed to token t.
+    y_state = (Cg @ S.view(G, rep * P, N).transpose(-1, -2)).view(G, c, rep, P).permute(0, 2, 1, 3).reshape(H, c, P)
+    y += y_state * cum.exp()[..., None]
     tail = (cum[:, -1:] - cum).exp()  # [H, c]: decay from each token to the chunk's end
-    S = S * cum[:, -1].exp()[:, None, None] + (xdt * tail[..., None]).transpose(-1, -2) @ Bh
+    contrib = (xdt * tail[..., None]).transpose(-1, -2).reshape(G, rep * P, c) @ Bg  # [G, rep * P, N]
+    S = S * cum[:, -1].exp()[:, None, None] + contrib.view(H, P, N)
     return y.transpose(0, 1), S
 
 
@@ -130,15 +124,16 @@ def selective_state_scan_reference(
         rows = torch.tensor([starts[i] for i in decodes], device=x.device)
         dslots = torch.tensor([slots[i] for i in decodes], device=x.device)
         keep = torch.tensor([initial[i] for i in decodes], device=x.device)
-        S0 = state.index_select(0, dslots)
-        S0 = torch.where(keep[:, None, None, None], S0, torch.zeros((), dtype=S0.dtype, device=S0.device))
+        # In place on one gathered copy: a batch of decodes is dominated by passes over the states.
+        S = state.index_select(0, dslots).masked_fill_(~keep[:, None, None, None], 0.0)
         d = dtf[rows]  # [n, H]
-        xr = xf[rows]  # [n, H, P]
+        xdt = xf[rows] * d[..., None]  # [n, H, P]
         Bh = Bf[rows].repeat_interleave(rep, dim=1)  # [n, H, N]
         Ch = Cf[rows].repeat_interleave(rep, dim=1)
-        S1 = S0 * (d * Af).exp()[..., None, None] + (xr * d[..., None])[..., None] * Bh[:, :, None, :]
-        out[rows] = (S1 @ Ch[..., None])[..., 0]
-        state.index_copy_(0, dslots, S1)
+        S.mul_((d * Af).exp()[..., None, None])
+        S.view(-1, P, S.shape[-1]).baddbmm_(xdt.reshape(-1, P, 1), Bh.reshape(-1, 1, Bh.shape[-1]))
+        out[rows] = (S @ Ch[..., None])[..., 0]
+        state.index_copy_(0, dslots, S)
         for i in decodes:
             for _, s in cps[i]:
                 state[s] = state[slots[i]]
