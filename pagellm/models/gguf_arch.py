@@ -280,6 +280,35 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         },
         norm_shift=1.0,
     ),
+    # Gemma 4: the full layers' head size is key_length, the sliding layers' key_length_swa.
+    "gemma4": GGUFArch(
+        "gemma4_text",
+        "Gemma4ForCausalLM",
+        "gemma3",
+        extra_keys={
+            "final_logit_softcapping": "final_logit_softcapping",
+            "attention.key_length": "global_head_dim",
+            "attention.key_length_swa": "head_dim",
+            "attention.sliding_window_pattern": "sliding_window_pattern",
+            "attention.shared_kv_layers": "num_kv_shared_layers",
+            "embedding_length_per_layer_input": "hidden_size_per_layer_input",
+            "rope.freq_base_swa": "rope_theta_swa",
+        },
+        block_names={
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+            "inp_gate": "per_layer_input_gate",
+            "proj": "per_layer_projection",
+            "post_norm": "post_per_layer_input_norm",
+            "layer_output_scale": "layer_scalar",
+        },
+        top_level_names={
+            "per_layer_token_embd": "model.embed_tokens_per_layer",
+            "per_layer_model_proj": "model.per_layer_model_projection",
+            "per_layer_proj_norm": "model.per_layer_projection_norm",
+        },
+    ),
     "phi3": GGUFArch(
         "phi3",
         "Phi3ForCausalLM",
@@ -374,6 +403,8 @@ def finish_config(arch: GGUFArch, values: dict[str, Any]) -> dict[str, Any]:
             for i in range(values["num_hidden_layers"])
         ]
         values["tie_word_embeddings"] = True
+    elif arch.model_type == "gemma4_text":
+        _finish_gemma4(values, theta)
     elif arch.model_type == "phi3":
         rotary_dim = values.pop("rotary_dim", None) or head_dim
         values["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rotary_dim / head_dim}
@@ -472,6 +503,27 @@ def _finish_nemotron_h(arch: GGUFArch, values: dict[str, Any]) -> None:
     if max(ff):  # else the config's default: no block reads it
         values["intermediate_size"] = max(ff)
     values["mamba_head_dim"] = int(values.pop("mamba_inner_size")) // int(values["mamba_num_heads"])
+
+
+def _finish_gemma4(values: dict[str, Any], theta: float) -> None:
+    """Gemma 4: layer kinds from the file's pattern, plain RoPE on sliding layers and proportional
+    on full ones (its share from rope_freqs), and where the file lists a value per layer: the MLP
+    width (wider: use_double_wide_mlp) and the full layers' KV heads."""
+    kinds = ["sliding_attention" if s else "full_attention" for s in values.pop("sliding_window_pattern")]
+    values["layer_types"] = kinds
+    values["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": float(values.pop("rope_theta_swa", 10000.0))},
+        "full_attention": {
+            "rope_type": "proportional", "partial_rotary_factor": values.pop("rope_partial_rotary_factor"), "rope_theta": theta
+        },
+    }
+    widths = values.get("intermediate_size")
+    if isinstance(widths, list):
+        values["intermediate_size"], values["use_double_wide_mlp"] = min(widths), max(widths) != min(widths)
+    kv_heads = values.get("num_key_value_heads")
+    if isinstance(kv_heads, list):
+        values["num_key_value_heads"] = kv_heads[kinds.index("sliding_attention")]
+        values["num_global_key_value_heads"] = kv_heads[kinds.index("full_attention")]
 
 
 def _finish_hybrid(arch: GGUFArch, values: dict[str, Any], theta: float) -> None:

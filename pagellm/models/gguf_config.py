@@ -119,6 +119,22 @@ def gguf_config_dict(gguf_file: GGUFFile) -> dict[str, Any]:
     return config
 
 
+def _gemma4_tensor_fields(gguf_file: GGUFFile, values: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma 4 file states in tensors: proportional RoPE's rotated share (rope_freqs: 1 for a
+    rotated pair, 1e30 for the rest), the per-layer embedding's rows, and K=V full layers (no attn_v)."""
+    fields: dict[str, Any] = {"rope_partial_rotary_factor": 1.0}
+    if "rope_freqs.weight" in gguf_file.tensors:
+        freqs = gguf_file.dequantized("rope_freqs.weight")
+        fields["rope_partial_rotary_factor"] = float((freqs < 1e20).sum()) / freqs.numel()
+    if "per_layer_token_embd.weight" in gguf_file.tensors:
+        fields["vocab_size_per_layer_input"] = gguf_file.tensors["per_layer_token_embd.weight"].shape[0]
+    pattern = values.get("sliding_window_pattern") or []
+    full = [i for i, swa in enumerate(pattern) if not swa]
+    if full and f"blk.{full[0]}.attn_v.weight" not in gguf_file.tensors:
+        fields["attention_k_eq_v"] = True
+    return fields
+
+
 def load_gguf_config(path: str) -> GGUFConfig | PretrainedConfig:
     """The config of a GGUF file: its metadata over the defaults of the architecture's config class
     (:data:`_CONFIG_DEFAULTS`), RoPE settings as transformers 5 keeps them."""
@@ -136,6 +152,8 @@ def load_gguf_config(path: str) -> GGUFConfig | PretrainedConfig:
         for factors, name in (("rope_long_factor", "rope_factors_long.weight"), ("rope_short_factor", "rope_factors_short.weight")):
             if name in gguf_file.tensors:
                 values[factors] = gguf_file.dequantized(name).tolist()
+        if gguf_file.architecture == "gemma4":
+            values.update(_gemma4_tensor_fields(gguf_file, values))
         values = finish_config(arch_of(gguf_file.architecture, gguf_file.metadata), values)
         return CONFIG_MAPPING[model_type](**values)
     values = {**_BASE_DEFAULTS, **_TRAINING_DEFAULTS, **_CONFIG_DEFAULTS[model_type], **values}

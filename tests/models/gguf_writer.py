@@ -31,6 +31,7 @@ ARCHS = {
     "qwen3_5_moe_text": MODEL_ARCH.QWEN35MOE,
     "nemotron_h": MODEL_ARCH.NEMOTRON_H,  # nemotron_h_moe where it has experts (_nemotron_h_moe)
     "granitemoehybrid": MODEL_ARCH.GRANITE_HYBRID,
+    "gemma4_text": MODEL_ARCH.GEMMA4,
     "lfm2": MODEL_ARCH.LFM2,
     "lfm2_moe": MODEL_ARCH.LFM2MOE,
 }
@@ -38,6 +39,7 @@ HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 LFM2 = ("lfm2", "lfm2_moe")
 # What the converter writes for Qwen3.5 when a checkpoint's rope parameters have no mrope_section.
 _QWEN35_DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
+FULL_ATTENTION = "full_attention"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward)\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
@@ -192,6 +194,52 @@ def _nemotron_h(name: str, t: torch.Tensor, config: PretrainedConfig) -> tuple[s
     return name, t
 
 
+def _write_gemma4(model_dir: Path, config: PretrainedConfig, path: Path, qtype: GGMLQuantizationType) -> Path:
+    """conversion/gemma.py's Gemma4Model: the full layers' head size as key_length and the sliding
+    layers' as key_length_swa, the layer pattern, the shared-KV layer count, the per-layer input
+    width, per-layer MLP widths with a double-wide MLP, KV heads per layer where full layers have
+    their own count, both RoPE bases, and proportional RoPE as rope_freqs (1 for rotated pairs,
+    1e30 for the rest); norms stored as they are, layer_scalar as layer_output_scale."""
+    read = config._getattr_without_heterogeneous_validation
+    head_full, head_swa = config.per_layer_config[FULL_ATTENTION].head_dim, read("head_dim")
+    swa = [t == "sliding_attention" for t in config.layer_types]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[MODEL_ARCH.GEMMA4])
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    ff = config.intermediate_size
+    if config.use_double_wide_mlp:
+        writer.add_feed_forward_length([ff if i < first_shared else 2 * ff for i in range(config.num_hidden_layers)])
+    else:
+        writer.add_feed_forward_length(ff)
+    writer.add_head_count(config.num_attention_heads)
+    kv_swa, kv_full = read("num_key_value_heads"), config.per_layer_config[FULL_ATTENTION].num_key_value_heads
+    writer.add_head_count_kv([kv_swa if s else kv_full for s in swa] if kv_full != kv_swa else kv_swa)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(head_full)
+    writer.add_value_length(head_full)
+    writer.add_key_length_swa(head_swa)
+    writer.add_value_length_swa(head_swa)
+    full_rope, swa_rope = config.rope_parameters[FULL_ATTENTION], config.rope_parameters["sliding_attention"]
+    writer.add_rope_freq_base(full_rope["rope_theta"])
+    writer.add_rope_freq_base_swa(swa_rope["rope_theta"])
+    writer.add_rope_dimension_count(head_full)
+    writer.add_rope_dimension_count_swa(head_swa)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern(swa)
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    rotated = int(head_full * full_rope["partial_rotary_factor"] / 2)
+    tensors = {"rope_freqs.weight": torch.tensor([1.0] * rotated + [1e30] * (head_full // 2 - rotated))}
+    for name, t in load_file(str(model_dir / "model.safetensors")).items():
+        tensors[name + ".weight" if name.endswith("layer_scalar") else name] = t
+    name_map = TensorNameMap(MODEL_ARCH.GEMMA4, config.num_hidden_layers)
+    return _write_vocab_and_tensors(writer, config, tensors, name_map, qtype, path)
+
+
 def _write_nemotron_h_metadata(writer: gguf.GGUFWriter, config: PretrainedConfig, moe: bool) -> None:
     """NemotronHModel.set_gguf_parameters and its bases' keys as the file ends up with them: a 2**20
     context (no RoPE), the feed-forward length and KV heads per layer (0 elsewhere: llama.cpp tells the
@@ -318,6 +366,8 @@ def write_gguf(
     fuse_gate_up_exps: bool = False,
     mtp_layers: int = 0,
 ) -> Path:
+    if config.model_type == "gemma4_text":  # per-layer head sizes: keys of its own
+        return _write_gemma4(model_dir, config, path, qtype)
     arch = MODEL_ARCH.NEMOTRON_H_MOE if _nemotron_h_moe(config) else ARCHS[config.model_type]
     name_map = TensorNameMap(arch, config.num_hidden_layers + mtp_layers)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])

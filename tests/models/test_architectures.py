@@ -92,7 +92,7 @@ CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], bool]] = {
             use_double_wide_mlp=True,
             final_logit_softcapping=30.0,
         ),
-        False,
+        True,
     ),
     # Gemma 4 31B-style: full layers with fewer, wider KV heads whose values are the keys'
     # projection; no per-layer inputs, no KV sharing.
@@ -108,7 +108,7 @@ CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], bool]] = {
             num_global_key_value_heads=2,
             hidden_size_per_layer_input=0,
         ),
-        False,
+        True,
     ),
     "phi3-partial-rotary": (
         _config("phi3", pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
