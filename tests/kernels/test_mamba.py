@@ -85,6 +85,10 @@ def _check_against_naive(fn, lengths, H, G, P, N, dtype=torch.float32, dt_limit=
     torch.testing.assert_close(y.float(), ref.float().to(dtype).float(), rtol=tol, atol=tol)
     # Every slot: the written ones hold their states, the others are untouched.
     torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
+    written = set(slots.tolist()) | set(cps[:, 2].tolist())
+    for s in range(num_slots):
+        if s not in written:
+            assert torch.equal(state[s], state0[s]), f"slot {s} was written"
     return state
 
 
