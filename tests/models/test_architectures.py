@@ -244,3 +244,18 @@ def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path: Path) 
     assert config.architectures == ["Gemma3ForCausalLM"] and config.tie_word_embeddings
     model = load_model(str(tmp_path), config, torch.float32, torch.device("cpu"), TorchReferenceBackend())
     _check_paged_logits(model, hf_model)
+
+
+def test_gemma4_image_text_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma 4 ships as Gemma4ForConditionalGeneration: the decoder loads as Gemma4ForCausalLM under
+    its text names; the vision tower and the image embedder are left unread."""
+    from transformers import Gemma4Config
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                  patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
+    hf_model = make_random_hf_model(Gemma4Config(text_config=CONFIGS["gemma4"][0]().to_dict(), vision_config=vision), seed=1)
+    hf_model.save_pretrained(tmp_path)
+    config = load_hf_config(str(tmp_path))
+    assert config.architectures == ["Gemma4ForCausalLM"] and config.tie_word_embeddings
+    model = load_model(str(tmp_path), config, torch.float32, torch.device("cpu"), TorchReferenceBackend())
+    _check_paged_logits(model, hf_model)
