@@ -114,13 +114,13 @@ def make_offloader(
         where = "in host memory"
     offloader = KVOffloader(kv_tensors, store, max_staged_bytes=min(STAGING_BYTES, capacity), state_tensors=list(state_tensors) or None)
     logger.info(
-        "KV offloading tier %s%s: %.2f GiB, %d entries found (pages of %.2f MiB%s)",
+        "KV offloading tier %s%s: %.3g GiB, %d entries found (pages of %.3g MiB%s)",
         where,
         f" (rank {rank})" if config.tensor_parallel_size > 1 else "",
         capacity / 2**30,
         len(store.keys()),
         offloader.page_bytes / 2**20,
-        f", states of {offloader.state_bytes / 2**20:.2f} MiB" if offloader.state_bytes else "",
+        f", states of {offloader.state_bytes / 2**20:.3g} MiB" if offloader.state_bytes else "",
     )
     return offloader
 

@@ -113,3 +113,21 @@ def test_a_hybrid_prefix_resumes_from_its_state_in_the_tier_in_the_run_and_after
         assert (core.num_states_failed, core.num_states_loaded, worker.num_corrupt) == (1, NUM_DOCS - 1, 1)
     finally:
         llm.shutdown()
+
+
+def test_two_tensor_parallel_ranks_keep_their_share_of_each_state(model, uncached, tmp_path):
+    docs, tier_dir = _docs(), tmp_path / "tier"
+    llm = _llm(model, tier_dir, tensor_parallel_size=2)
+    try:
+        result = _run_each(llm, docs + docs)
+        assert [t for t, _ in result] == uncached + uncached
+        assert [hit for _, hit in result[NUM_DOCS:]] == [HIT] * NUM_DOCS
+    finally:
+        llm.shutdown()
+    llm = _llm(model, tier_dir, tensor_parallel_size=2)
+    try:
+        result = _run_each(llm, docs)
+        assert [t for t, _ in result] == uncached and [hit for _, hit in result] == [HIT] * NUM_DOCS
+        assert _tier(llm)[0].num_states_loaded == NUM_DOCS
+    finally:
+        llm.shutdown()
