@@ -380,7 +380,7 @@ def write_gguf(
     writer.add_block_count(config.num_hidden_layers + mtp_layers)
     if mtp_layers:
         writer.add_nextn_predict_layers(mtp_layers)
-    if getattr(config, "intermediate_size", None):  # Qwen3.5-MoE has none
+    if getattr(config, "intermediate_size", None) and config.model_type != "lfm2":  # Qwen3.5-MoE has none; LFM2's below
         writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     if config.model_type in LFM2:  # conversion/lfm2.py: KV heads per layer (0: conv), no head_dim keys
