@@ -154,7 +154,7 @@ class NemotronHForCausalLM(CausalLM):
             mixer = Mamba2Mixer(
                 c.hidden_size, c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size, c.conv_kernel, c.layer_norm_epsilon,
                 conv_bias=bool(c.use_conv_bias), proj_bias=bool(c.use_bias),
-                # transformers clamps the time steps from below at time_step_min.
+                # transformers' chunked scan clamps the time steps from below at time_step_min (its decode does not).
                 time_step_limit=(float(c.time_step_min), float("inf")),
             )
             return mixer, True
