@@ -13,7 +13,7 @@ names by pagellm.models.gguf_arch.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -23,6 +23,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.layers.attention import Attention, AttentionSpec
 from pagellm.layers.embedding import VocabParallelEmbedding
+from pagellm.layers.linear_method import WeightSource
 from pagellm.layers.mamba2 import Mamba2Mixer, mamba2_state_shapes
 from pagellm.layers.mlp import MLP
 from pagellm.layers.moe import FusedMoE
@@ -144,6 +145,10 @@ class NemotronHForCausalLM(CausalLM):
             if old in name and (old.startswith(".") or name.startswith(old)):
                 name = name.replace(old, new, 1)
         return super().checkpoint_target(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]], *args, **kwargs) -> set[str]:
+        # The multi-token-prediction head (mtp.*) is not served: transformers does not load it either.
+        return super().load_weights(((name, t) for name, t in weights if not name.startswith("mtp.")), *args, **kwargs)
 
     def make_mixer(self, c: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend) -> tuple[nn.Module, bool]:
         """Layer ``layer_idx``'s mixer, and whether it reads a cache."""
