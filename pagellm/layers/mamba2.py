@@ -27,7 +27,7 @@ from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import mamba, recurrent
 from pagellm.layers.gated_deltanet import DepthwiseConvWeight, GatedRMSNorm
 from pagellm.layers.linear import Linear, TPSplit
-from pagellm.models.shape import StateTensorShape
+from pagellm.layers.state_shape import StateTensorShape
 
 
 def mamba2_state_shapes(

@@ -5,13 +5,13 @@ The executor sizes the KV cache, groups layers by attention kind and builds batc
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from pagellm.layers.rotary import head_dim_of
+from pagellm.layers.state_shape import StateTensorShape  # the recurrent layers state what they keep
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -45,32 +45,6 @@ def layer_sliding_windows(hf_config: PretrainedConfig) -> tuple[Optional[int], .
     if unknown:
         raise ValueError(f"unsupported attention layer types {unknown}; supported: {SLIDING!r}, {FULL!r}")
     return tuple(int(window) if kind == SLIDING else None for kind in layer_types)
-
-
-@dataclass(frozen=True)
-class StateTensorShape:
-    """One of a recurrent layer's state tensors, one per request (all ranks' heads): ``shape``
-    with ``split_dim`` cut evenly across tensor-parallel ranks; float32 (a recurrent matrix, which
-    accumulates over the whole context) or the activations' dtype (a convolution's input tail)."""
-
-    shape: tuple[int, ...]
-    split_dim: int
-    float32: bool
-    # Runs of ``split_dim``, (units, elements per unit) each, that every rank holds whole when their
-    # units do not divide over the ranks (a Mamba-2 layer's B and C groups, vLLM's rule).
-    whole_if_indivisible: tuple[tuple[int, int], ...] = ()
-
-    def per_rank(self, tp_size: int) -> tuple[int, ...]:
-        runs = [units * size for units, size in self.whole_if_indivisible]
-        rest = self.shape[self.split_dim] - sum(runs)
-        if rest % tp_size:
-            raise ValueError(f"a recurrent state of shape {self.shape} cannot be split {tp_size} ways along dim {self.split_dim}")
-        held = rest // tp_size + sum(n // tp_size if units % tp_size == 0 else n for (units, _), n in zip(self.whole_if_indivisible, runs))
-        return tuple(held if d == self.split_dim else n for d, n in enumerate(self.shape))
-
-    def nbytes(self, dtype: torch.dtype, tp_size: int = 1) -> int:
-        element = 4 if self.float32 else torch.empty((), dtype=dtype).element_size()
-        return math.prod(self.per_rank(tp_size)) * element
 
 
 @dataclass(frozen=True)
