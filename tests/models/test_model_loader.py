@@ -94,6 +94,8 @@ def test_registry() -> None:
     assert supported_architectures() == [
         "Gemma3ForCausalLM",
         "GptOssForCausalLM",
+        "Lfm2ForCausalLM",
+        "Lfm2MoeForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "MixtralForCausalLM",
