@@ -13,6 +13,7 @@ transformers' ``Gemma4TextModel`` computes it:
 """
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from pagellm.layers.attention import Attention, AttentionSpec
 from pagellm.layers.embedding import VocabParallelEmbedding
 from pagellm.layers.linear import Linear
 from pagellm.layers.mlp import GatedMLP
+from pagellm.layers.moe import FusedMoE
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryArgs, RotaryEmbedding
 from pagellm.models.decoder import CausalLM, DecoderModel
@@ -73,6 +75,7 @@ def kv_sources(hf_config: PretrainedConfig) -> tuple[tuple[int, int], ...]:
     return tuple((i, last[kinds[i]]) for i in range(first, num_layers))
 
 
+_MOE_NAMES = re.compile(r"^(model\.layers\.\d+)\.(router|experts)\.(proj\.weight|scale|per_expert_scale|gate_up_proj|down_proj)$")
 # Gemma4ForConditionalGeneration's parts beside its language model and vision tower.
 _NOT_TEXT_PREFIXES = ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.", "audio_tower.", "embed_vision.", "embed_audio.")
 # The per-layer input gate's activation (the model's hidden_activation, applied on its own).
@@ -97,11 +100,62 @@ class LayerScalar(nn.Module):
         return [] if self.loaded else ["weight"]
 
 
+class Gemma4MoE(FusedMoE):
+    """The experts beside each layer's dense MLP (``enable_moe_block``: the 26B-A4B). Routed on the
+    stream itself (the MLP's input before its norm): RMS-normalised without a weight, times
+    ``scale`` and 1/sqrt(hidden), then the router's softmax over all experts, the top k
+    renormalised and each multiplied by its expert's ``per_expert_scale``."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        act = canonical_activation(getattr(hf_config, "hidden_activation", None) or "gelu_pytorch_tanh")
+        hidden, num_experts = hf_config.hidden_size, int(hf_config.num_experts)
+        super().__init__(hidden, num_experts, int(hf_config.top_k_experts), int(hf_config.moe_intermediate_size), act, router_name="proj")
+        self.eps = hf_config.rms_norm_eps
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
+        self.loaded_scales: set[str] = set()
+        self._stream: Optional[torch.Tensor] = None
+
+    def load_checkpoint_tensor(self, kind: str, shard: Optional[str], source: torch.Tensor) -> None:
+        """The router's two scales, and the experts stacked as transformers keeps them: ``gate_up_proj``
+        ``[experts, 2 * inter, hidden]`` (gate rows, then up rows), ``down_proj`` ``[experts, hidden, inter]``."""
+        if kind in ("scale", "per_expert_scale"):
+            getattr(self, kind).data.copy_(source)
+            self.loaded_scales.add(kind)
+        elif kind in ("gate_up_proj", "down_proj") and source.shape[0] == len(self.experts):
+            for expert, part in zip(self.experts, source):
+                if kind == "gate_up_proj":
+                    inter = part.shape[0] // 2
+                    expert.gate_up_proj.load_checkpoint_tensor("weight", "gate", part[:inter])
+                    expert.gate_up_proj.load_checkpoint_tensor("weight", "up", part[inter:])
+                else:
+                    expert.down_proj.load_checkpoint_tensor("weight", None, part)
+        else:
+            super().load_checkpoint_tensor(kind, shard, source)
+
+    def missing_weights(self) -> list[str]:
+        return sorted({"scale", "per_expert_scale"} - self.loaded_scales) + super().missing_weights()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = self._stream.float()
+        normed = (stream * torch.pow(stream.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
+        logits = self._modules[self.router_name](normed * self.scale * stream.shape[-1] ** -0.5).float()
+        weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[expert_ids]
+        return weights.to(x.dtype), expert_ids
+
+    def forward(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """The experts' sum for ``x`` (the stream after pre_feedforward_layernorm_2), routed on ``stream``."""
+        self._stream = stream
+        try:
+            return super().forward(x)
+        finally:
+            self._stream = None
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, hf_config: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend, kv_source: Optional[int]) -> None:
         super().__init__()
-        if getattr(hf_config, "enable_moe_block", False):
-            raise ValueError("Gemma 4's mixture-of-experts block (enable_moe_block) is not supported yet")
         window = layer_sliding_windows(hf_config)[layer_idx]
         self.layer_type = SLIDING if window is not None else FULL
         num_kv_heads, head_dim = layer_kv_heads(hf_config)[layer_idx]
@@ -133,6 +187,12 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.layer_scalar = LayerScalar()
+        self.moe = None
+        if getattr(hf_config, "enable_moe_block", False):
+            self.moe = Gemma4MoE(hf_config)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
         per_layer = int(getattr(hf_config, "hidden_size_per_layer_input", 0) or 0)
         if per_layer:  # small: every rank holds all of it
             self.act = _PER_LAYER_GATE_ACTIVATIONS[canonical_activation(act)]
@@ -147,7 +207,11 @@ class Gemma4DecoderLayer(nn.Module):
         """The stream after this layer (no residual add left pending: the layer scales all of it)."""
         out = self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), rope, kv_cache, attn_metadata))
         normed, hidden = self.pre_feedforward_layernorm(out, hidden)
-        hidden = hidden + self.post_feedforward_layernorm(self.mlp(normed))
+        out = self.mlp(normed)
+        if self.moe is not None:
+            experts = self.moe(self.pre_feedforward_layernorm_2(hidden), hidden)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
+        hidden = hidden + self.post_feedforward_layernorm(out)
         if per_layer_input is not None:
             gate = self.act(self.per_layer_input_gate(hidden)) * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gate))
@@ -238,6 +302,8 @@ class Gemma4ForCausalLM(CausalLM):
     def checkpoint_target(self, name: str) -> tuple[str, Optional[str]]:
         if name.endswith(".layer_scalar"):  # a buffer in transformers, a one-number module here
             name += ".weight"
+        # transformers' router and stacked experts are one module here (its experts, router proj and scales).
+        name = _MOE_NAMES.sub(r"\1.moe.\3", name)
         return super().checkpoint_target(name)
 
     def finish_loading(self, precision, device, dtype) -> None:

@@ -293,6 +293,9 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
             "attention.shared_kv_layers": "num_kv_shared_layers",
             "embedding_length_per_layer_input": "hidden_size_per_layer_input",
             "rope.freq_base_swa": "rope_theta_swa",
+            "expert_count": "num_experts",
+            "expert_used_count": "top_k_experts",
+            "expert_feed_forward_length": "moe_intermediate_size",
         },
         block_names={
             "post_attention_norm": "post_attention_layernorm",
@@ -302,7 +305,17 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
             "proj": "per_layer_projection",
             "post_norm": "post_per_layer_input_norm",
             "layer_output_scale": "layer_scalar",
+            # The 26B-A4B's experts beside the dense MLP: one module here (models/gemma4.py's Gemma4MoE).
+            "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+            "post_ffw_norm_1": "post_feedforward_layernorm_1",
+            "post_ffw_norm_2": "post_feedforward_layernorm_2",
+            "ffn_gate_inp": "moe.proj",
+            "ffn_gate_inp.scale": "moe",
+            "ffn_down_exps.scale": "moe",
         },
+        suffixless={"ffn_gate_inp.scale": "scale", "ffn_down_exps.scale": "per_expert_scale"},
+        moe_module="moe",
+        expert_names=_QWEN_EXPERTS,
         top_level_names={
             "per_layer_token_embd": "model.embed_tokens_per_layer",
             "per_layer_model_proj": "model.per_layer_model_projection",
@@ -509,6 +522,7 @@ def _finish_gemma4(values: dict[str, Any], theta: float) -> None:
     """Gemma 4: layer kinds from the file's pattern, plain RoPE on sliding layers and proportional
     on full ones (its share from rope_freqs), and where the file lists a value per layer: the MLP
     width (wider: use_double_wide_mlp) and the full layers' KV heads."""
+    values["enable_moe_block"] = bool(values.get("num_experts"))
     kinds = ["sliding_attention" if s else "full_attention" for s in values.pop("sliding_window_pattern")]
     values["layer_types"] = kinds
     values["rope_parameters"] = {

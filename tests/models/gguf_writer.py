@@ -232,10 +232,21 @@ def _write_gemma4(model_dir: Path, config: PretrainedConfig, path: Path, qtype: 
     writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
     if config.final_logit_softcapping:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.enable_moe_block:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.top_k_experts)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     rotated = int(head_full * full_rope["partial_rotary_factor"] / 2)
     tensors = {"rope_freqs.weight": torch.tensor([1.0] * rotated + [1e30] * (head_full // 2 - rotated))}
     for name, t in load_file(str(model_dir / "model.safetensors")).items():
-        tensors[name + ".weight" if name.endswith("layer_scalar") else name] = t
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.endswith("router.scale"):  # Gemma4Model.modify_tensors: the router's scales by llama.cpp's names
+            name = f"blk.{layer}.ffn_gate_inp.scale"
+        elif name.endswith("router.per_expert_scale"):
+            name = f"blk.{layer}.ffn_down_exps.scale"
+        elif name.endswith(("layer_scalar", "experts.gate_up_proj", "experts.down_proj")):  # filter_tensors
+            name += ".weight"
+        tensors[name] = t
     name_map = TensorNameMap(MODEL_ARCH.GEMMA4, config.num_hidden_layers)
     return _write_vocab_and_tensors(writer, config, tensors, name_map, qtype, path)
 

@@ -25,6 +25,9 @@ def make_random_hf_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's learnt per-layer scalars, a buffer in transformers
+                buffer.copy_(1.0 + 0.1 * torch.randn_like(buffer))
     return model
 
 

@@ -94,9 +94,9 @@ CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], bool]] = {
         ),
         True,
     ),
-    # Gemma 4 31B-style: full layers with fewer, wider KV heads whose values are the keys'
-    # projection; no per-layer inputs, no KV sharing.
-    "gemma4-k-eq-v": (
+    # Gemma 4 26B-A4B-style: full layers with fewer, wider KV heads whose values are the keys'
+    # projection; experts beside every dense MLP; no per-layer inputs, no KV sharing.
+    "gemma4-moe-k-eq-v": (
         _config(
             "gemma4_text",
             num_hidden_layers=4,
@@ -107,6 +107,10 @@ CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], bool]] = {
             attention_k_eq_v=True,
             num_global_key_value_heads=2,
             hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
         ),
         True,
     ),
