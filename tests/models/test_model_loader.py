@@ -93,6 +93,7 @@ def test_rope_table_covers_max_model_len_and_rejects_dynamic() -> None:
 def test_registry() -> None:
     assert supported_architectures() == [
         "Gemma3ForCausalLM",
+        "Gemma4ForCausalLM",
         "GptOssForCausalLM",
         "Lfm2ForCausalLM",
         "Lfm2MoeForCausalLM",
