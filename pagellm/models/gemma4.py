@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import TPShard, split_evenly
+from pagellm.kernels import ops
 from pagellm.layers.activation import canonical_activation
 from pagellm.layers.attention import Attention, AttentionSpec
 from pagellm.layers.embedding import VocabParallelEmbedding
@@ -257,8 +258,6 @@ class Gemma4Model(DecoderModel):
         kv_caches: Sequence[torch.Tensor],
         attn_metadata: AttentionMetadata | Sequence[AttentionMetadata],
     ) -> torch.Tensor:
-        from pagellm.kernels import ops
-
         hidden = self.embed_tokens(input_ids)
         fused = ops.supports(hidden)
         ropes = {kind: emb.prepare(positions, hidden.dtype, fused=fused) for kind, emb in self.rotary.items()}
