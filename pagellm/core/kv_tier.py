@@ -43,7 +43,7 @@ def is_state_key(key: BlockHash) -> bool:
 class KVTierCoreStats:
     """Cumulative counters of the scheduler's side (the bytes and seconds are the worker's)."""
 
-    num_keys: int = 0  # pages the tier holds, as far as the scheduler knows
+    num_keys: int = 0  # pages (and states) the tier holds, as far as the scheduler knows
     num_saves: int = 0  # pages ordered saved (evicted from the pool)
     num_loads: int = 0  # requests that loaded from the tier
     num_blocks_loaded: int = 0  # token blocks loaded (pages of every KV cache group)
