@@ -269,3 +269,31 @@ def test_after_a_restart_a_hybrid_prefix_loads_from_the_tier_and_a_flush_saved_i
     sched2.update_from_output(out, runner2.execute(out, sched2.requests))
     assert run_to_completion(sched2, runner2)["h"] == expected_output(PROMPT_H, 2)
     assert sched2.stats().kv_tier.num_hit_tokens == 20
+
+
+def test_pages_from_the_tier_lead_up_to_a_checkpoint_still_in_memory_which_is_held_meanwhile():
+    # 7 blocks but 16 slots: "g" evicts "h"'s pages 1-4, "h"'s checkpoints stay in the slot pool.
+    sched, runner = _hybrid_tiered(num_blocks=7, num_slots=16), PagedRunner(BS, hold=True)
+    _run_one(sched, runner, "h", PROMPT_H)
+    _run_one(sched, runner, "g", PROMPT_G)
+    hashes = hash_full_blocks(PROMPT_H, BS)
+    state = sched.kv_cache_manager.state_cache
+    checkpoint = state.pool.get_cached_block(hashes[4])
+    sched.add_request(make_request(sched, "h2", PROMPT_H, max_tokens=2))
+    out = sched.schedule()
+    assert [k for _, k in out.kv_loads["h2"]] == hashes[1:5]  # pages only: the state is in memory
+    assert checkpoint.ref_cnt == 1 and checkpoint in state.tier_held  # not handed out while the pages load
+    sched.update_from_output(out, runner.execute(out, sched.requests))
+    sched.kv_cache_manager.check_integrity()
+    out = sched.schedule()
+    res = runner.execute(out, sched.requests)
+    res.kv_loads_done = runner.release()
+    sched.update_from_output(out, res)
+    assert checkpoint.ref_cnt == 0 and not state.tier_held
+    out = sched.schedule()
+    assert [(r.req_id, r.num_computed_tokens) for r in out.new_reqs] == [("h2", 20)]
+    assert out.state_steps["h2"].restore_from == checkpoint.block_id
+    sched.update_from_output(out, runner.execute(out, sched.requests))
+    assert run_to_completion(sched, runner)["h2"] == expected_output(PROMPT_H, 2)[1:]
+    tier = sched.stats().kv_tier
+    assert (tier.num_blocks_loaded, tier.num_states_loaded, tier.num_hit_tokens) == (4, 0, 20)
