@@ -85,7 +85,11 @@ def distinct_kv_tensors(kv_caches: list[Any], draft_caches: list[torch.Tensor]) 
 
 def state_tensors_of(kv_caches: list[Any], kv_cache: KVCachePlan) -> tuple[torch.Tensor, ...]:
     """A hybrid model's recurrent layers' state tensors (``[num_slots, ...]``), layer by layer."""
-    return tuple(t for layer in kv_cache.layout.state_layer_ids for t in kv_caches[layer])
+    out: list[torch.Tensor] = []
+    for layer in kv_cache.layout.state_layer_ids:
+        states = kv_caches[layer]
+        out.extend(states if isinstance(states, (tuple, list)) else (states,))
+    return tuple(out)
 
 
 def make_offloader(
