@@ -1,18 +1,22 @@
-"""KV cache and recurrent state one request holds, decoding at 4,096 and 32,768 tokens: a Qwen3.5-2B-
-shape hybrid (18 Gated DeltaNet layers with a fixed state, 6 gated-attention layers with 2 KV heads of
-256) against a full-attention model of the same size (Qwen3-1.7B's attention: 28 layers, 8 KV heads
-of 128). What a request holds depends only on the layers, heads and states, so both checkpoints are
-those shapes with a narrow hidden size and a short MLP (random weights). At 4,096 tokens the engine
-runs the request for real; at 32,768 (a prefill too long for two cores to be worth it) its KV cache
-manager allocates the request's blocks and slot without running the model. Both are the engine's
-own account of what the request holds; at 4,096 the two agree (``allocated_bytes``).
+"""KV cache and recurrent state one request holds, decoding at 4,096 and 32,768 tokens: hybrid and
+sliding-window shapes against a full-attention model of about the same size. What a request holds
+depends only on the layers, heads and states, so every checkpoint is its shape with a narrow hidden
+size and a short MLP (random weights; a Mamba layer's width kept through its expand factor). At 4,096
+tokens the engine runs the request for real; at 32,768 (a prefill too long for two cores to be worth
+it) its KV cache manager allocates the request's blocks and slot without running the model. Both are
+the engine's own account of what the request holds; at 4,096 the two agree (``allocated_bytes``).
 
-usage: python -m pagellm.bench.kv_held_by_hybrid [OUT.json]
+Pairs (model, full-attention model of its size): Qwen3.5-2B (18 Gated DeltaNet + 6 gated-attention
+layers) against Qwen3-1.7B's attention; Granite-4.0-H-Micro (36 Mamba-2 + 4 attention layers) and
+Gemma 4-E4B (five sliding W=512 to one full, 512-wide full heads, the last 18 layers reading earlier
+layers' KV) against Llama-3.2-3B's attention (28 layers, 8 KV heads of 128).
+
+usage: python -m pagellm.bench.kv_held_by_hybrid [--models qwen3.5-2b,granite-4.0-h-micro,gemma4-e4b] [OUT.json]
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 
 import torch
@@ -27,16 +31,33 @@ from pagellm.request import Request
 
 CONTEXTS = (4096, 32768)
 NARROW = dict(vocab_size=49152, hidden_size=128, intermediate_size=128, max_position_embeddings=40000)
-QWEN35_2B = dict(
-    num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
-)
-QWEN3_17B = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+# (model_type, shape) of each model, and the full-attention model each is held against.
+SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen3.5-2b": ("qwen3_5_text", dict(
+        num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+    )),
+    # Granite's head size is hidden / heads: 4 query heads over a 512 hidden keep its KV, 4 heads of 128.
+    "granite-4.0-h-micro": ("granitemoehybrid", dict(
+        hidden_size=512, num_hidden_layers=40, num_attention_heads=4, num_key_value_heads=4, num_local_experts=0,
+        num_experts_per_tok=0, shared_intermediate_size=128, mamba_n_heads=64, mamba_n_groups=1, mamba_d_state=128,
+        mamba_d_head=64, mamba_d_conv=4, mamba_expand=8, layer_types=(["mamba"] * 9 + ["attention"]) * 4,
+        position_embedding_type="nope",
+    )),
+    "gemma4-e4b": ("gemma4_text", dict(
+        num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512, sliding_window=512,
+        num_kv_shared_layers=18, hidden_size_per_layer_input=8, vocab_size_per_layer_input=49152,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
+    )),
+    "qwen3-1.7b": ("qwen3", dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)),
+    "llama-3.2-3b": ("llama", dict(hidden_size=384, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128)),
+}
+FULL_ATTENTION_OF = {"qwen3.5-2b": "qwen3-1.7b", "granite-4.0-h-micro": "llama-3.2-3b", "gemma4-e4b": "llama-3.2-3b"}
 
 
 def held(model_type: str, shape: dict, num_tokens: int) -> dict:
-    config = AutoConfig.for_model(model_type, **NARROW, **shape)
+    config = AutoConfig.for_model(model_type, **{**NARROW, **shape})
     with tempfile.TemporaryDirectory() as path:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -64,13 +85,29 @@ def held(model_type: str, shape: dict, num_tokens: int) -> dict:
         return result
 
 
-if __name__ == "__main__":
-    report = {}
-    for n in CONTEXTS:
-        hybrid, full = held("qwen3_5_text", QWEN35_2B, n), held("qwen3", QWEN3_17B, n)
-        ratio = round(hybrid["allocated_bytes"] / full["allocated_bytes"], 3)
-        report[n] = {"qwen3.5-2b": hybrid, "qwen3-1.7b": full, "bytes_ratio": ratio}
-        print(n, json.dumps(report[n]), flush=True)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(FULL_ATTENTION_OF), help="comma-separated, of " + ", ".join(FULL_ATTENTION_OF))
+    parser.add_argument("out", nargs="?", help="write the report here as JSON")
+    args = parser.parse_args()
+    report: dict[str, dict] = {}
+    full_held: dict[tuple[str, int], dict] = {}
+    for name in args.models.split(","):
+        if name not in FULL_ATTENTION_OF:
+            parser.error(f"unknown model {name!r}; known: {', '.join(FULL_ATTENTION_OF)}")
+        full_name = FULL_ATTENTION_OF[name]
+        for n in CONTEXTS:
+            model = held(*SHAPES[name], n)
+            if (full_name, n) not in full_held:
+                full_held[full_name, n] = held(*SHAPES[full_name], n)
+            full = full_held[full_name, n]
+            entry = {name: model, full_name: full, "bytes_ratio": round(model["allocated_bytes"] / full["allocated_bytes"], 3)}
+            report[f"{name}@{n}"] = entry
+            print(name, n, json.dumps(entry), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
