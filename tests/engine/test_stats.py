@@ -98,7 +98,10 @@ def test_the_offloading_tiers_counters_and_the_dashboards_point():
     core = KVTierCoreStats(num_keys=10, num_saves=10, num_loads=1, num_blocks_loaded=4, num_hit_tokens=64)
     metrics.record_step(EngineStats(scheduler_stats(kv_tier=core, kv_tier_worker=worker(bytes_written=5000, bytes_used=5000))), 0.0)
     sampler.sample(now=100.0)
-    core = dataclasses.replace(core, num_loads=3, num_blocks_loaded=9, num_blocks_failed=1, num_hit_tokens=144)
+    core = dataclasses.replace(
+        core, num_loads=3, num_blocks_loaded=9, num_blocks_failed=1, num_hit_tokens=144,
+        num_state_saves=5, num_states_loaded=2, num_states_failed=1,
+    )
     after = worker(bytes_written=7000, bytes_read=3_000_000, num_corrupt=1)
     stats = scheduler_stats(kv_tier=core, kv_tier_worker=after, num_loading_reqs=2)
     metrics.record_step(EngineStats(stats), 0.1)
@@ -106,6 +109,8 @@ def test_the_offloading_tiers_counters_and_the_dashboards_point():
     assert value("pagellm:kv_tier_hit_tokens_total") == 144 and value("pagellm:kv_tier_blocks_failed_total") == 1
     assert value("pagellm:kv_tier_bytes_written_total") == 7000 and value("pagellm:kv_tier_corrupt_total") == 1
     assert value("pagellm:kv_tier_pages") == 10 and value("pagellm:kv_tier_capacity_bytes") == 1 << 30
+    assert value("pagellm:kv_tier_state_saves_total") == 5 and value("pagellm:kv_tier_states_loaded_total") == 2
+    assert value("pagellm:kv_tier_states_failed_total") == 1
     assert value("pagellm:num_requests_loading") == 2
     point = sampler.sample(now=102.0)
     assert point["tier_hit_tps"] == pytest.approx(40.0) and point["tier_read_mbps"] == pytest.approx(1.5)
