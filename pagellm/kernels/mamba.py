@@ -24,7 +24,7 @@ import torch
 from torch.nn import functional as F
 
 from pagellm.kernels import ops
-from pagellm.kernels.recurrent import _checkpoints_by_sequence
+from pagellm.kernels.slot_scan import scan_sequences
 
 CHUNK_SIZE = 256
 
@@ -113,19 +113,9 @@ def selective_state_scan_reference(
     Af, Df = A.float(), D.float()
     dtf = discretized_dt(dt, dt_bias, dt_limit)
     out = torch.empty((T, H, P), dtype=torch.float32, device=x.device)
-    starts = query_start_loc.tolist()
-    slots = slot_ids.tolist()
-    initial = has_initial_state.tolist()
-    cps = _checkpoints_by_sequence(checkpoints, len(slots))
-    lengths = [starts[i + 1] - starts[i] for i in range(len(slots))]
 
-    decodes = [i for i, n in enumerate(lengths) if n == 1]
-    if decodes:
-        rows = torch.tensor([starts[i] for i in decodes], device=x.device)
-        dslots = torch.tensor([slots[i] for i in decodes], device=x.device)
-        keep = torch.tensor([initial[i] for i in decodes], device=x.device)
-        # In place on one gathered copy: a batch of decodes is dominated by passes over the states.
-        S = state.index_select(0, dslots).masked_fill_(~keep[:, None, None, None], 0.0)
+    def decode_step(S: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # In place on the gathered copy: a batch of decodes is dominated by passes over the states.
         d = dtf[rows]  # [n, H]
         xdt = xf[rows] * d[..., None]  # [n, H, P]
         Bh = Bf[rows].repeat_interleave(rep, dim=1)  # [n, H, N]
@@ -133,30 +123,13 @@ def selective_state_scan_reference(
         S.mul_((d * Af).exp()[..., None, None])
         S.view(-1, P, S.shape[-1]).baddbmm_(xdt.reshape(-1, P, 1), Bh.reshape(-1, 1, Bh.shape[-1]))
         out[rows] = (S @ Ch[..., None])[..., 0]
-        state.index_copy_(0, dslots, S)
-        for i in decodes:
-            for _, s in cps[i]:
-                state[s] = state[slots[i]]
+        return S
 
-    for i, n in enumerate(lengths):
-        if n == 0 and not initial[i]:
-            state[slots[i]] = 0.0
-        if n <= 1:
-            continue
-        a = starts[i]
-        S = state[slots[i]].clone() if initial[i] else state.new_zeros(state.shape[1:])
-        cuts = sorted({o for o, _ in cps[i]} | set(range(chunk_size, n, chunk_size)) | {n})
-        begin = 0
-        for end in cuts:
-            if end <= begin:
-                continue
-            sl = slice(a + begin, a + end)
-            out[sl], S = _chunk_step(S, xf[sl], dtf[sl], Af, Bf[sl], Cf[sl])
-            for off, s in cps[i]:
-                if off == end:
-                    state[s] = S
-            begin = end
-        state[slots[i]] = S
+    def chunk_step(S: torch.Tensor, sl: slice) -> torch.Tensor:
+        out[sl], S = _chunk_step(S, xf[sl], dtf[sl], Af, Bf[sl], Cf[sl])
+        return S
+
+    scan_sequences(state, query_start_loc, slot_ids, has_initial_state, checkpoints, chunk_size, decode_step, chunk_step)
     out += Df[:, None] * xf
     return out.to(x.dtype)
 

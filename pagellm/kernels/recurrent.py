@@ -34,19 +34,9 @@ import torch
 from torch.nn import functional as F
 
 from pagellm.kernels import ops
+from pagellm.kernels.slot_scan import checkpoints_by_sequence, scan_sequences
 
 CHUNK_SIZE = 64
-
-
-def _checkpoints_by_sequence(checkpoints: Optional[torch.Tensor], num_seqs: int) -> list[list[tuple[int, int]]]:
-    """[(offset, dest slot), ...] per sequence, in offset order."""
-    per_seq: list[list[tuple[int, int]]] = [[] for _ in range(num_seqs)]
-    if checkpoints is not None and checkpoints.numel():
-        for i, o, s in checkpoints.tolist():
-            per_seq[i].append((o, s))
-        for cps in per_seq:
-            cps.sort()
-    return per_seq
 
 
 def _activate(x: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
@@ -77,7 +67,7 @@ def causal_conv1d_reference(
     starts = query_start_loc.tolist()
     slots = slot_ids.tolist()
     initial = has_initial_state.tolist()
-    cps = _checkpoints_by_sequence(checkpoints, len(slots))
+    cps = checkpoints_by_sequence(checkpoints, len(slots))
     for i, slot in enumerate(slots):
         a, e = starts[i], starts[i + 1]
         init = conv_state[slot].float() if initial[i] else x.new_zeros((K - 1, C), dtype=torch.float32)
@@ -158,48 +148,18 @@ def gated_delta_rule_reference(
     qf, kf = _prepare_qk(q, k, Hv, scale, use_qk_l2norm)
     vf, gf, bf = v.float(), g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    starts = query_start_loc.tolist()
-    slots = slot_ids.tolist()
-    initial = has_initial_state.tolist()
-    cps = _checkpoints_by_sequence(checkpoints, len(slots))
-    lengths = [starts[i + 1] - starts[i] for i in range(len(slots))]
 
-    decodes = [i for i, n in enumerate(lengths) if n == 1]
-    if decodes:
-        rows = torch.tensor([starts[i] for i in decodes], device=v.device)
-        dslots = torch.tensor([slots[i] for i in decodes], device=v.device)
-        keep = torch.tensor([initial[i] for i in decodes], device=v.device)
-        S0 = state.index_select(0, dslots)
-        S0 = torch.where(keep[:, None, None, None], S0, torch.zeros((), dtype=S0.dtype, device=S0.device))
-        o, S1 = _recurrent_step(S0, qf[rows], kf[rows], vf[rows], gf[rows], bf[rows])
+    def decode_step(S: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        o, S = _recurrent_step(S, qf[rows], kf[rows], vf[rows], gf[rows], bf[rows])
         out[rows] = o
-        state.index_copy_(0, dslots, S1)
-        for i in decodes:
-            for _, s in cps[i]:
-                state[s] = state[slots[i]]
+        return S
 
-    for i, n in enumerate(lengths):
-        if n == 0 and not initial[i]:
-            state[slots[i]] = 0.0
-        if n <= 1:
-            continue
-        a = starts[i]
-        S = state[slots[i]].float() if initial[i] else state.new_zeros(state.shape[1:])
-        cuts = sorted({o for o, _ in cps[i]} | set(range(CHUNK_SIZE, n, CHUNK_SIZE)) | {n})
-        begin = 0
-        for end in cuts:
-            if end <= begin:
-                continue
-            sl = slice(a + begin, a + end)
-            o, S = _chunk_step(
-                S, qf[sl].transpose(0, 1), kf[sl].transpose(0, 1), vf[sl].transpose(0, 1), gf[sl].t(), bf[sl].t()
-            )
-            out[sl] = o.transpose(0, 1)
-            for off, s in cps[i]:
-                if off == end:
-                    state[s] = S
-            begin = end
-        state[slots[i]] = S
+    def chunk_step(S: torch.Tensor, sl: slice) -> torch.Tensor:
+        o, S = _chunk_step(S, qf[sl].transpose(0, 1), kf[sl].transpose(0, 1), vf[sl].transpose(0, 1), gf[sl].t(), bf[sl].t())
+        out[sl] = o.transpose(0, 1)
+        return S
+
+    scan_sequences(state, query_start_loc, slot_ids, has_initial_state, checkpoints, CHUNK_SIZE, decode_step, chunk_step)
     return out.to(v.dtype)
 
 
