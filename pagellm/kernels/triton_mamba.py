@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.triton_recurrent import _checkpoint_ranges
+from pagellm.kernels.triton_recurrent import _checkpoint_ranges, _segment_end, _sequence
 
 
 @triton.jit
@@ -33,10 +33,7 @@ def _selective_state_scan_kernel(
     pmask = rp < P
     nmask = rn < N
     m2 = pmask[:, None] & nmask[None, :]
-    a = tl.load(qsl_ptr + i)
-    L = tl.load(qsl_ptr + i + 1) - a
-    slot = tl.load(slot_ptr + i)
-    has_init = tl.load(init_ptr + i) != 0
+    a, L, slot, has_init = _sequence(qsl_ptr, slot_ptr, init_ptr, i)
     tile = (h * P + rp[:, None]) * N + rn[None, :]
     S = tl.load(state_ptr + slot * H * P * N + tile, mask=m2, other=0.0)
     S = tl.where(has_init, S, 0.0)
@@ -48,9 +45,7 @@ def _selective_state_scan_kernel(
     begin = L * 0  # an int64 like the offsets it takes in the loop
     # Segments end at each checkpoint offset and at the sequence's end; the state after each is stored.
     for c in range(cp_begin, cp_end + 1):
-        is_cp = c < cp_end
-        end = tl.where(is_cp, tl.load(cps_ptr + c * 3 + 1), L)  # row cp_end exists: the host appends one
-        dest = tl.where(is_cp, tl.load(cps_ptr + c * 3 + 2), slot)
+        end, dest = _segment_end(cps_ptr, c, cp_end, L, slot)
         for t in range(a + begin, a + end):
             v = tl.load(dt_ptr + t * dt_stride + h).to(tl.float32) + bias
             dtv = tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))))  # torch's softplus

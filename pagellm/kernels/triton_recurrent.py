@@ -18,6 +18,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _sequence(qsl_ptr, slot_ptr, init_ptr, i):
+    """Sequence ``i``'s first row, length, slot and whether it starts from its slot's state."""
+    a = tl.load(qsl_ptr + i)
+    L = tl.load(qsl_ptr + i + 1) - a
+    return a, L, tl.load(slot_ptr + i), tl.load(init_ptr + i) != 0
+
+
+@triton.jit
+def _segment_end(cps_ptr, c, cp_end, L, slot):
+    """Where segment ``c`` of a sequence ends and the slot its state goes to: checkpoint row ``c``'s
+    offset and slot while ``c < cp_end``, then the sequence's end and its own slot (row ``cp_end``
+    exists: the host appends one)."""
+    is_cp = c < cp_end
+    return tl.where(is_cp, tl.load(cps_ptr + c * 3 + 1), L), tl.where(is_cp, tl.load(cps_ptr + c * 3 + 2), slot)
+
+
+@triton.jit
 def _causal_conv1d_kernel(
     out_ptr, x_ptr, w_ptr, bias_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, cps_ptr, cp_begin_ptr,
     C,
@@ -26,10 +43,7 @@ def _causal_conv1d_kernel(
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    a = tl.load(qsl_ptr + i)
-    L = tl.load(qsl_ptr + i + 1) - a
-    slot = tl.load(slot_ptr + i)
-    has_init = tl.load(init_ptr + i) != 0
+    a, L, slot, has_init = _sequence(qsl_ptr, slot_ptr, init_ptr, i)
     state_base = state_ptr + slot * (K - 1) * C
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -53,9 +67,7 @@ def _causal_conv1d_kernel(
     cp_begin = tl.load(cp_begin_ptr + i)
     cp_end = tl.load(cp_begin_ptr + i + 1)
     for c in range(cp_begin, cp_end + 1):
-        is_cp = c < cp_end
-        o = tl.where(is_cp, tl.load(cps_ptr + c * 3 + 1), L)  # row cp_end exists: the host appends one
-        dest = tl.where(is_cp, tl.load(cps_ptr + c * 3 + 2), slot)
+        o, dest = _segment_end(cps_ptr, c, cp_end, L, slot)
         pos = o - (K - 1) + rows  # [KM1_PAD]
         m2 = (rows < K - 1)[:, None] & cmask[None, :]
         xv = tl.load(x_ptr + (a + pos)[:, None] * C + cols[None, :], mask=m2 & (pos >= 0)[:, None], other=0.0)
@@ -78,10 +90,7 @@ def _gated_delta_rule_kernel(
     kmask = rk < Dk
     vmask = cv < Dv
     m2 = kmask[:, None] & vmask[None, :]
-    a = tl.load(qsl_ptr + i)
-    L = tl.load(qsl_ptr + i + 1) - a
-    slot = tl.load(slot_ptr + i)
-    has_init = tl.load(init_ptr + i) != 0
+    a, L, slot, has_init = _sequence(qsl_ptr, slot_ptr, init_ptr, i)
     tile = (h * Dk + rk[:, None]) * Dv + cv[None, :]
     S = tl.load(state_ptr + slot * Hv * Dk * Dv + tile, mask=m2, other=0.0)
     S = tl.where(has_init, S, 0.0)
@@ -90,9 +99,7 @@ def _gated_delta_rule_kernel(
     begin = L * 0  # an int64 like the offsets it takes in the loop
     # Segments end at each checkpoint offset and at the sequence's end; the state after each is stored.
     for c in range(cp_begin, cp_end + 1):
-        is_cp = c < cp_end
-        end = tl.where(is_cp, tl.load(cps_ptr + c * 3 + 1), L)  # row cp_end exists: the host appends one
-        dest = tl.where(is_cp, tl.load(cps_ptr + c * 3 + 2), slot)
+        end, dest = _segment_end(cps_ptr, c, cp_end, L, slot)
         for t in range(a + begin, a + end):
             q = tl.load(q_ptr + (t * Hk + kh) * Dk + rk, mask=kmask, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + (t * Hk + kh) * Dk + rk, mask=kmask, other=0.0).to(tl.float32)
