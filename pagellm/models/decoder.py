@@ -161,13 +161,22 @@ class DecoderModel(nn.Module):
         # Prepared once per layer kind: every layer of a kind rotates by the same positions.
         ropes = {kind: emb.prepare(positions, hidden.dtype, fused=fused) for kind, emb in self.rotary.items()}
         per_layer = isinstance(attn_metadata, (list, tuple))
+        layer_inputs = self.per_layer_inputs(input_ids, hidden)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             # No rotary kinds (a NoPE model): every layer gets None.
             rope = ropes[layer.layer_type] if layer.layer_type in ropes else next(iter(ropes.values()), None)
             metadata = attn_metadata[i] if per_layer else attn_metadata
-            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)
+            if layer_inputs is None:
+                hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)
+            else:
+                hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, layer_inputs[:, i])
         return self.norm.add_and_norm(hidden, residual)[0]
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> Optional[torch.Tensor]:
+        """``[T, layers, ...]``: what layer ``i`` reads besides the stream, as its last argument (Gemma 4's
+        per-layer embeddings); None (the layers read the stream only) here."""
+        return None
 
 
 class CausalLM(nn.Module):

@@ -23,7 +23,6 @@ from torch.nn import functional as F
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import TPShard, split_evenly
-from pagellm.kernels import ops
 from pagellm.layers.activation import canonical_activation
 from pagellm.layers.attention import Attention, AttentionSpec
 from pagellm.layers.embedding import VocabParallelEmbedding
@@ -202,10 +201,11 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(hidden, eps)
 
     def forward(
-        self, hidden: torch.Tensor, per_layer_input: Optional[torch.Tensor], rope: RotaryArgs, kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The stream after this layer (no residual add left pending: the layer scales all of it)."""
+        self, hidden: torch.Tensor, residual: None, rope: RotaryArgs, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+        per_layer_input: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, None]:
+        """(the stream after this layer, None): the layer scales all of the stream, so no residual add
+        is ever left pending (``residual`` is the previous layer's None)."""
         out = self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), rope, kv_cache, attn_metadata))
         normed, hidden = self.pre_feedforward_layernorm(out, hidden)
         out = self.mlp(normed)
@@ -216,7 +216,7 @@ class Gemma4DecoderLayer(nn.Module):
         if per_layer_input is not None:
             gate = self.act(self.per_layer_input_gate(hidden)) * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        return hidden * self.layer_scalar.weight
+        return hidden * self.layer_scalar.weight, None
 
 
 class Gemma4Model(DecoderModel):
@@ -240,9 +240,11 @@ class Gemma4Model(DecoderModel):
             self.per_layer_projection_norm = RMSNorm(self.per_layer, hf_config.rms_norm_eps)
             self.per_layer_vocab = rows
 
-    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> Optional[torch.Tensor]:
         """``[T, layers, per_layer]``: the token's per-layer embedding and the normed projection of
-        its embedding, averaged (times 1/sqrt(2), as transformers)."""
+        its embedding, averaged (times 1/sqrt(2), as transformers); None without per-layer inputs."""
+        if not self.per_layer:
+            return None
         num_tokens = input_ids.shape[0]
         # Ids past the per-layer table (image and audio tokens) look up nothing, as transformers' pad row.
         ids = input_ids.masked_fill(input_ids >= self.per_layer_vocab, 0)
@@ -251,23 +253,6 @@ class Gemma4Model(DecoderModel):
         proj = self.per_layer_projection_norm(proj.reshape(-1, self.per_layer)).view(num_tokens, self.num_layers, self.per_layer)
         return (proj + token) * 2.0**-0.5
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[torch.Tensor],
-        attn_metadata: AttentionMetadata | Sequence[AttentionMetadata],
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        fused = ops.supports(hidden)
-        ropes = {kind: emb.prepare(positions, hidden.dtype, fused=fused) for kind, emb in self.rotary.items()}
-        per_layer = self.per_layer_inputs(input_ids, hidden) if self.per_layer else None
-        many = isinstance(attn_metadata, (list, tuple))
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            metadata = attn_metadata[i] if many else attn_metadata
-            layer_input = per_layer[:, i] if per_layer is not None else None
-            hidden = layer(hidden, layer_input, ropes[layer.layer_type], kv_cache, metadata)
-        return self.norm(hidden)
 
 
 class Gemma4ForCausalLM(CausalLM):
