@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from engine.kv_tier_utils import random_docs, run_each, tier_args, tier_stats
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.block_hash import hash_full_blocks
@@ -25,28 +25,12 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=6)
 
 
 def _docs() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(100, 40000) for _ in range(DOC_LEN)] for _ in range(NUM_DOCS)]
+    return random_docs(NUM_DOCS, DOC_LEN, 100, 40000)
 
 
 def _llm(tier_dir: Path | None, **kwargs) -> LLM:
-    tier = {} if tier_dir is None else {"kv_offloading_backend": "native", "kv_offloading_size": 0.25, "kv_offloading_dir": str(tier_dir)}
     # 6 MiB of float32 KV: 8 blocks, one document at a time, so each evicts the one before it.
-    return LLM(dtype="float32", kv_cache_memory_bytes=6 * 2**20, max_model_len=128, **tier, **kwargs)
-
-
-def _run_each(llm: LLM, docs: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Each document alone (a cold run's batch shape): its output and its prefix-hit tokens."""
-    out = []
-    for doc in docs:
-        (res,) = llm.generate([{"prompt_token_ids": doc}], PARAMS, use_tqdm=False)
-        out.append((list(res.outputs[0].token_ids), res.num_cached_tokens))
-    return out
-
-
-def _tier(llm: LLM):
-    stats = llm.llm_engine.core.scheduler.stats()
-    return stats.kv_tier, stats.kv_tier_worker
+    return LLM(dtype="float32", kv_cache_memory_bytes=6 * 2**20, max_model_len=128, **tier_args(tier_dir, 0.25), **kwargs)
 
 
 def _drain(llm: LLM) -> None:
@@ -57,7 +41,7 @@ def _drain(llm: LLM) -> None:
 def cold() -> list[list[int]]:
     llm = _llm(None)
     try:
-        return [tokens for tokens, _ in _run_each(llm, _docs())]
+        return [tokens for tokens, _ in run_each(llm, _docs(), PARAMS)]
     finally:
         llm.shutdown()
 
@@ -68,7 +52,7 @@ def filled_dir(tmp_path: Path) -> Path:
     llm = _llm(tmp_path / "tier")
     try:
         docs = _docs()
-        _run_each(llm, docs + docs)
+        run_each(llm, docs + docs, PARAMS)
         _drain(llm)
     finally:
         llm.shutdown()
@@ -83,12 +67,12 @@ def test_evicted_prefixes_come_back_from_disk_with_the_cold_output(tmp_path, col
     llm = _llm(tmp_path / "tier")
     try:
         docs = _docs()
-        first = _run_each(llm, docs)
-        again = _run_each(llm, docs)
+        first = run_each(llm, docs, PARAMS)
+        again = run_each(llm, docs, PARAMS)
         assert [t for t, _ in first] == cold and [t for t, _ in again] == cold
         assert [hit for _, hit in first] == [0] * NUM_DOCS
         assert all(hit == DOC_LEN // 16 * 16 for _, hit in again)  # every full block: from memory or disk
-        core, worker = _tier(llm)
+        core, worker = tier_stats(llm)
         assert core.num_loads >= NUM_DOCS - 1 and core.num_blocks_failed == 0
         assert worker.bytes_read > 0 and worker.bytes_written >= worker.bytes_read
     finally:
@@ -98,12 +82,12 @@ def test_evicted_prefixes_come_back_from_disk_with_the_cold_output(tmp_path, col
 def test_after_a_restart_the_prefix_is_read_from_disk(filled_dir, cold):
     llm = _llm(filled_dir)
     try:
-        core, _ = _tier(llm)
+        core, _ = tier_stats(llm)
         assert core.num_keys >= NUM_DOCS * (DOC_LEN // 16)  # the index rebuilt from the files
-        result = _run_each(llm, _docs())
+        result = run_each(llm, _docs(), PARAMS)
         assert [t for t, _ in result] == cold
         assert all(hit == DOC_LEN // 16 * 16 for _, hit in result)
-        assert _tier(llm)[0].num_blocks_loaded >= NUM_DOCS * (DOC_LEN // 16)
+        assert tier_stats(llm)[0].num_blocks_loaded >= NUM_DOCS * (DOC_LEN // 16)
     finally:
         llm.shutdown()
 
@@ -124,16 +108,16 @@ def test_damaged_truncated_and_foreign_files_are_misses_and_counted(filled_dir, 
     # A file from another configuration (block size 32) under this one's name for doc 2's page.
     other = _llm(tmp_path / "other", block_size=32)
     try:
-        _run_each(other, docs + docs[:1])
+        run_each(other, docs + docs[:1], PARAMS)
         _drain(other)
     finally:
         other.shutdown()
     _first_page(filled_dir, docs[2]).write_bytes(_files(tmp_path / "other")[0].read_bytes())
     llm = _llm(filled_dir)
     try:
-        result = _run_each(llm, docs)
+        result = run_each(llm, docs, PARAMS)
         assert [t for t, _ in result] == cold  # docs 0-2 recomputed from their first block, doc 3 loaded
-        core, worker = _tier(llm)
+        core, worker = tier_stats(llm)
         # The restart's scan reads headers: the truncated and the foreign file never enter the index;
         # the flipped byte is caught by the checksum when doc 1 loads, which then recomputes.
         assert worker.num_corrupt == 3 and core.num_keys == NUM_DOCS * (DOC_LEN // 16) - 3 + core.num_saves
@@ -154,9 +138,9 @@ def test_a_full_disk_degrades_to_recomputing(tmp_path, cold, monkeypatch):
     llm = _llm(tmp_path / "tier")
     try:
         docs = _docs()
-        assert [t for t, _ in _run_each(llm, docs + docs)] == cold + cold
+        assert [t for t, _ in run_each(llm, docs + docs, PARAMS)] == cold + cold
         _drain(llm)
-        core, worker = _tier(llm)
+        core, worker = tier_stats(llm)
         assert worker.num_write_errors > 0 and worker.bytes_written == 0 and core.num_blocks_loaded == 0
     finally:
         llm.shutdown()
@@ -188,9 +172,9 @@ def test_a_server_killed_mid_write_leaves_nothing_that_is_read(tmp_path, cold):
     assert _files(tier)
     llm = _llm(tier)
     try:
-        assert [t for t, _ in _run_each(llm, _docs())] == cold
+        assert [t for t, _ in run_each(llm, _docs(), PARAMS)] == cold
         assert not list(tier.rglob("*.tmp*"))  # the restart's scan removed the half-written files
-        assert _tier(llm)[1].num_corrupt == 0
+        assert tier_stats(llm)[1].num_corrupt == 0
     finally:
         llm.shutdown()
 
@@ -198,14 +182,14 @@ def test_a_server_killed_mid_write_leaves_nothing_that_is_read(tmp_path, cold):
 def test_a_clean_shutdown_writes_what_is_still_in_memory(tmp_path, cold):
     llm = _llm(tmp_path / "tier")
     try:
-        assert _run_each(llm, _docs()[:1])[0] == (cold[0], 0)
-        assert _tier(llm)[0].num_saves == 0  # nothing evicted yet
+        assert run_each(llm, _docs()[:1], PARAMS)[0] == (cold[0], 0)
+        assert tier_stats(llm)[0].num_saves == 0  # nothing evicted yet
     finally:
         llm.shutdown()  # flushes the cached blocks to the tier
     assert len(_files(tmp_path / "tier")) == DOC_LEN // 16
     llm = _llm(tmp_path / "tier")
     try:
-        assert _run_each(llm, _docs()[:1])[0] == (cold[0], DOC_LEN // 16 * 16)
-        assert _tier(llm)[0].num_blocks_loaded == DOC_LEN // 16
+        assert run_each(llm, _docs()[:1], PARAMS)[0] == (cold[0], DOC_LEN // 16 * 16)
+        assert tier_stats(llm)[0].num_blocks_loaded == DOC_LEN // 16
     finally:
         llm.shutdown()

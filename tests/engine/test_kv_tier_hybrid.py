@@ -5,11 +5,11 @@ run and after a restart, with the greedy output of a run without a tier and of o
 caching. A damaged state file is a recompute and a counter."""
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
 import pytest
+from engine.kv_tier_utils import random_docs, run_each, tier_args, tier_stats
 from models.model_utils import make_random_hf_model
 from transformers import AutoConfig
 
@@ -25,6 +25,10 @@ HIT = (DOC_LEN - 1) // BLOCK * BLOCK  # 40: the last full prompt block, where a 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
+def _docs() -> list[list[int]]:
+    return random_docs(NUM_DOCS, DOC_LEN, 3, 128)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     # The tiny Qwen3.5 the hybrid model tests use (their module imports its neighbours by name).
@@ -38,39 +42,20 @@ def model(tmp_path_factory) -> str:
     return str(path)
 
 
-def _docs() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(3, 128) for _ in range(DOC_LEN)] for _ in range(NUM_DOCS)]
-
-
 def _llm(model: str, tier_dir: Path | None, **kwargs) -> LLM:
-    tier = {} if tier_dir is None else {"kv_offloading_backend": "native", "kv_offloading_size": 0.01, "kv_offloading_dir": str(tier_dir)}
     # 14 blocks of 4 tokens hold one document and its output: each evicts the one before. 5 state
     # slots: a live one and a document's three checkpoints (16, 32 and 40 tokens).
     return LLM(
         model=model, tokenizer=default_model_path(), dtype="float32", block_size=BLOCK, num_kv_blocks=14, num_state_slots=5,
-        state_checkpoint_interval=16, max_model_len=56, **tier, **kwargs,
+        state_checkpoint_interval=16, max_model_len=56, **tier_args(tier_dir, 0.01), **kwargs,
     )
-
-
-def _run_each(llm: LLM, docs: list[list[int]]) -> list[tuple[list[int], int]]:
-    out = []
-    for doc in docs:
-        (res,) = llm.generate([{"prompt_token_ids": doc}], PARAMS, use_tqdm=False)
-        out.append((list(res.outputs[0].token_ids), res.num_cached_tokens))
-    return out
-
-
-def _tier(llm: LLM):
-    stats = llm.llm_engine.core.scheduler.stats()
-    return stats.kv_tier, stats.kv_tier_worker
 
 
 @pytest.fixture(scope="module")
 def uncached(model) -> list[list[int]]:
     llm = _llm(model, None, enable_prefix_caching=False)
     try:
-        return [tokens for tokens, _ in _run_each(llm, _docs())]
+        return [tokens for tokens, _ in run_each(llm, _docs(), PARAMS)]
     finally:
         llm.shutdown()
 
@@ -79,17 +64,17 @@ def test_a_hybrid_prefix_resumes_from_its_state_in_the_tier_in_the_run_and_after
     docs, tier_dir = _docs(), tmp_path / "tier"
     llm = _llm(model, None)  # prefix caching in memory only: each document evicts the one before
     try:
-        no_tier = _run_each(llm, docs + docs)
+        no_tier = run_each(llm, docs + docs, PARAMS)
         assert [t for t, _ in no_tier] == uncached + uncached and [hit for _, hit in no_tier[NUM_DOCS:]] == [0] * NUM_DOCS
     finally:
         llm.shutdown()
 
     llm = _llm(model, tier_dir)
     try:
-        first, again = _run_each(llm, docs), _run_each(llm, docs)
+        first, again = run_each(llm, docs, PARAMS), run_each(llm, docs, PARAMS)
         assert [t for t, _ in first] == uncached and [t for t, _ in again] == uncached
         assert [hit for _, hit in again] == [HIT] * NUM_DOCS  # pages and the state at 40 tokens, from the tier
-        core, worker = _tier(llm)
+        core, worker = tier_stats(llm)
         assert core.num_state_saves >= 3 * (NUM_DOCS - 1) and core.num_states_loaded == NUM_DOCS and core.num_states_failed == 0
         assert core.num_hit_tokens == NUM_DOCS * HIT and worker.num_corrupt == 0
     finally:
@@ -104,12 +89,12 @@ def test_a_hybrid_prefix_resumes_from_its_state_in_the_tier_in_the_run_and_after
     llm = _llm(model, tier_dir)
     try:
         assert damaged_key in llm.llm_engine.core.kv_cache_manager.tier.keys  # the start reads headers only
-        result = _run_each(llm, docs[:1])
+        result = run_each(llm, docs[:1], PARAMS)
         assert damaged_key not in llm.llm_engine.core.kv_cache_manager.tier.keys  # dropped when it failed to load
-        result += _run_each(llm, docs[1:])
+        result += run_each(llm, docs[1:], PARAMS)
         assert [t for t, _ in result] == uncached
         assert [hit for _, hit in result] == [0] + [HIT] * (NUM_DOCS - 1)  # doc 0 recomputed, the others from disk
-        core, worker = _tier(llm)
+        core, worker = tier_stats(llm)
         assert (core.num_states_failed, core.num_states_loaded, worker.num_corrupt) == (1, NUM_DOCS - 1, 1)
     finally:
         llm.shutdown()
@@ -119,15 +104,15 @@ def test_two_tensor_parallel_ranks_keep_their_share_of_each_state(model, uncache
     docs, tier_dir = _docs(), tmp_path / "tier"
     llm = _llm(model, tier_dir, tensor_parallel_size=2)
     try:
-        result = _run_each(llm, docs + docs)
+        result = run_each(llm, docs + docs, PARAMS)
         assert [t for t, _ in result] == uncached + uncached
         assert [hit for _, hit in result[NUM_DOCS:]] == [HIT] * NUM_DOCS
     finally:
         llm.shutdown()
     llm = _llm(model, tier_dir, tensor_parallel_size=2)
     try:
-        result = _run_each(llm, docs)
+        result = run_each(llm, docs, PARAMS)
         assert [t for t, _ in result] == uncached and [hit for _, hit in result] == [HIT] * NUM_DOCS
-        assert _tier(llm)[0].num_states_loaded == NUM_DOCS
+        assert tier_stats(llm)[0].num_states_loaded == NUM_DOCS
     finally:
         llm.shutdown()

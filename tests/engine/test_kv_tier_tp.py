@@ -5,10 +5,10 @@ restart finds; a file damaged on one rank only is a recompute on all, and a coun
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
+from engine.kv_tier_utils import random_docs, run_each, tier_args, tier_stats
 from models.model_utils import make_random_hf_model
 from transformers import LlamaConfig
 
@@ -23,6 +23,10 @@ NUM_FULL = (DOC_LEN - 1) // BLOCK  # blocks a repeat of a document can take from
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
+def _docs() -> list[list[int]]:
+    return random_docs(NUM_DOCS, DOC_LEN, 3, 256)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -34,30 +38,12 @@ def model(tmp_path_factory) -> str:
     return str(path)
 
 
-def _docs() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(3, 256) for _ in range(DOC_LEN)] for _ in range(NUM_DOCS)]
-
-
 def _llm(model: str, tier_dir: Path | None) -> LLM:
-    tier = {} if tier_dir is None else {"kv_offloading_backend": "native", "kv_offloading_size": 0.01, "kv_offloading_dir": str(tier_dir)}
     # 5 blocks of 16 tokens: one document (and its output) at a time, so each evicts the one before.
     return LLM(
-        model=model, tokenizer=default_model_path(), dtype="float32", tensor_parallel_size=2, num_kv_blocks=5, max_model_len=64, **tier
+        model=model, tokenizer=default_model_path(), dtype="float32", tensor_parallel_size=2, num_kv_blocks=5, max_model_len=64,
+        **tier_args(tier_dir, 0.01),
     )
-
-
-def _run_each(llm: LLM, docs: list[list[int]]) -> list[tuple[list[int], int]]:
-    out = []
-    for doc in docs:
-        (res,) = llm.generate([{"prompt_token_ids": doc}], PARAMS, use_tqdm=False)
-        out.append((list(res.outputs[0].token_ids), res.num_cached_tokens))
-    return out
-
-
-def _tier(llm: LLM):
-    stats = llm.llm_engine.core.scheduler.stats()
-    return stats.kv_tier, stats.kv_tier_worker
 
 
 def _rank_dirs(tier_dir: Path) -> dict[int, Path]:
@@ -74,7 +60,7 @@ def _rank_dirs(tier_dir: Path) -> dict[int, Path]:
 def cold(model) -> list[list[int]]:
     llm = _llm(model, None)
     try:
-        return [tokens for tokens, _ in _run_each(llm, _docs())]
+        return [tokens for tokens, _ in run_each(llm, _docs(), PARAMS)]
     finally:
         llm.shutdown()
 
@@ -83,11 +69,11 @@ def test_two_ranks_serve_evicted_prefixes_keep_them_across_a_restart_and_recompu
     tier_dir, docs = tmp_path / "tier", _docs()
     llm = _llm(model, tier_dir)
     try:
-        first, again = _run_each(llm, docs), _run_each(llm, docs)
+        first, again = run_each(llm, docs, PARAMS), run_each(llm, docs, PARAMS)
         assert [t for t, _ in first] == cold and [t for t, _ in again] == cold
         assert [hit for _, hit in first] == [0] * NUM_DOCS
         assert [hit for _, hit in again] == [NUM_FULL * BLOCK] * NUM_DOCS  # doc 0 from the tier, the others too
-        core, worker = _tier(llm)
+        core, worker = tier_stats(llm)
         assert core.num_blocks_loaded >= NUM_DOCS * NUM_FULL - 1 and core.num_blocks_failed == 0
         assert core.num_hit_tokens == core.num_blocks_loaded * BLOCK and worker.bytes_read > 0
     finally:
@@ -104,12 +90,12 @@ def test_two_ranks_serve_evicted_prefixes_keep_them_across_a_restart_and_recompu
     damaged.write_bytes(bytes(data))
     llm = _llm(model, tier_dir)
     try:
-        core, _ = _tier(llm)
+        core, _ = tier_stats(llm)
         assert core.num_keys == NUM_DOCS * (DOC_LEN // BLOCK)  # found on both ranks
-        result = _run_each(llm, docs)
+        result = run_each(llm, docs, PARAMS)
         assert [t for t, _ in result] == cold
         assert [hit for _, hit in result] == [0] + [NUM_FULL * BLOCK] * (NUM_DOCS - 1)
-        core, worker = _tier(llm)
+        core, worker = tier_stats(llm)
         assert worker.num_corrupt == 1
         assert (core.num_blocks_failed, core.num_blocks_loaded) == (NUM_FULL, NUM_FULL * (NUM_DOCS - 1))
     finally:
