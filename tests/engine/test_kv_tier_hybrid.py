@@ -1,16 +1,15 @@
-"""The disk tier with a hybrid model (the tiny Qwen3.5 of tests/models/test_hybrid_models.py, float32):
+"""The disk tier with a hybrid model (the tiny Qwen3.5 of tests/models/model_utils.py, float32):
 a prefix's recurrent state checkpoints go to the tier when the slot pool hands them out again (or at
 a clean shutdown), beside its pages, and a prefix evicted from memory resumes from them, in the same
 run and after a restart, with the greedy output of a run without a tier and of one without prefix
 caching. A damaged state file is a recompute and a counter."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from engine.kv_tier_utils import random_docs, run_each, tier_args, tier_stats
-from models.model_utils import make_random_hf_model
+from models.model_utils import TINY_QWEN3_5, make_random_hf_model
 from transformers import AutoConfig
 
 from pagellm import LLM, SamplingParams
@@ -31,14 +30,8 @@ def _docs() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    # The tiny Qwen3.5 the hybrid model tests use (their module imports its neighbours by name).
-    models_dir = str(Path(__file__).resolve().parents[1] / "models")
-    if models_dir not in sys.path:
-        sys.path.append(models_dir)
-    from test_hybrid_models import _TINY
-
     path = tmp_path_factory.mktemp("qwen3.5")
-    make_random_hf_model(AutoConfig.for_model("qwen3_5_text", **_TINY), seed=1).save_pretrained(path)
+    make_random_hf_model(AutoConfig.for_model("qwen3_5_text", **TINY_QWEN3_5), seed=1).save_pretrained(path)
     return str(path)
 
 

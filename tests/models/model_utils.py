@@ -10,6 +10,14 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.models.shape import ModelShape
 
+# The tiny Qwen3.5 / Qwen3-Next fields (Gated DeltaNet beside gated attention) of the hybrid model tests
+# (tests/models/test_hybrid_models.py) and the disk tier's hybrid test.
+TINY_QWEN3_5 = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, max_position_embeddings=256, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+)
+
 
 def make_random_hf_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
     """A transformers model with every weight random and O(0.1), norms and biases included.

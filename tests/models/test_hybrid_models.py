@@ -12,24 +12,19 @@ import pytest
 import torch
 from gguf_writer import write_gguf
 from hf_oracle import HFGreedy, check_close, hf_greedy_uncached
-from model_utils import make_random_hf_model
+from model_utils import TINY_QWEN3_5, make_random_hf_model
 from transformers import AutoConfig, PretrainedConfig
 
 from pagellm import LLM, SamplingParams
 from pagellm.models.loader import default_model_path, load_hf_config
 from pagellm.models.shape import ModelShape
 
-_TINY = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, max_position_embeddings=256, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 _NEMOTRON_H = dict(layers_block_type=None, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4)
 
 
 def _config(model_type: str, **fields) -> Callable[[], PretrainedConfig]:
-    return lambda: AutoConfig.for_model(model_type, **{**_TINY, **fields})
+    return lambda: AutoConfig.for_model(model_type, **{**TINY_QWEN3_5, **fields})
 
 
 # Granite 4.0-H: Mamba-2 layers and one attention layer, NoPE, Granite's multipliers; two groups of B and C in the
