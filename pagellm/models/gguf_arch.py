@@ -140,18 +140,29 @@ def _lfm2(moe: bool) -> GGUFArch:
     )
 
 
+# A Mamba-2 mixer's tensors (conversion's Mamba2Model, the base of Granite 4.0-H's and Nemotron-H's) under
+# the HF module that holds it: dt_bias, A and D are parameters of the module itself.
+_MAMBA2_SUFFIXLESS = {"ssm_a": "A", "ssm_d": "D"}  # beside SUFFIXLESS's ssm_dt -> dt_bias
+
+
+def _mamba2_names(module: str) -> dict[str, str]:
+    return {
+        "ssm_in": f"{module}.in_proj",
+        "ssm_conv1d": f"{module}.conv1d",
+        "ssm_dt": module,
+        "ssm_a": module,
+        "ssm_d": module,
+        "ssm_norm": f"{module}.norm",
+        "ssm_out": f"{module}.out_proj",
+    }
+
+
 # Granite 4.0-H (granitehybrid): conversion/granite.py's GraniteHybridModel on its Mamba2Model base:
 # ssm_a is -exp(A_log) as [heads, 1], ssm_d [heads, 1], the conv kernel squeezed, ssm_norm as
 # [groups, channels per group]; the shared MLP is ffn_*_shexp beside experts, else ffn_*; a layer with
 # no KV heads is a Mamba layer; rope.scaling.finetuned says whether attention rotates.
 _GRANITE_HYBRID_NAMES = {
-    "ssm_in": "mamba.in_proj",
-    "ssm_conv1d": "mamba.conv1d",
-    "ssm_dt": "mamba",  # .dt_bias (SUFFIXLESS)
-    "ssm_a": "mamba",  # .A (suffixless)
-    "ssm_d": "mamba",  # .D (suffixless)
-    "ssm_norm": "mamba.norm",
-    "ssm_out": "mamba.out_proj",
+    **_mamba2_names("mamba"),
     "ffn_gate_inp": "block_sparse_moe.router",
     "ffn_gate": "shared_mlp.gate_proj",
     "ffn_up": "shared_mlp.up_proj",
@@ -189,13 +200,7 @@ _NEMOTRON_H_NAMES = {
     "attn_output": "mixer.o_proj",
     "ffn_up": "mixer.up_proj",
     "ffn_down": "mixer.down_proj",
-    "ssm_in": "mixer.in_proj",
-    "ssm_conv1d": "mixer.conv1d",
-    "ssm_dt": "mixer",  # .dt_bias (SUFFIXLESS)
-    "ssm_a": "mixer",  # .A (suffixless)
-    "ssm_d": "mixer",  # .D (suffixless)
-    "ssm_norm": "mixer.norm",
-    "ssm_out": "mixer.out_proj",
+    **_mamba2_names("mixer"),
     "ffn_gate_inp": "mixer.gate",
     "exp_probs_b": "mixer",  # .e_score_correction_bias (suffixless)
     "ffn_up_shexp": "mixer.shared_experts.up_proj",
@@ -235,7 +240,7 @@ def _nemotron_h(moe: bool) -> GGUFArch:
         block_names=_NEMOTRON_H_NAMES,
         moe_module="mixer" if moe else None,
         expert_names={"ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"} if moe else {},
-        suffixless={"ssm_a": "A", "ssm_d": "D", "exp_probs_b": "e_score_correction_bias"},
+        suffixless={**_MAMBA2_SUFFIXLESS, "exp_probs_b": "e_score_correction_bias"},
     )
 
 
@@ -360,7 +365,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         block_names=_GRANITE_HYBRID_NAMES,
         moe_module="block_sparse_moe",
         expert_names=_QWEN_EXPERTS,
-        suffixless={"ssm_a": "A", "ssm_d": "D"},
+        suffixless=_MAMBA2_SUFFIXLESS,
     ),
     "lfm2": _lfm2(moe=False),
     "lfm2moe": _lfm2(moe=True),
