@@ -102,12 +102,28 @@ def _lfm2_ff_dim(config: PretrainedConfig) -> int:
     return ff_dim
 
 
+def _mamba2(name: str, t: torch.Tensor, module: str, num_groups: int) -> tuple[str, torch.Tensor]:
+    """A tensor of the Mamba-2 mixer under ``module`` as conversion's Mamba2Model writes it (the base
+    of Granite 4.0-H's and Nemotron-H's converters): A_log as -exp(A_log), A and D as [heads, 1],
+    dt_bias as dt_proj.bias, the conv kernel squeezed, the gated norm as [groups, channels per group]."""
+    if name.endswith(f".{module}.A_log"):
+        t = -torch.exp(t).reshape(-1, 1)
+    elif name.endswith(f".{module}.D"):
+        t = t.reshape(-1, 1)
+    elif name.endswith(f".{module}.dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif name.endswith(f".{module}.conv1d.weight"):
+        t = t.squeeze(1)
+    elif name.endswith(f".{module}.norm.weight"):
+        t = t.reshape(num_groups, -1)
+    return name, t
+
+
 def _granite_hybrid(name: str, t: torch.Tensor, config: PretrainedConfig) -> list[tuple[str, torch.Tensor]]:
     """A Granite 4.0-H tensor as conversion/granite.py's GraniteHybridModel writes it: (HF-style
-    name for TensorNameMap, or a GGUF name, tensor). Its Mamba2Model base: A_log as -exp(A_log),
-    A and D as [heads, 1], dt_bias as dt_proj.bias, the conv kernel squeezed, the gated norm as
-    [groups, channels per group]; GraniteMoeModel: the fused gate/up halves apart, the shared MLP as
-    ffn_*_shexp beside experts, else as the dense ffn_*; llama's q/k permutation."""
+    name for TensorNameMap, or a GGUF name, tensor). Its Mamba2Model base (:func:`_mamba2`);
+    GraniteMoeModel: the fused gate/up halves apart, the shared MLP as ffn_*_shexp beside experts,
+    else as the dense ffn_*; llama's q/k permutation."""
     layer = name.split(".")[2] if name.startswith("model.layers.") else ""
     experts = bool(config.num_local_experts)
     if name.endswith("block_sparse_moe.input_linear.weight"):
@@ -123,17 +139,8 @@ def _granite_hybrid(name: str, t: torch.Tensor, config: PretrainedConfig) -> lis
         t = _permute(t, config.num_attention_heads)
     elif name.endswith("k_proj.weight"):
         t = _permute(t, config.num_key_value_heads)
-    elif name.endswith(".A_log"):
-        t = -torch.exp(t).reshape(-1, 1)
-    elif name.endswith(".D"):
-        t = t.reshape(-1, 1)
-    elif name.endswith(".dt_bias"):
-        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
-    elif "mamba.conv1d" in name:
-        t = t.squeeze()
-    elif name.endswith("mamba.norm.weight"):
-        inner = config.mamba_expand * config.hidden_size
-        t = t.reshape(config.mamba_n_groups, inner // config.mamba_n_groups)
+    else:
+        name, t = _mamba2(name, t, "mamba", config.mamba_n_groups)
     return [(name, t)]
 
 
@@ -170,27 +177,18 @@ def _nemotron_h_moe(config: PretrainedConfig) -> bool:
 
 def _nemotron_h(name: str, t: torch.Tensor, config: PretrainedConfig) -> tuple[str, torch.Tensor]:
     """A Nemotron-H tensor as conversion/nemotron.py's NemotronHModel writes it (HF-style name for
-    TensorNameMap): with its Mamba2Model base, A_log as -exp(A_log), A and D as [heads, 1], dt_bias as
-    dt_proj.bias, the conv kernel squeezed, the gated norm as [groups, channels per group]; llama's q/k
-    permutation; the routing bias as e_score_correction.bias; experts under the names the stacking takes."""
+    TensorNameMap): its Mamba2Model base (:func:`_mamba2`); llama's q/k permutation; the routing bias
+    as e_score_correction.bias; experts under the names the stacking takes."""
     if ".mixer.experts." in name:
         return name.replace("backbone.", "model.", 1).replace(".mixer.experts.", ".mlp.experts."), t
     if name.endswith(".mixer.q_proj.weight"):
         t = _permute(t, config.num_attention_heads)
     elif name.endswith(".mixer.k_proj.weight"):
         t = _permute(t, config.num_key_value_heads)
-    elif name.endswith(".mixer.A_log"):
-        t = -torch.exp(t).reshape(-1, 1)
-    elif name.endswith(".mixer.D"):
-        t = t.reshape(-1, 1)
-    elif name.endswith(".mixer.dt_bias"):
-        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
-    elif name.endswith(".mixer.conv1d.weight"):
-        t = t.squeeze(1)
-    elif name.endswith(".mixer.norm.weight"):
-        t = t.reshape(config.n_groups, -1)
     elif name.endswith(".e_score_correction_bias"):
         name = name.removesuffix("_bias") + ".bias"
+    else:
+        name, t = _mamba2(name, t, "mixer", config.n_groups)
     return name, t
 
 
