@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from state_layer_utils import Chunk, run_chunk_plan, state_metadata
 from transformers import AutoConfig
 from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
 
-from pagellm.attention.state_metadata import StateMetadata
 from pagellm.layers.mamba2 import Mamba2Mixer, mamba2_state_shapes
 
 _DIMS = dict(hidden_size=32, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, rms_norm_eps=1e-5)
@@ -35,18 +35,9 @@ def _layers(num_groups: int, time_step_limit: tuple[float, float]) -> tuple[Gran
     return ref, ours
 
 
-def _step(ours: Mamba2Mixer, state, hidden: torch.Tensor, chunks: list[tuple[int, int, bool]]) -> torch.Tensor:
-    """One flat batch: (sequence's slot, its rows of ``hidden`` from a running offset, whether it continues)."""
-    lengths = [n for _, n, _ in chunks]
-    starts = torch.tensor([0] + lengths).cumsum(0)
-    metadata = StateMetadata(
-        query_start_loc=starts,
-        slot_ids=torch.tensor([slot for slot, _, _ in chunks]),
-        has_initial_state=torch.tensor([cont for _, _, cont in chunks]),
-        checkpoints=torch.empty((0, 3), dtype=torch.int64),
-    )
+def _step(ours: Mamba2Mixer, state, hidden: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
     with torch.no_grad():
-        return ours(hidden, None, state, metadata)
+        return ours(hidden, None, state, state_metadata(chunks))
 
 
 @pytest.mark.parametrize("num_groups,time_step_limit", [(1, (0.0, float("inf"))), (2, (0.0, float("inf"))), (4, (0.05, 0.5))])
@@ -60,20 +51,11 @@ def test_mixer_matches_transformers_across_chunks_and_decode(num_groups: int, ti
     conv_shape, ssm_shape = mamba2_state_shapes(8, 8, num_groups, 16, 4)
     # Slots 0 and 4 are never used: NaN there would show a read of the wrong slot.
     state = (torch.full((5, *conv_shape.per_rank(1)), float("nan")), torch.full((5, *ssm_shape.per_rank(1)), float("nan")))
-    slots = [3, 1, 2]
-    done = [0, 0, 0]
-    got: list[list[torch.Tensor]] = [[], [], []]
     # Prefill in two uneven chunks (the second continues from the first's state), then three decode steps.
     plan = [[9, 5, 17], [lengths[0] - 9 - 3, lengths[1] - 5 - 3, lengths[2] - 17 - 3], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
-    for step in plan:
-        rows = torch.cat([sequences[i][done[i] : done[i] + n] for i, n in enumerate(step)])
-        out = _step(ours, state, rows, [(slots[i], n, done[i] > 0) for i, n in enumerate(step)])
-        for i, part in enumerate(out.split(step)):
-            got[i].append(part)
-            done[i] += step[i]
-    assert done == lengths
+    got = run_chunk_plan(lambda rows, chunks: _step(ours, state, rows, chunks), sequences, [3, 1, 2], plan)
     for i in range(3):
-        torch.testing.assert_close(torch.cat(got[i]), expected[i], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[i], expected[i], rtol=1e-4, atol=1e-5)
 
 
 def test_state_shape_per_rank_splits_heads_and_keeps_one_group_whole() -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from state_layer_utils import Chunk, run_chunk_plan, state_metadata
 from transformers import Lfm2Config
 from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 
-from pagellm.attention.state_metadata import StateMetadata
 from pagellm.layers.short_conv import ShortConv
 
 HIDDEN, L_CACHE = 32, 4
@@ -32,16 +32,9 @@ def _layers(bias: bool) -> tuple[Lfm2ShortConv, ShortConv]:
     return ref, ours
 
 
-def _step(ours: ShortConv, state: torch.Tensor, hidden: torch.Tensor, chunks: list[tuple[int, int, bool]], checkpoints=()) -> torch.Tensor:
-    """One flat batch: (sequence's slot, its rows of ``hidden``, whether it continues from the slot)."""
-    metadata = StateMetadata(
-        query_start_loc=torch.tensor([0] + [n for _, n, _ in chunks]).cumsum(0),
-        slot_ids=torch.tensor([slot for slot, _, _ in chunks]),
-        has_initial_state=torch.tensor([cont for _, _, cont in chunks]),
-        checkpoints=torch.tensor(list(checkpoints), dtype=torch.int64).reshape(-1, 3),
-    )
+def _step(ours: ShortConv, state: torch.Tensor, hidden: torch.Tensor, chunks: list[Chunk], checkpoints=()) -> torch.Tensor:
     with torch.no_grad():
-        return ours(hidden, None, (state,), metadata)
+        return ours(hidden, None, (state,), state_metadata(chunks, checkpoints))
 
 
 def _state(num_slots: int) -> torch.Tensor:
@@ -56,18 +49,11 @@ def test_matches_transformers_across_chunks_and_decode(bias: bool) -> None:
     sequences = [torch.randn(n, HIDDEN) for n in lengths]
     with torch.no_grad():
         expected = [ref(s[None])[0] for s in sequences]
-    state, slots, done = _state(5), [3, 1, 2], [0, 0, 0]
-    got: list[list[torch.Tensor]] = [[], [], []]
+    state = _state(5)
     plan = [[5, 1, 2], [6, 0, 6], [1, 1, 1], [1, 0, 1], [1, 0, 1]]  # two prefill chunks, then decode steps
-    for step in plan:
-        rows = torch.cat([sequences[i][done[i] : done[i] + n] for i, n in enumerate(step)])
-        out = _step(ours, state, rows, [(slots[i], n, done[i] > 0) for i, n in enumerate(step)])
-        for i, part in enumerate(out.split(step)):
-            got[i].append(part)
-            done[i] += step[i]
-    assert done == lengths
+    got = run_chunk_plan(lambda rows, chunks: _step(ours, state, rows, chunks), sequences, [3, 1, 2], plan)
     for i in range(3):
-        torch.testing.assert_close(torch.cat(got[i]), expected[i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[i], expected[i], rtol=1e-5, atol=1e-5)
 
 
 def test_checkpoint_saved_mid_chunk_resumes_another_sequence() -> None:
