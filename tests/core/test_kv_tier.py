@@ -192,6 +192,20 @@ def _run_one(sched, runner, req_id: str, prompt: list[int]) -> list[int]:
     return run_to_completion(sched, runner)[req_id]
 
 
+def _h_then_g(num_blocks: int, num_slots: int = 5, hold: bool = False):
+    """"h" then "g" run to completion on a tiered hybrid scheduler: (scheduler, runner, h's block hashes)."""
+    sched, runner = _hybrid_tiered(num_blocks=num_blocks, num_slots=num_slots), PagedRunner(BS, hold=hold)
+    _run_one(sched, runner, "h", PROMPT_H)
+    _run_one(sched, runner, "g", PROMPT_G)
+    return sched, runner, hash_full_blocks(PROMPT_H, BS)
+
+
+def _finish_h2(sched, runner, out):
+    """Runs the step ``out`` and "h2" to its end: ("h2"'s tokens from those steps, the tier's counters)."""
+    sched.update_from_output(out, runner.execute(out, sched.requests))
+    return run_to_completion(sched, runner)["h2"], sched.stats().kv_tier
+
+
 def test_a_hybrid_models_evicted_checkpoints_are_saved_and_a_prefix_in_memory_loads_only_its_state():
     sched, runner = _hybrid_tiered(num_blocks=64), PagedRunner(BS)
     assert _run_one(sched, runner, "h", PROMPT_H) == expected_output(PROMPT_H, 2)
@@ -208,9 +222,8 @@ def test_a_hybrid_models_evicted_checkpoints_are_saved_and_a_prefix_in_memory_lo
     out = sched.schedule()
     assert [(r.req_id, r.num_computed_tokens) for r in out.new_reqs] == [("h2", 20)]
     assert out.state_steps["h2"].restore_from is not None  # resumed from the loaded state, as from any checkpoint
-    sched.update_from_output(out, runner.execute(out, sched.requests))
-    assert run_to_completion(sched, runner)["h2"] == expected_output(PROMPT_H, 2)[1:]
-    tier = sched.stats().kv_tier
+    tokens, tier = _finish_h2(sched, runner, out)
+    assert tokens == expected_output(PROMPT_H, 2)[1:]
     # h's three, and g's first, whose slot the loaded state took.
     assert runner.saved[3][1] == state_tier_key(hash_full_blocks(PROMPT_G, BS)[1])
     assert (tier.num_state_saves, tier.num_states_loaded, tier.num_blocks_loaded, tier.num_hit_tokens) == (4, 1, 0, 20)
@@ -218,10 +231,7 @@ def test_a_hybrid_models_evicted_checkpoints_are_saved_and_a_prefix_in_memory_lo
 
 def test_a_hybrid_prefix_evicted_from_memory_loads_its_pages_and_state():
     # 7 blocks: "g" (6 blocks) evicts "h"'s full blocks 1-4; block 0 stays in the pool.
-    sched, runner = _hybrid_tiered(num_blocks=7), PagedRunner(BS)
-    _run_one(sched, runner, "h", PROMPT_H)
-    _run_one(sched, runner, "g", PROMPT_G)
-    hashes = hash_full_blocks(PROMPT_H, BS)
+    sched, runner, hashes = _h_then_g(num_blocks=7)
     sched.add_request(make_request(sched, "h2", PROMPT_H, max_tokens=2))
     out = sched.schedule()
     assert [k for _, k in out.kv_loads["h2"]] == [state_tier_key(hashes[4]), *hashes[1:5]]  # the state first
@@ -229,17 +239,13 @@ def test_a_hybrid_prefix_evicted_from_memory_loads_its_pages_and_state():
     sched.kv_cache_manager.check_integrity()
     out = sched.schedule()
     assert [(r.req_id, r.num_computed_tokens) for r in out.new_reqs] == [("h2", 20)]
-    sched.update_from_output(out, runner.execute(out, sched.requests))
-    assert run_to_completion(sched, runner)["h2"] == expected_output(PROMPT_H, 2)[1:]
-    tier = sched.stats().kv_tier
+    tokens, tier = _finish_h2(sched, runner, out)
+    assert tokens == expected_output(PROMPT_H, 2)[1:]
     assert (tier.num_blocks_loaded, tier.num_states_loaded, tier.num_hit_tokens, tier.num_blocks_failed) == (4, 1, 20, 0)
 
 
 def test_a_damaged_state_recomputes_the_prefix_and_is_forgotten():
-    sched, runner = _hybrid_tiered(num_blocks=7), PagedRunner(BS)
-    _run_one(sched, runner, "h", PROMPT_H)
-    _run_one(sched, runner, "g", PROMPT_G)
-    hashes = hash_full_blocks(PROMPT_H, BS)
+    sched, runner, hashes = _h_then_g(num_blocks=7)
     runner.fail_keys = {state_tier_key(hashes[4])}
     sched.add_request(make_request(sched, "h2", PROMPT_H, max_tokens=2))
     out = sched.schedule()
@@ -247,9 +253,8 @@ def test_a_damaged_state_recomputes_the_prefix_and_is_forgotten():
     sched.update_from_output(out, runner.execute(out, sched.requests))
     out = sched.schedule()  # no state for any prefix the pool now holds: the whole prompt runs
     assert [(r.req_id, r.num_computed_tokens) for r in out.new_reqs] == [("h2", 0)] and not out.kv_loads
-    sched.update_from_output(out, runner.execute(out, sched.requests))
-    assert run_to_completion(sched, runner)["h2"] == expected_output(PROMPT_H, 2)[1:]
-    tier = sched.stats().kv_tier
+    tokens, tier = _finish_h2(sched, runner, out)
+    assert tokens == expected_output(PROMPT_H, 2)[1:]
     assert (tier.num_states_failed, tier.num_blocks_failed, tier.num_hit_tokens) == (1, 4, 0)
     assert state_tier_key(hashes[4]) not in sched.kv_cache_manager.tier.keys
 
@@ -273,10 +278,7 @@ def test_after_a_restart_a_hybrid_prefix_loads_from_the_tier_and_a_flush_saved_i
 
 def test_pages_from_the_tier_lead_up_to_a_checkpoint_still_in_memory_which_is_held_meanwhile():
     # 7 blocks but 16 slots: "g" evicts "h"'s pages 1-4, "h"'s checkpoints stay in the slot pool.
-    sched, runner = _hybrid_tiered(num_blocks=7, num_slots=16), PagedRunner(BS, hold=True)
-    _run_one(sched, runner, "h", PROMPT_H)
-    _run_one(sched, runner, "g", PROMPT_G)
-    hashes = hash_full_blocks(PROMPT_H, BS)
+    sched, runner, hashes = _h_then_g(num_blocks=7, num_slots=16, hold=True)
     state = sched.kv_cache_manager.state_cache
     checkpoint = state.pool.get_cached_block(hashes[4])
     sched.add_request(make_request(sched, "h2", PROMPT_H, max_tokens=2))
@@ -293,7 +295,6 @@ def test_pages_from_the_tier_lead_up_to_a_checkpoint_still_in_memory_which_is_he
     out = sched.schedule()
     assert [(r.req_id, r.num_computed_tokens) for r in out.new_reqs] == [("h2", 20)]
     assert out.state_steps["h2"].restore_from == checkpoint.block_id
-    sched.update_from_output(out, runner.execute(out, sched.requests))
-    assert run_to_completion(sched, runner)["h2"] == expected_output(PROMPT_H, 2)[1:]
-    tier = sched.stats().kv_tier
+    tokens, tier = _finish_h2(sched, runner, out)
+    assert tokens == expected_output(PROMPT_H, 2)[1:]
     assert (tier.num_blocks_loaded, tier.num_states_loaded, tier.num_hit_tokens) == (4, 0, 20)
