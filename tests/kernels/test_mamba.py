@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+from slot_batch_utils import batch_meta
 from torch.nn import functional as F
 from transformers.models.mamba2 import modeling_mamba2 as hf
 
@@ -47,18 +48,6 @@ def naive_scan(x, dt, A, B, C, D, dt_bias, state, query_start_loc, slot_ids, has
     return y
 
 
-def _meta(lengths, num_slots, seed, checkpoint_offsets=None):
-    """query_start_loc, slot_ids (distinct, shuffled), has_initial_state (mixed) and checkpoints into fresh slots."""
-    gen = torch.Generator().manual_seed(seed)
-    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    perm = torch.randperm(num_slots, generator=gen)
-    slots = perm[: len(lengths)].to(torch.int64)
-    has_init = torch.tensor([i % 3 != 1 for i in range(len(lengths))])
-    free = perm[len(lengths):].tolist()
-    rows = [(i, o, free.pop()) for i, n in enumerate(lengths) for o in (checkpoint_offsets or {}).get(i, []) if 1 <= o <= n]
-    return qsl, slots, has_init, torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
-
-
 def _inputs(lengths, H, G, P, N, seed=0, dtype=torch.float32, bc_dtype=None):
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
@@ -75,7 +64,7 @@ def _inputs(lengths, H, G, P, N, seed=0, dtype=torch.float32, bc_dtype=None):
 def _check_against_naive(fn, lengths, H, G, P, N, dtype=torch.float32, dt_limit=NO_LIMIT, seed=0, tol=None, **kw):
     num_slots = 2 * len(lengths) + sum(len(v) for v in CHECKPOINTS.values())
     x, dt, A, B, C, D, dt_bias = _inputs(lengths, H, G, P, N, seed=seed, dtype=dtype)
-    qsl, slots, has_init, cps = _meta(lengths, num_slots, seed=seed + 1, checkpoint_offsets=CHECKPOINTS)
+    qsl, slots, has_init, cps = batch_meta(lengths, num_slots, seed=seed + 1, checkpoint_offsets=CHECKPOINTS, cold_every=3)
     state0 = torch.randn(num_slots, H, P, N, generator=torch.Generator().manual_seed(seed + 2)) * 0.3
     ref_state, state = state0.clone(), state0.clone()
     ref = naive_scan(x, dt, A, B, C, D, dt_bias, ref_state, qsl, slots, has_init, cps, dt_limit)
@@ -166,7 +155,7 @@ def test_cpp_dt_limit_and_strided_inputs():
     Cv = packed[:, H * P + G * N: H * P + 2 * G * N].view(T, G, N)
     dtv = packed[:, -H:]
     num_slots = 40
-    qsl, slots, has_init, cps = _meta(LENGTHS, num_slots, seed=4, checkpoint_offsets=CHECKPOINTS)
+    qsl, slots, has_init, cps = batch_meta(LENGTHS, num_slots, seed=4, checkpoint_offsets=CHECKPOINTS, cold_every=3)
     state0 = torch.randn(num_slots, H, P, N) * 0.3
     ref_state, state = state0.clone(), state0.clone()
     limit = (0.05, 0.4)
@@ -222,7 +211,7 @@ def test_triton_matches_naive(dtype):
     cps = {0: [1], 1: [2, 5], 3: [4, 4, 9]}
     H, G, P, N = 4, 2, 6, 5
     x, dt, A, B, C, D, dt_bias = _inputs(lengths, H, G, P, N, seed=9, dtype=dtype)
-    qsl, slots, has_init, checkpoints = _meta(lengths, 16, seed=10, checkpoint_offsets=cps)
+    qsl, slots, has_init, checkpoints = batch_meta(lengths, 16, seed=10, checkpoint_offsets=cps, cold_every=3)
     state0 = torch.randn(16, H, P, N) * 0.3
     ref_state, state = state0.clone(), state0.clone()
     limit = (0.05, 2.0)

@@ -10,28 +10,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+from slot_batch_utils import batch_meta
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from pagellm.kernels import ops, recurrent
 
 LENGTHS = [1, 5, 63, 64, 65, 200]
-
-
-def _meta(lengths, num_slots, seed, checkpoint_offsets=None):
-    """query_start_loc, slot_ids (distinct, shuffled), has_initial_state (mixed) and checkpoints into fresh slots."""
-    gen = torch.Generator().manual_seed(seed)
-    qsl = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
-    perm = torch.randperm(num_slots, generator=gen)
-    slots = perm[: len(lengths)].to(torch.int64)
-    has_init = torch.tensor([i % 2 == 0 for i in range(len(lengths))])
-    free = perm[len(lengths):].tolist()
-    rows = []
-    for i, n in enumerate(lengths):
-        for o in (checkpoint_offsets or {}).get(i, []):
-            if 1 <= o <= n:
-                rows.append((i, o, free.pop()))
-    checkpoints = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
-    return qsl, slots, has_init, checkpoints
 
 
 CHECKPOINTS = {1: [3], 2: [1, 17, 63], 4: [64], 5: [7, 70, 133, 200]}
@@ -61,7 +45,7 @@ def test_gated_delta_rule_reference_matches_transformers(hf_fn):
     fn = hf.torch_chunk_gated_delta_rule if hf_fn == "chunk" else hf.torch_recurrent_gated_delta_rule
     Hk, Hv, Dk, Dv, S = 2, 4, 16, 8, 24
     q, k, v, g, beta = _gdr_inputs(LENGTHS, Hk, Hv, Dk, Dv)
-    qsl, slots, has_init, cps = _meta(LENGTHS, S, seed=1, checkpoint_offsets=CHECKPOINTS)
+    qsl, slots, has_init, cps = batch_meta(LENGTHS, S, seed=1, checkpoint_offsets=CHECKPOINTS)
     state0 = torch.randn(S, Hv, Dk, Dv) * 0.3
     state = state0.clone()
     out = recurrent.gated_delta_rule_reference(q, k, v, g, beta, state, qsl, slots, has_init, cps, Dk**-0.5)
@@ -117,7 +101,7 @@ def test_causal_conv1d_reference_matches_transformers(activation, with_bias):
     C, K, S = 12, 4, 24
     x, weight, bias, conv_state = _conv_inputs(CONV_LENGTHS, C, K, S)
     bias = bias if with_bias else None
-    qsl, slots, has_init, cps = _meta(CONV_LENGTHS, S, seed=2, checkpoint_offsets=CONV_CHECKPOINTS)
+    qsl, slots, has_init, cps = batch_meta(CONV_LENGTHS, S, seed=2, checkpoint_offsets=CONV_CHECKPOINTS)
     state0 = conv_state.clone()
     out = recurrent.causal_conv1d_reference(x, weight, bias, conv_state, qsl, slots, has_init, cps, activation)
     starts = qsl.tolist()
@@ -156,7 +140,7 @@ def test_gated_delta_rule_cpp_matches_reference(dtype, shape):
     lengths = LENGTHS if Dk < 128 else [1, 70, 1, 0, 3]
     S = 24
     q, k, v, g, beta = _gdr_inputs(lengths, Hk, Hv, Dk, Dv, dtype=dtype)
-    qsl, slots, has_init, cps = _meta(lengths, S, seed=4, checkpoint_offsets=CHECKPOINTS)
+    qsl, slots, has_init, cps = batch_meta(lengths, S, seed=4, checkpoint_offsets=CHECKPOINTS)
     state0 = torch.randn(S, Hv, Dk, Dv) * 0.3
     ref_state, cpp_state = state0.clone(), state0.clone()
     ref = recurrent.gated_delta_rule_reference(q, k, v, g, beta, ref_state, qsl, slots, has_init, cps, Dk**-0.5)
@@ -189,7 +173,7 @@ def test_gated_delta_rule_cpp_zero_state_ignores_slot_contents():
 def test_causal_conv1d_cpp_matches_reference(dtype, activation, C, K):
     S = 24
     x, weight, bias, conv_state = _conv_inputs(CONV_LENGTHS, C, K, S, dtype=dtype)
-    qsl, slots, has_init, cps = _meta(CONV_LENGTHS, S, seed=5, checkpoint_offsets=CONV_CHECKPOINTS)
+    qsl, slots, has_init, cps = batch_meta(CONV_LENGTHS, S, seed=5, checkpoint_offsets=CONV_CHECKPOINTS)
     ref_state, cpp_state = conv_state.clone(), conv_state.clone()
     ref = recurrent.causal_conv1d_reference(x, weight, bias, ref_state, qsl, slots, has_init, cps, activation)
     assert ops.causal_conv1d_supports(x, weight, cpp_state)
@@ -206,7 +190,7 @@ def test_dispatch_falls_back_to_reference(monkeypatch):
     monkeypatch.setattr(ops, "gated_delta_rule_supports", lambda *a: False)
     monkeypatch.setattr(ops, "causal_conv1d_supports", lambda *a: False)
     q, k, v, g, beta = _gdr_inputs([3, 1], 1, 1, 8, 8)
-    qsl, slots, has_init, _ = _meta([3, 1], 4, seed=6)
+    qsl, slots, has_init, _ = batch_meta([3, 1], 4, seed=6)
     a = torch.randn(4, 1, 8, 8)
     b = a.clone()
     out = recurrent.gated_delta_rule(q, k, v, g, beta, a, qsl, slots, has_init, None, 0.3)
