@@ -109,8 +109,11 @@ class Attention(nn.Module):
         self.sinks.data.copy_(source)
         self.options = AttentionOptions(self.options.sliding_window, self.options.logits_soft_cap, self.sinks.data.float())
 
-    def _rotate(self, x: torch.Tensor, num_heads: int, rope: RotaryArgs) -> torch.Tensor:
-        """``x`` ``[T, heads * head_dim]`` (rows contiguous) rotated: in place where the kernel can."""
+    def _rotate(self, x: torch.Tensor, num_heads: int, rope: Optional[RotaryArgs]) -> torch.Tensor:
+        """``x`` ``[T, heads * head_dim]`` (rows contiguous) rotated: in place where the kernel can
+        (``rope`` None: a model without positions in its attention, NoPE, leaves it as it is)."""
+        if rope is None:
+            return x.view(x.shape[0], num_heads, self.head_dim)
         if rope.fused:
             rotate_in_place(x, rope.positions, rope.cos, rope.sin, num_heads, self.head_dim)
             return x.view(x.shape[0], num_heads, self.head_dim)
@@ -129,7 +132,9 @@ class Attention(nn.Module):
         x = v.float()
         return (x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.v_norm_eps, -0.5)).to(v.dtype)
 
-    def forward(self, hidden: torch.Tensor, rope: RotaryArgs, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rope: Optional[RotaryArgs], kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         gate = None
@@ -146,7 +151,7 @@ class Attention(nn.Module):
             q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
             q, gate = q_gate[..., : self.head_dim].reshape(num_tokens, self.q_size), q_gate[..., self.head_dim :]
         else:
-            if self.q_norm is None and rope.fused:
+            if self.q_norm is None and rope is not None and rope.fused:
                 # q and k are rotated where they lie: all three stay views of one buffer, no copies.
                 rotate_in_place(qkv, rope.positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -154,7 +159,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self._rotate(self.q_norm.norm_heads(q.view(shape_q)), self.num_heads, rope)
             k = self._rotate(self.k_norm.norm_heads(k.view(shape_kv)), self.num_kv_heads, rope)
-        elif rope.fused and gate is None:
+        elif rope is None or (rope.fused and gate is None):
             q, k = q.view(shape_q), k.view(shape_kv)
         else:
             q, k = apply_rotary(q.view(shape_q), rope.cos, rope.sin), apply_rotary(k.view(shape_kv), rope.cos, rope.sin)

@@ -139,13 +139,15 @@ class DecoderModel(nn.Module):
         embed_scale: Optional[float] = None,
         rotary_layer_types: Sequence[Optional[str]] = (None,),
         final_norm_offset: float = 0.0,
+        norm_eps: Optional[float] = None,
     ) -> None:
         super().__init__()
         tp, shard = get_tp_group(), tp_shard_of(hf_config)
         rows = hf_config.vocab_size if tp.world_size == 1 else shard.vocab_padded
         self.embed_tokens = VocabParallelEmbedding(rows, hf_config.hidden_size, shard.vocab_start, shard.vocab_size, embed_scale)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, final_norm_offset)
+        # The final norm's eps: ``rms_norm_eps`` unless the config names it otherwise (LFM2, Nemotron-H).
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps if norm_eps is None else norm_eps, final_norm_offset)
         # Not submodules: they hold no weights, only tables built on first use.
         self.rotary = {kind: RotaryEmbedding(hf_config, kind) for kind in rotary_layer_types}
 

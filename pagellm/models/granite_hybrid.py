@@ -55,9 +55,6 @@ class GraniteHybridLayer(DecoderLayer):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        if rope is None:  # NoPE: tables of zero width, with which apply_rotary leaves every dim as it is
-            empty = hidden.new_zeros((1, 1, 0))
-            rope = RotaryArgs(empty, empty, empty, fused=False)
         hidden = self._modules[self.mixer_name](hidden, rope, kv_cache, attn_metadata) * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         out = self.shared_mlp(hidden)

@@ -11,7 +11,6 @@ The conv layers keep a state slot per request (pagellm.core.state_cache).
 """
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Optional
 
 from torch import nn
@@ -91,10 +90,7 @@ class Lfm2ForCausalLM(CausalLM):
 
     def build_model(self, hf_config: PretrainedConfig, attn_backend: AttentionBackend) -> DecoderModel:
         layers = [self.make_layer(hf_config, i, kind, attn_backend) for i, kind in enumerate(layer_types(hf_config))]
-        # The final norm (embedding_norm) reads its eps as rms_norm_eps, which LFM2 calls norm_eps.
-        view = copy.copy(hf_config)
-        view.rms_norm_eps = hf_config.norm_eps
-        return DecoderModel(view, layers)
+        return DecoderModel(hf_config, layers, norm_eps=hf_config.norm_eps)
 
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):

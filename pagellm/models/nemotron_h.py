@@ -13,23 +13,21 @@ names by pagellm.models.gguf_arch.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.distributed.parallel_state import get_tp_group
+from pagellm.attention.backend import AttentionBackend
 from pagellm.layers.attention import Attention, AttentionSpec
-from pagellm.layers.embedding import VocabParallelEmbedding
 from pagellm.layers.linear_method import WeightSource
 from pagellm.layers.mamba2 import Mamba2Mixer, mamba2_state_shapes
 from pagellm.layers.mlp import MLP
 from pagellm.layers.moe import FusedMoE
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryArgs
-from pagellm.models.decoder import LLAMA_STACKED_PARAMS, CausalLM, tp_shard_of
+from pagellm.models.decoder import LLAMA_STACKED_PARAMS, CausalLM, DecoderModel, tp_shard_of
 from pagellm.models.shape import StateTensorShape
 
 if TYPE_CHECKING:
@@ -91,41 +89,13 @@ class NemotronHBlock(nn.Module):
         self.norm = RMSNorm(hidden_size, eps)
         self.mixer = mixer
         self.cached = cached
+        self.layer_type = None  # DecoderModel's rotary kind: none, the attention has no positions (NoPE)
 
     def forward(
-        self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rope: RotaryArgs, cache: object, metadata: object
+        self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rope: Optional[RotaryArgs], cache: object, metadata: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.norm.add_and_norm(hidden, residual)
         return (self.mixer(hidden, rope, cache, metadata) if self.cached else self.mixer(hidden)), residual
-
-
-class NemotronHModel(nn.Module):
-    """Embedding, the blocks and the final norm; no rotary table (the attention has no positions)."""
-
-    def __init__(self, hf_config: PretrainedConfig, layers: Sequence[nn.Module]) -> None:
-        super().__init__()
-        tp, shard = get_tp_group(), tp_shard_of(hf_config)
-        rows = hf_config.vocab_size if tp.world_size == 1 else shard.vocab_padded
-        self.embed_tokens = VocabParallelEmbedding(rows, hf_config.hidden_size, shard.vocab_start, shard.vocab_size)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.layer_norm_epsilon)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[object],
-        attn_metadata: AttentionMetadata | Sequence[object],
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        # A zero-width table: the attention layers rotate none of their dimensions (NoPE).
-        no_rotation = hidden.new_empty(positions.shape[0], 1, 0)
-        rope = RotaryArgs(positions, no_rotation, no_rotation, fused=False)
-        per_layer = isinstance(attn_metadata, (list, tuple))
-        residual = None
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden, residual = layer(hidden, residual, rope, cache, attn_metadata[i] if per_layer else attn_metadata)
-        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class NemotronHForCausalLM(CausalLM):
@@ -171,10 +141,10 @@ class NemotronHForCausalLM(CausalLM):
             return MLP(c.hidden_size, c.intermediate_size, c.mlp_hidden_act, bias=bool(c.mlp_bias)), False
         return NemotronHMoE(c), False
 
-    def build_model(self, hf_config: PretrainedConfig, attn_backend: AttentionBackend) -> NemotronHModel:
+    def build_model(self, hf_config: PretrainedConfig, attn_backend: AttentionBackend) -> DecoderModel:
         layers_of(hf_config)  # unknown block types fail here, by name
         blocks = []
         for i in range(hf_config.num_hidden_layers):
             mixer, cached = self.make_mixer(hf_config, i, attn_backend)
             blocks.append(NemotronHBlock(mixer, hf_config.hidden_size, hf_config.layer_norm_epsilon, cached))
-        return NemotronHModel(hf_config, blocks)
+        return DecoderModel(hf_config, blocks, rotary_layer_types=(), norm_eps=hf_config.layer_norm_epsilon)
