@@ -46,6 +46,34 @@ def cache_head_dim(kv_cache: torch.Tensor) -> int:
     return width - INT8_SCALE_ELEMS if kv_cache.dtype == torch.int8 else width
 
 
+def has_padded_rows(kv_cache: torch.Tensor) -> bool:
+    """Whether ``kv_cache`` ``[2, blocks, block_size, kv_heads, row_width]`` is contiguous, or a
+    narrower layer's view into a wider layer's contiguous tensor (:func:`narrow_kv_view`): each
+    token's heads dense, tokens ``kv_cache.stride(2)`` elements apart. Every backend reads both."""
+    if kv_cache.is_contiguous():
+        return True
+    _, num_blocks, block_size, num_kv_heads, width = kv_cache.shape
+    kv, block, token, head, element = kv_cache.stride()
+    return element == 1 and head == width and token >= num_kv_heads * width and block == block_size * token and kv == num_blocks * block
+
+
+def narrow_kv_view(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A layer's cache ``[2, blocks, block_size, num_kv_heads, row_width(head_dim)]`` inside a
+    contiguous cache of rows at least as wide: its rows fill the first part of each token's row,
+    tokens as far apart as the wider cache's (padded rows; pagellm.worker.kv_cache)."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("a narrow layer's KV cache is a view into a contiguous one")
+    _, num_blocks, block_size, heads, width = kv_cache.shape
+    row = row_width(head_dim, kv_cache.dtype)
+    token = heads * width
+    if num_kv_heads * row > token:
+        raise ValueError(f"{num_kv_heads} KV heads of {head_dim} do not fit a token row of {heads} x {width} {kv_cache.dtype} elements")
+    if num_kv_heads * row == token:
+        return kv_cache.view(2, num_blocks, block_size, num_kv_heads, row)
+    shape = (2, num_blocks, block_size, num_kv_heads, row)
+    return kv_cache.as_strided(shape, (num_blocks * block_size * token, block_size * token, token, row, 1))
+
+
 def bytes_per_token_head(head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one token's key (or value) of one kv head takes in the cache."""
     return row_width(head_dim, dtype) * torch.empty((), dtype=dtype).element_size()
@@ -137,7 +165,8 @@ def write_kv_cache(
     scales: Optional[KVScales] = None,
 ) -> None:
     """Scatters this step's keys and values ``[T, kv_heads, head_dim]`` into their slots, quantized
-    as the cache's dtype stores them (torch's path; the kernels match it)."""
+    as the cache's dtype stores them (torch's path; the kernels match it). ``kv_cache`` may have
+    padded rows (:func:`has_padded_rows`): its token stride is read from the view."""
     scales = scales or UNIT_SCALES
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.attention.kv_quant import KVScales, is_quantized, quantize, row_width
+from pagellm.attention.kv_quant import KVScales, cache_head_dim, is_quantized, narrow_kv_view, quantize, row_width
 
 
 @dataclass
@@ -107,3 +107,21 @@ def make_batch(
         scale=head_dim**-0.5,
         kv_scales=kv_scales,
     )
+
+
+def pad_rows(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_cache`` as a narrower layer's cache inside a wider one's (padded rows; pagellm.worker.kv_cache):
+    (the view, the wide contiguous cache of ``num_kv_heads`` x ``head_dim`` a token). The view holds
+    ``kv_cache``'s bytes; the rest of each token's row is poisoned with NaN, or with 0x7F bytes in an
+    8-bit cache (NaN as fp8 and as an int8 row's float16 scale), so a backend that reads past a
+    narrow row, or writes there, shows it."""
+    wide = torch.empty(
+        (2, *kv_cache.shape[1:3], num_kv_heads, row_width(head_dim, kv_cache.dtype)), dtype=kv_cache.dtype, device=kv_cache.device
+    )
+    if wide.element_size() == 1:
+        wide.view(torch.uint8).fill_(0x7F)
+    else:
+        wide.fill_(float("nan"))
+    view = narrow_kv_view(wide, kv_cache.shape[3], cache_head_dim(kv_cache))
+    view.view(torch.uint8).copy_(kv_cache.view(torch.uint8))  # bytes: fp8 has few copy kernels
+    return view, wide

@@ -63,6 +63,16 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 # --- attention (paged_attention.cpp) ----------------------------------------------------------
 
 
+def _padded_rows(kv_cache: torch.Tensor) -> bool:
+    """A cache the kernels address by its token stride: contiguous, or a narrow layer's view whose
+    token rows are wider than its heads (kv_quant.has_padded_rows; the kernel checks the same)."""
+    if kv_cache.is_contiguous():
+        return True
+    _, num_blocks, block_size, num_kv_heads, width = kv_cache.shape
+    kv, block, token, head, element = kv_cache.stride()
+    return element == 1 and head == width and token >= num_kv_heads * width and block == block_size * token and kv == num_blocks * block
+
+
 def paged_attention_supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_attention` covers this query and cache (otherwise attend in torch)."""
     return (
@@ -70,7 +80,7 @@ def paged_attention_supports(query: torch.Tensor, kv_cache: torch.Tensor) -> boo
         and query.dtype == torch.float32
         and kv_cache.dtype in PAGED_ATTENTION_CACHE_DTYPES
         and query.shape[-1] in PAGED_ATTENTION_HEAD_DIMS
-        and kv_cache.is_contiguous()
+        and (kv_cache.is_contiguous() or _padded_rows(kv_cache))
         and available()
     )
 
@@ -96,7 +106,8 @@ def paged_attention(
     which is faster depends on the core (:class:`pagellm.kernels.tuning.CpuTuning`).
     ``k_scale`` / ``v_scale``: an fp8 cache's per-layer scales (pagellm.attention.kv_quant).
     ``sliding_window``, ``logits_soft_cap``, ``sinks``: a layer's AttentionOptions
-    (pagellm.attention.backend), already validated; None for off.
+    (pagellm.attention.backend), already validated; None for off. ``kv_cache`` may be a narrow
+    layer's view with padded rows (:func:`_padded_rows`): the kernel reads its token stride.
     """
     if sliding_window is None and logits_soft_cap is None and sinks is None:
         # Plain attention: the schema's defaults for the options, nothing more to convert.
@@ -151,7 +162,8 @@ def write_kv_cache(
 ) -> None:
     """Scatters this step's keys and values ``[T, kv_heads, dim]`` into their cache slots: one
     copy (or conversion, or quantization: byte for byte what ``kv_quant.quantize`` gives) per
-    token row, spread over the threads, without index_copy_'s generic machinery."""
+    token row, spread over the threads, without index_copy_'s generic machinery. The cache may be
+    a narrow layer's view with padded rows (kv_quant.narrow_kv_view): tokens at its stride(2)."""
     torch.ops.pagellm_attn.write_kv_cache(kv_cache, key, value, slot_mapping, float(k_scale), float(v_scale))
 
 

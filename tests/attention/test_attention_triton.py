@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'pagellm[gpu]')")
 
-from pagellm.attention.kv_quant import KVScales, row_width, write_kv_cache
-from pagellm.attention.synthetic import SyntheticBatch, make_batch
+from pagellm.attention.kv_quant import KVScales, narrow_kv_view, row_width, write_kv_cache
+from pagellm.attention.synthetic import SyntheticBatch, make_batch, pad_rows
 from pagellm.attention.triton_kernels import cache_write as triton_cache_write
 from pagellm.attention.triton_paged import TritonPagedBackend, split_plan
 
@@ -184,6 +184,24 @@ def test_half_precision_model_with_8bit_cache(dtype, cache_dtype, reference) -> 
     assert got.dtype == dtype
     assert_same_bytes(cache, ref_cache)
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=str)
+@pytest.mark.parametrize("seqs", [DECODE, MIXED], ids=["decode_split_k", "mixed"])
+def test_narrow_view_of_wider_rows(cache_dtype, seqs, reference) -> None:
+    # A narrow layer's cache padded into a wider one's token rows (pagellm.worker.kv_cache): the
+    # kernels take the view's strides, write only its part of each row and read the same values.
+    batch = make_batch(seqs, 9, 3, 64, block_size=16, cache_dtype=cache_dtype, seed=14)
+    ref_cache = batch.kv_cache.clone()
+    view, wide = pad_rows(batch.kv_cache, 2, 128)
+    padding = wide.view(torch.uint8).clone()
+    expected = reference.forward(batch.query, batch.key, batch.value, ref_cache, batch.metadata, batch.scale, batch.kv_scales)
+    got = small_backend(32).forward(batch.query, batch.key, batch.value, view, batch.metadata, batch.scale, batch.kv_scales)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert_same_bytes(view.contiguous(), ref_cache)
+    # Outside the view's rows every byte is as it was.
+    narrow_kv_view(padding.view(cache_dtype), 3, 64).view(torch.uint8).copy_(ref_cache.view(torch.uint8))
+    assert torch.equal(wide.view(torch.uint8), padding)
 
 
 def test_fp8_scales_are_read_from_the_device_tensor(reference) -> None:

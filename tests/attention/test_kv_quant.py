@@ -11,7 +11,9 @@ from pagellm.attention.kv_quant import (
     bytes_per_token_head,
     cache_head_dim,
     dequantize,
+    has_padded_rows,
     kv_cache_dtype_name,
+    narrow_kv_view,
     quantize,
     row_width,
     write_kv_cache,
@@ -115,3 +117,19 @@ def test_kernel_takes_only_float32_for_an_eight_bit_cache() -> None:
     cache = torch.zeros(2, 1, 16, 1, 64, dtype=torch.float8_e4m3fn)
     rows = torch.zeros(1, 1, 64, dtype=torch.float8_e4m3fn)
     assert not ops.write_kv_cache_supports(rows, rows, cache, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)
+def test_narrow_view_pads_into_wider_token_rows(dtype) -> None:
+    wide = torch.zeros(2, 5, 4, 2, row_width(32, dtype), dtype=dtype)
+    narrow = narrow_kv_view(wide, 3, 16)
+    token = 2 * row_width(32, dtype)
+    assert narrow.shape == (2, 5, 4, 3, row_width(16, dtype)) and narrow.data_ptr() == wide.data_ptr()
+    assert narrow.stride()[:3] == (5 * 4 * token, 4 * token, token) and not narrow.is_contiguous()
+    assert has_padded_rows(narrow) and has_padded_rows(wide) and not has_padded_rows(wide[:, ::2])
+    same_width = narrow_kv_view(torch.zeros(2, 5, 4, 2, 32), 4, 16)  # 4 x 16 in rows of 2 x 32: a plain view
+    assert same_width.shape == (2, 5, 4, 4, 16) and same_width.is_contiguous()
+    with pytest.raises(ValueError, match="do not fit"):
+        narrow_kv_view(wide, 3, 32)
+    with pytest.raises(ValueError, match="contiguous"):
+        narrow_kv_view(narrow, 1, 16)

@@ -27,6 +27,10 @@
 //   * logit soft cap c: each score s becomes c * tanh(s / c), before masking (Gemma 2).
 //   * sinks: one extra logit per query head in the softmax's denominator, with no value
 //     (gpt-oss): the running max and sum start from it instead of from -inf and 0.
+// A token's row (its kv heads side by side) is found `token_stride` elements after the previous
+// token's: num_kv_heads * head_stride for a contiguous cache, more for a layer whose rows sit in
+// the first part of a wider layer's (Gemma 4's sliding layers in its full layers' tensor; see
+// pagellm/worker/kv_cache.py), which is handed as a view with that token stride.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -136,6 +140,7 @@ struct Problem {
   int num_kv_heads;
   int head_dim;
   int head_stride;  // cache elements per (token, kv head) row: head_dim, plus an int8 row's scale
+  int64_t token_stride;  // cache elements from one token's row to the next: num_kv_heads * head_stride, or more
   int block_size;
   float scale_log2;   // softmax scale * log2(e) * the keys' scale: scores live in the log2 domain
   float value_scale;  // the values' scale (fp8), applied to the output
@@ -204,13 +209,12 @@ template <typename T>
 inline void locate_rows(const Problem& p, int seq, int kv_head, int pos, int n, int context_len, const T* zero_row,
                         const T** key_rows, const T** value_rows) {
   const int32_t* table = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
-  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * p.head_stride;
   int block_index = pos / p.block_size;
   int offset = pos - block_index * p.block_size;
   for (int i = 0; i < n; ++i) {
     if (pos + i < context_len) {
       const int64_t slot = static_cast<int64_t>(table[block_index]) * p.block_size + offset;
-      const int64_t at = slot * row_stride + static_cast<int64_t>(kv_head) * p.head_stride;
+      const int64_t at = slot * p.token_stride + static_cast<int64_t>(kv_head) * p.head_stride;
       key_rows[i] = static_cast<const T*>(p.key_cache) + at;
       value_rows[i] = static_cast<const T*>(p.value_cache) + at;
     } else {
@@ -931,6 +935,19 @@ bool supported_cache_type(at::ScalarType t) {
 // Cache elements after each head row's values: an int8 row's float16 scale.
 int64_t row_extra(at::ScalarType t) { return t == at::kChar ? 2 : 0; }
 
+// Cache elements from one token's row to the next, for a cache [2, blocks, block_size, kv_heads,
+// row] that is contiguous, or whose token rows are wider than kv_heads * row (a narrow layer's view
+// into a wider layer's tensor); -1 for any other layout.
+int64_t cache_token_stride(const at::Tensor& kv_cache) {
+  const int64_t heads = kv_cache.size(3), row = kv_cache.size(4);
+  if (kv_cache.is_contiguous()) return heads * row;
+  const int64_t token = kv_cache.stride(2);
+  const bool padded = kv_cache.stride(4) == 1 && kv_cache.stride(3) == row && token >= heads * row &&
+                      kv_cache.stride(1) == kv_cache.size(2) * token &&
+                      kv_cache.stride(0) == kv_cache.size(1) * kv_cache.stride(1);
+  return padded ? token : -1;
+}
+
 template <typename T>
 void run_for_head_dim(const Problem& p, int num_seqs, int threads) {
   switch (p.head_dim) {
@@ -952,8 +969,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                         supported_cache_type(kv_cache.scalar_type()),
                     "paged_attention: float32 query and output, float32/float16/bfloat16/fp8/int8 cache only");
   TORCH_CHECK_VALUE(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_attention: bad shapes");
-  TORCH_CHECK_VALUE(kv_cache.is_contiguous() && out.is_contiguous(),
-                    "paged_attention: kv_cache and out must be contiguous");
+  TORCH_CHECK_VALUE(cache_token_stride(kv_cache) > 0 && out.is_contiguous(),
+                    "paged_attention: kv_cache must be contiguous (or padded rows of one), out contiguous");
   TORCH_CHECK_VALUE(query.stride(2) == 1 && query.stride(1) == query.size(2),
                     "paged_attention: each token's query heads must be contiguous");
   TORCH_CHECK_VALUE(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -1000,6 +1017,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.num_kv_heads = static_cast<int>(kv_cache.size(3));
   p.head_dim = static_cast<int>(head_dim);
   p.head_stride = static_cast<int>(kv_cache.size(4));
+  p.token_stride = cache_token_stride(kv_cache);
   p.block_size = static_cast<int>(kv_cache.size(2));
   // Only fp8 caches are stored under the layer's scales; the others hold values as they are.
   const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2;
@@ -1053,18 +1071,19 @@ void scatter_converted(at::Tensor& kv_cache, const at::Tensor& key, const at::Te
   const float* value_src = value.data_ptr<float>();
   const int64_t num_kv_heads = key.size(1), head_dim = key.size(2);
   const int64_t row = kv_cache.size(3) * kv_cache.size(4);  // cache elements per token
+  const int64_t token_stride = cache_token_stride(kv_cache);  // row, or more for a narrow layer's view
   constexpr bool kQuantized = sizeof(T) == 1;
   at::parallel_for(0, num_tokens, kQuantized ? 16 : 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if constexpr (kQuantized) {
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          T* dst = key_cache + slots[t] * row + h * kv_cache.size(4);
+          T* dst = key_cache + slots[t] * token_stride + h * kv_cache.size(4);
           quantize_row(dst, key_src + t * key.stride(0) + h * head_dim, head_dim, k_scale);
           quantize_row(dst + kv_cache.stride(0), value_src + t * value.stride(0) + h * head_dim, head_dim, v_scale);
         }
       } else {
-        convert_row(key_cache + slots[t] * row, key_src + t * key.stride(0), row);
-        convert_row(value_cache + slots[t] * row, value_src + t * value.stride(0), row);
+        convert_row(key_cache + slots[t] * token_stride, key_src + t * key.stride(0), row);
+        convert_row(value_cache + slots[t] * token_stride, value_src + t * value.stride(0), row);
       }
     }
   });
@@ -1073,8 +1092,9 @@ void scatter_converted(at::Tensor& kv_cache, const at::Tensor& key, const at::Te
 void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
                     const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   TORCH_CHECK_VALUE(
-      kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
-      "write_kv_cache: kv_cache must be a contiguous CPU [2, blocks, block_size, kv_heads, row_width]");
+      kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 && cache_token_stride(kv_cache) > 0,
+      "write_kv_cache: kv_cache must be a contiguous CPU [2, blocks, block_size, kv_heads, row_width] "
+      "(or padded rows of one)");
   const at::ScalarType cache_type = kv_cache.scalar_type();
   const bool quantizes = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2 || cache_type == at::kChar;
   const bool converts =
@@ -1110,6 +1130,7 @@ void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
     }
   }
   const int64_t row_bytes = num_kv_heads * head_dim * static_cast<int64_t>(kv_cache.element_size());
+  const int64_t token_bytes = cache_token_stride(kv_cache) * static_cast<int64_t>(kv_cache.element_size());
   char* key_cache = static_cast<char*>(kv_cache.data_ptr());
   char* value_cache = key_cache + kv_cache.stride(0) * kv_cache.element_size();
   const char* key_src = static_cast<const char*>(key.data_ptr());
@@ -1117,8 +1138,8 @@ void write_kv_cache(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   const int64_t key_stride = key.stride(0) * key.element_size(), value_stride = value.stride(0) * value.element_size();
   at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(key_cache + slots[t] * row_bytes, key_src + t * key_stride, row_bytes);
-      std::memcpy(value_cache + slots[t] * row_bytes, value_src + t * value_stride, row_bytes);
+      std::memcpy(key_cache + slots[t] * token_bytes, key_src + t * key_stride, row_bytes);
+      std::memcpy(value_cache + slots[t] * token_bytes, value_src + t * value_stride, row_bytes);
     }
   });
 }
