@@ -26,6 +26,7 @@ from pagellm.kv_offload.offloader import KVOffloader, OffloaderStats
 from pagellm.kv_offload.store import DiskKVStore, HostKVStore, KVStore
 from pagellm.plan.kv_cache_plan import KVCachePlan
 from pagellm.plan.resolved_config import ResolvedConfig
+from pagellm.worker.kv_cache import distinct_cache_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +73,10 @@ def tier_identity(
 
 
 def distinct_kv_tensors(kv_caches: list[Any], draft_caches: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors a block's page spans, each once (a grouped cache shares tensors between layers);
-    a draft model's cache rides along, since it shares the block ids."""
-    seen: set[int] = set()
-    out = []
-    for t in [*kv_caches, *draft_caches]:
-        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            out.append(t)
-    return out
+    """The tensors a block's page spans, each once and whole (a grouped cache shares tensors between
+    layers, a narrow layer's view pads into a wider one's); a draft model's cache rides along, since
+    it shares the block ids."""
+    return distinct_cache_tensors([*kv_caches, *draft_caches])
 
 
 def state_tensors_of(kv_caches: list[Any], kv_cache: KVCachePlan) -> tuple[torch.Tensor, ...]:

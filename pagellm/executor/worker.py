@@ -157,7 +157,7 @@ class Worker:
         cache_dtype = resolved.precision.kv_cache_dtype
         head_dim = resolved.model.shape.head_dim
         shape, tp_size = resolved.model.shape, config.tensor_parallel_size
-        # Layers of different shapes (Gemma 4): each layer's own KV heads on this rank.
+        # Layers of different shapes (Gemma 4): each layer's own KV heads on this rank (narrow ones pad into the widest).
         layer_kv_heads = [(split_evenly(h, tp_size)[self.rank][1], d) for h, d in shape.layer_kv_heads] if shape.layer_kv_heads else None
         kv_caches = allocate_grouped_kv_caches(
             kv_cache.layout, kv_cache.num_blocks, kv_cache.block_size, self._num_kv_heads(), head_dim, cache_dtype, self.device,

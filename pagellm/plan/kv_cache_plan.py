@@ -96,7 +96,7 @@ def plan_kv_cache(
     error when the user set it, and is lowered with a warning when it was the model's own."""
     kv_heads = max_kv_heads_per_rank(shape.num_kv_heads, config.tensor_parallel_size)
     block_size = config.block_size
-    if shape.layer_kv_heads:  # layers of different shapes: a tensor per shape at each group position
+    if shape.layer_kv_heads:  # layers of different shapes: each group position's tensor has its widest row
         per_rank = [(max_kv_heads_per_rank(h, config.tensor_parallel_size), d) for h, d in shape.layer_kv_heads]
         block_bytes = grouped_bytes_per_block(layout, per_rank, block_size, kv_cache_dtype)
     else:

@@ -1,14 +1,25 @@
 """Sizing and allocating the paged KV cache tensors, and faulting their memory in while idle.
 
 Layers whose KV rows differ (Gemma 4: its full layers' heads are twice as wide as its sliding
-layers') cannot share one tensor per group position: position k gets a tensor for each (KV heads,
-head size) found at k across the groups (:func:`grouped_kv_tensors`). A block id is a page of one
-group in every tensor, so a block pays for the rows of every kind at each position while its
-group uses one kind's. The alternative, vLLM's page-size unification (pages of equal bytes, a
-narrow group holding more tokens per block), needs a block size per group in the KV cache manager,
-its prefix hashing and every block table; separate tensors change only allocation and sizing, and
-keep every tensor contiguous for the kernels (a narrow layer's view into wider pages would not be).
-A model whose layers share one shape keeps one tensor per position, byte for byte as before.
+layers') share one tensor per group position, as layers of one shape do: its per-token row is the
+widest row at that position (:func:`widest_kv_rows`), and a narrower layer's keys and values fill
+the first part of each token's row (padded rows). A block id is a page of one group in every
+tensor, so a block costs the widest row at each position, once; the narrow sliding groups hold
+only a window of blocks, so the padding they carry stays small. (The design before this gave each
+position a tensor per shape, every one sized for all blocks: every block paid for both rows.)
+
+A narrower layer is handed its cache as a view of the position's tensor,
+``[2, num_blocks, block_size, kv_heads, row_width]`` with the wider token stride
+(``kv_quant.narrow_kv_view``): the heads of one token are dense, the tokens ``stride(2)``
+elements apart. The backends take any such view: the torch ones gather through the strides, the
+C++ kernel and its cache write address a token by ``kv_cache.stride(2)``, the Triton kernels are
+given the cache's strides. A view rather than a [2, blocks, block_size, row] tensor plus the
+layer's (heads, head size) keeps one cache argument per layer and the backends' signatures. An
+8-bit cache's rows keep their scales at the end of each head row, so they pad the same way.
+vLLM's page-size unification (pages of equal bytes, a narrow group holding more tokens per block)
+would save the padding too, but needs a block size per group in the KV cache manager, its prefix
+hashing and every block table. A model whose layers share one shape keeps one tensor per
+position and every layer the tensor itself, byte for byte as before.
 """
 from __future__ import annotations
 
@@ -22,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pagellm.attention.kv_quant import bytes_per_token_head, row_width
+from pagellm.attention.kv_quant import bytes_per_token_head, narrow_kv_view, row_width
 from pagellm.core.kv_cache_groups import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -149,38 +160,60 @@ def allocate_grouped_kv_caches(
     layer k of every group sharing tensor k (a block id is a page of one group, so the groups never
     collide). With one group this is ``allocate_kv_caches``: a tensor of its own per layer. A
     recurrent layer's entry is None (its state is in ``allocate_state_caches``'), as is a layer's
-    without a cache; a layer reading another's KV gets that layer's tensor. ``layer_kv_heads``:
-    per layer (this rank's KV heads, head size) where layers differ (:func:`grouped_kv_tensors`)."""
+    without a cache; a layer reading another's KV gets that layer's cache. ``layer_kv_heads``:
+    per layer (this rank's KV heads, head size) where layers differ: each position's tensor has
+    the widest row there (:func:`widest_kv_rows`), a narrower layer a view of its first part."""
     state = set(layout.state_layer_ids) | set(layout.no_cache_layer_ids)
-    if layer_kv_heads is not None:  # layers of different shapes: a tensor per shape and position
-        shapes, tensor_ids = grouped_kv_tensors(layout, layer_kv_heads)
-        tensors = [allocate_kv_caches(1, num_blocks, block_size, heads, dim, dtype, device)[0] for heads, dim in shapes]
-        return [None if layer in state else tensors[i] for layer, i in enumerate(tensor_ids)]
-    tensors = allocate_kv_caches(layout.group_size, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    return [None if layer in state else tensors[i] for layer, i in enumerate(layout.layer_tensor_ids)]
-
-
-def grouped_kv_tensors(layout: KVCacheLayout, layer_kv_heads: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
-    """The pool's KV tensors as (KV heads, head size), position by position (one per shape found at
-    that position across the groups), and per layer the index of its tensor (a layer reading
-    another's KV: the source's; -1: a layer without KV)."""
-    index: dict[tuple[int, tuple[int, int]], int] = {}
-    tensor_ids = [-1] * layout.num_layers
-    for position in range(layout.group_size):
-        for group in layout.groups:
-            if position < len(group.layer_ids):
-                layer = group.layer_ids[position]
-                key = (position, (int(layer_kv_heads[layer][0]), int(layer_kv_heads[layer][1])))
-                tensor_ids[layer] = index.setdefault(key, len(index))
+    if layer_kv_heads is None:
+        tensors = allocate_kv_caches(layout.group_size, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        return [None if layer in state else tensors[i] for layer, i in enumerate(layout.layer_tensor_ids)]
+    rows = widest_kv_rows(layout, layer_kv_heads, dtype)
+    tensors = [allocate_kv_caches(1, num_blocks, block_size, heads, dim, dtype, device)[0] for heads, dim in rows]
+    caches: list[Optional[torch.Tensor]] = [None] * layout.num_layers
+    for group in layout.groups:
+        for position, layer in enumerate(group.layer_ids):
+            heads, dim = int(layer_kv_heads[layer][0]), int(layer_kv_heads[layer][1])
+            wide = tensors[position]
+            caches[layer] = wide if (heads, dim) == rows[position] else narrow_kv_view(wide, heads, dim)
     for layer, source in layout.kv_shared_layers:
-        tensor_ids[layer] = tensor_ids[source]
-    return [shape for _, shape in index], tensor_ids
+        caches[layer] = caches[source]
+    return caches
+
+
+def widest_kv_rows(layout: KVCacheLayout, layer_kv_heads: Sequence[tuple[int, int]], dtype: torch.dtype) -> list[tuple[int, int]]:
+    """Per group position, the (KV heads, head size) of the widest token row among the layers there
+    (in ``dtype``'s elements, an int8 row's scales included; the first such layer on a tie): the
+    shape of the position's tensor, which the narrower layers' rows pad into."""
+    rows: list[tuple[int, int]] = []
+    for position in range(layout.group_size):
+        shapes = [
+            (int(layer_kv_heads[g.layer_ids[position]][0]), int(layer_kv_heads[g.layer_ids[position]][1]))
+            for g in layout.groups
+            if position < len(g.layer_ids)
+        ]
+        if not shapes:
+            raise ValueError(f"no group has a layer at KV cache position {position} of {layout.group_size}")
+        rows.append(max(shapes, key=lambda shape: shape[0] * row_width(shape[1], dtype)))
+    return rows
 
 
 def grouped_bytes_per_block(layout: KVCacheLayout, layer_kv_heads: Sequence[tuple[int, int]], block_size: int, dtype: torch.dtype) -> int:
-    """One pool block across every KV tensor of :func:`grouped_kv_tensors`."""
-    shapes, _ = grouped_kv_tensors(layout, layer_kv_heads)
-    return sum(bytes_per_block(1, block_size, heads, head_dim, dtype) for heads, head_dim in shapes)
+    """One pool block: the widest row at each group position (:func:`widest_kv_rows`)."""
+    return sum(bytes_per_block(1, block_size, heads, dim, dtype) for heads, dim in widest_kv_rows(layout, layer_kv_heads, dtype))
+
+
+def distinct_cache_tensors(caches: Sequence[object]) -> list[torch.Tensor]:
+    """Each cache tensor once, in order of first use: layers of different groups and layers reading
+    another's KV share a tensor, and a narrow layer's view (padded rows) starts where its position's
+    tensor does, so a tensor is known by its first byte and kept as its widest view (the whole
+    contiguous tensor). Entries that are not tensors (a recurrent layer's state tuple, None) are skipped."""
+    by_start: dict[int, torch.Tensor] = {}
+    for cache in caches:
+        if isinstance(cache, torch.Tensor):
+            kept = by_start.get(cache.data_ptr())
+            if kept is None or cache.nbytes > kept.nbytes:
+                by_start[cache.data_ptr()] = cache
+    return list(by_start.values())
 
 
 def allocate_state_caches(
@@ -218,8 +251,8 @@ class KVCachePrefaulter:
     def __init__(self, kv_caches: list[torch.Tensor], chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
         page = mmap.PAGESIZE
-        # Layers of different KV cache groups share tensors: each is faulted in once.
-        unique = list({id(c): c for c in kv_caches}.values())
+        # Layers of different KV cache groups share tensors (a narrow layer's a view): each is faulted in once.
+        unique = distinct_cache_tensors(kv_caches)
         # (start, end) byte ranges, widened to whole pages: populating is content-preserving, so the
         # part of a neighbouring allocation on a shared first or last page is unharmed.
         self._ranges = [

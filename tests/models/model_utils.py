@@ -8,6 +8,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.kv_quant import narrow_kv_view
 from pagellm.models.shape import ModelShape
 
 # The tiny Qwen3.5 / Qwen3-Next fields (Gated DeltaNet beside gated attention) of the hybrid model tests
@@ -43,7 +44,8 @@ class PagedDriver:
     """Runs a pagellm model step by step over several sequences sharing one paged KV cache.
 
     Blocks are handed out from a shuffled free list, so each sequence's block table is
-    scattered and out of order. Unused cache slots hold NaN, so reading the wrong slot shows.
+    scattered and out of order. Unused cache slots hold NaN, so reading the wrong slot shows, as
+    does reading past a narrower layer's part of a padded row.
     """
 
     def __init__(self, model: nn.Module, hf_config: PretrainedConfig, block_size: int = 4, num_blocks: int = 64, seed: int = 0) -> None:
@@ -51,10 +53,14 @@ class PagedDriver:
         self.block_size = block_size
         param = next(model.parameters())
         shape = ModelShape.from_hf_config(hf_config)
-        self.kv_caches = [
-            torch.full((2, num_blocks, block_size, *shape.kv_heads_of(i)), float("nan"), dtype=param.dtype, device=param.device)
-            for i in range(hf_config.num_hidden_layers)
-        ]
+        # Layers of different KV shapes: each narrower layer's cache pads into rows of the widest
+        # shape, as the engine lays them out (pagellm.worker.kv_cache), NaN past its part.
+        widest = max((shape.kv_heads_of(i) for i in range(shape.num_layers)), key=lambda s: s[0] * s[1])
+        self.kv_caches = []
+        for i in range(shape.num_layers):
+            rows = widest if shape.layer_kv_heads else shape.kv_heads_of(i)
+            cache = torch.full((2, num_blocks, block_size, *rows), float("nan"), dtype=param.dtype, device=param.device)
+            self.kv_caches.append(narrow_kv_view(cache, *shape.kv_heads_of(i)) if rows != shape.kv_heads_of(i) else cache)
         for layer, source in shape.kv_shared_layers:  # a layer reading another's KV gets its cache
             self.kv_caches[layer] = self.kv_caches[source]
         self.free_blocks = list(range(num_blocks))

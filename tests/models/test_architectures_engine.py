@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from gguf_writer import write_gguf
 from hf_oracle import HFGreedy, check_close, hf_greedy_uncached
 from model_utils import make_random_hf_model
@@ -102,3 +103,25 @@ def test_prefix_caching_equals_no_caching(name: str, tmp_path: Path) -> None:
     for i, (a, b, ref) in enumerate(zip(cached, plain, reference)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"{name} prompt {i}: caching changed the output"
         check_close(a, ref, f"{name} prompt {i}")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("name", ["gemma4"])
+def test_eight_bit_kv_cache_of_layers_of_different_shapes(name: str, kv_cache_dtype: str, tmp_path: Path) -> None:
+    """Gemma 4's sliding layers keep their 8-bit rows (an int8 row's scales included) in the first
+    part of its full layers' wider rows (pagellm.worker.kv_cache): greedy still matches transformers."""
+    hf_model = make_random_hf_model(CONFIGS[name][0](), seed=1)
+    hf_model.save_pretrained(tmp_path)
+    reference = [hf_greedy_uncached(hf_model, p, _MAX_TOKENS) for p in _prompts()]
+    llm = LLM(model=str(tmp_path), tokenizer=default_model_path(), dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=96,
+              max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, logprobs=5, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+        caches = [c for c in llm.llm_engine.core.runner.kv_caches if c is not None]
+    finally:
+        llm.shutdown()
+    assert {c.dtype for c in caches} == {torch.int8 if kv_cache_dtype == "int8" else torch.float8_e4m3fn}
+    assert any(not c.is_contiguous() for c in caches)  # the sliding layers' views into the full layers' rows
+    for i, (ours, ref) in enumerate(zip(outputs, reference)):
+        check_close(ours, ref, f"{name} {kv_cache_dtype} KV cache prompt {i}")
