@@ -139,7 +139,7 @@ struct Problem {
   int num_heads;
   int num_kv_heads;
   int head_dim;
-  int head_stride;  // cache elements per (token, kv head) row: head_dim, plus an int8 row's scale
+  int head_stride;       // cache elements per (token, kv head) row: head_dim, plus an int8 row's scale
   int64_t token_stride;  // cache elements from one token's row to the next: num_kv_heads * head_stride, or more
   int block_size;
   float scale_log2;   // softmax scale * log2(e) * the keys' scale: scores live in the log2 domain
@@ -1070,7 +1070,7 @@ void scatter_converted(at::Tensor& kv_cache, const at::Tensor& key, const at::Te
   const float* key_src = key.data_ptr<float>();
   const float* value_src = value.data_ptr<float>();
   const int64_t num_kv_heads = key.size(1), head_dim = key.size(2);
-  const int64_t row = kv_cache.size(3) * kv_cache.size(4);  // cache elements per token
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4);    // cache elements per token
   const int64_t token_stride = cache_token_stride(kv_cache);  // row, or more for a narrow layer's view
   constexpr bool kQuantized = sizeof(T) == 1;
   at::parallel_for(0, num_tokens, kQuantized ? 16 : 64, [&](int64_t begin, int64_t end) {
