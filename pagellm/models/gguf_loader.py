@@ -284,7 +284,7 @@ def _cat_rows(parts: list[WeightSource]) -> WeightSource:
 
 class _LinearAttentionLayout:
     """The inverse of llama.cpp's converter on Qwen3-Next / Qwen3.5 linear-attention layers
-    (conversion/qwen.py; the transforms are listed in gguf_arch's docstring), from the config's
+    (conversion/qwen.py; the transforms are listed in gguf_hybrid_arch's docstring), from the config's
     head counts and dims. :meth:`take` gets each block tensor of the hybrid architectures with its
     HF name as gguf_arch maps it and yields what the HF checkpoint stores."""
 
