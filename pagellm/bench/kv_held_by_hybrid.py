@@ -1,10 +1,12 @@
 """KV cache and recurrent state one request holds, decoding at 4,096 and 32,768 tokens: hybrid and
 sliding-window shapes against a full-attention model of about the same size. What a request holds
 depends only on the layers, heads and states, so every checkpoint is its shape with a narrow hidden
-size and a short MLP (random weights; a Mamba layer's width kept through its expand factor). At 4,096
-tokens the engine runs the request for real; at 32,768 (a prefill too long for two cores to be worth
-it) its KV cache manager allocates the request's blocks and slot without running the model. Both are
-the engine's own account of what the request holds; at 4,096 the two agree (``allocated_bytes``).
+size and a short MLP (random weights; a Mamba layer's width kept through its expand factor). The
+request is decoding: its prompt went in 1,024-token chunks and one token has been decoded since, so a
+sliding group holds only its window. At 4,096 tokens the engine runs the request for real; at both
+lengths (32,768 is a prefill too long for two cores to be worth it) its KV cache manager allocates the
+request's blocks and slot chunk by chunk without running the model. Both are the engine's own account
+of what the request holds; at 4,096 the two agree (``allocated_bytes``).
 
 Pairs (model, full-attention model of its size): Qwen3.5-2B (18 Gated DeltaNet + 6 gated-attention
 layers) against Qwen3-1.7B's attention; Granite-4.0-H-Micro (36 Mamba-2 + 4 attention layers) and
@@ -30,6 +32,7 @@ from pagellm.models.loader import default_model_path
 from pagellm.request import Request
 
 CONTEXTS = (4096, 32768)
+CHUNK = 1024  # prefill chunk (max_num_batched_tokens)
 NARROW = dict(vocab_size=49152, hidden_size=128, intermediate_size=128, max_position_embeddings=40000)
 # (model_type, shape) of each model, and the full-attention model each is held against.
 SHAPES: dict[str, tuple[str, dict]] = {
@@ -63,13 +66,17 @@ def held(model_type: str, shape: dict, num_tokens: int) -> dict:
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
         engine = LLMEngine(EngineConfig(
             model=path, tokenizer=default_model_path(), dtype="bfloat16", max_model_len=max(CONTEXTS) + 64,
-            max_num_batched_tokens=4096, kv_cache_memory_bytes=8 << 30, max_num_seqs=4, enable_prefix_caching=False,
+            max_num_batched_tokens=CHUNK, kv_cache_memory_bytes=8 << 30, max_num_seqs=4, enable_prefix_caching=False,
         ))
         core = engine.core
         prompt = [(7 * i) % 49000 + 10 for i in range(num_tokens)]
-        # What the manager hands a request of this length (no model run), then forgets it.
+        # What the manager hands a request of this length (no model run): its prompt in chunks of
+        # CHUNK, then one decode step, so sliding groups hold only their window; then it is forgotten.
         request = Request("sized", prompt, SamplingParams(max_tokens=1), 1)
-        core.kv_cache_manager.allocate_slots(request, num_tokens)
+        for start in range(0, num_tokens, CHUNK):
+            core.kv_cache_manager.allocate_slots(request, min(CHUNK, num_tokens - start))
+            request.num_computed_tokens = min(start + CHUNK, num_tokens)
+        core.kv_cache_manager.allocate_slots(request, 1)
         allocated = core.request_kv_usage("sized").num_bytes
         core.kv_cache_manager.free(request)
         result = {"layout": engine.memory_plan.kv_cache_layout or "one full-attention group", "allocated_bytes": allocated}
@@ -79,6 +86,7 @@ def held(model_type: str, shape: dict, num_tokens: int) -> dict:
                 outputs = engine.step()
                 if outputs and outputs[0].outputs[0].token_ids:
                     break
+            engine.step()  # one decode step: a sliding group has let go of the last chunk's blocks out of its window
             usage = core.request_kv_usage("r")
             result.update(kv_bytes=usage.num_bytes - usage.num_state_bytes, state_bytes=usage.num_state_bytes, bytes_held=usage.num_bytes)
         engine.shutdown()
