@@ -78,19 +78,21 @@ def test_gguf_file_served_matches_transformers_on_one_and_two_ranks(name: str, t
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
 
 
-@pytest.mark.parametrize("name", ["gemma4"])
-def test_prefix_caching_equals_no_caching(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+@pytest.mark.parametrize("name", ["gemma4", "gemma4-moe-k-eq-v"])
+def test_prefix_caching_equals_no_caching(name: str, source: str, tmp_path: Path) -> None:
     """Prompts sharing a stem cut inside a 4-token block, each sent after the one it shares with:
     hits skip the stem's full blocks (sliding windows and layers reading another's KV included)
-    and change no token."""
+    and change no token, from safetensors and from a GGUF file."""
     hf_model = make_random_hf_model(CONFIGS[name][0](), seed=1)
-    hf_model.save_pretrained(tmp_path)
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = tmp_path / "hf" if source == "safetensors" else write_gguf(tmp_path / "hf", hf_model.config, tmp_path / "model.gguf")
     stem = [(5 * j + 3) % 120 + 3 for j in range(45)]
     prompts = [stem + [7, 8, 9], stem[:30] + [11, 12], stem[:41] + [21, 22, 23], stem[:37] + [1]]
     reference = [hf_greedy_uncached(hf_model, p, _MAX_TOKENS) for p in prompts]
 
     def run(caching: bool):
-        llm = LLM(model=str(tmp_path), tokenizer=default_model_path(), dtype="float32", max_model_len=96, block_size=4,
+        llm = LLM(model=str(model), tokenizer=default_model_path(), dtype="float32", max_model_len=96, block_size=4,
                   num_kv_blocks=128, max_num_batched_tokens=16, enable_prefix_caching=caching)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, logprobs=5, ignore_eos=True)
