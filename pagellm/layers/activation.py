@@ -46,11 +46,15 @@ _GATED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# Other names transformers' configs use for the same activations.
+_ALIASES = {"swish": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
 def canonical_activation(hidden_act: str) -> str:
     """The name the layers use for a config's ``hidden_act``; ValueError for unsupported ones."""
     if hidden_act not in _GATED:
         raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: {', '.join(sorted(_GATED))}")
-    return {"swish": "silu", "gelu_tanh": "gelu_pytorch_tanh"}.get(hidden_act, hidden_act)
+    return _ALIASES.get(hidden_act, hidden_act)
 
 
 def gated_activation(hidden_act: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -62,12 +66,19 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
-# transformers' hidden_act names -> the activation of an MLP without a gate (up, act, down).
-_PLAIN: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu2": relu_squared}
+# transformers' hidden_act names -> the activation on its own, without a gate's product (an MLP
+# without a gate: up, act, down; Gemma 4's per-layer input gate).
+_PLAIN: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu2": relu_squared,
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def plain_activation(hidden_act: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation for a config's ``hidden_act`` in an MLP without a gate; ValueError for unsupported ones."""
-    if hidden_act not in _PLAIN:
+    """The activation for a config's ``hidden_act`` applied on its own; ValueError for unsupported ones."""
+    name = _ALIASES.get(hidden_act, hidden_act)
+    if name not in _PLAIN:
         raise ValueError(f"activation {hidden_act!r} is not supported for an MLP without a gate; supported: {', '.join(sorted(_PLAIN))}")
-    return _PLAIN[hidden_act]
+    return _PLAIN[name]

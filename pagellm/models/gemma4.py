@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.distributed.partition import TPShard, split_evenly
-from pagellm.layers.activation import canonical_activation
+from pagellm.layers.activation import canonical_activation, plain_activation
 from pagellm.layers.attention import Attention, AttentionSpec
 from pagellm.layers.embedding import VocabParallelEmbedding
 from pagellm.layers.linear import Linear
@@ -78,8 +77,6 @@ def kv_sources(hf_config: PretrainedConfig) -> tuple[tuple[int, int], ...]:
 _MOE_NAMES = re.compile(r"^(model\.layers\.\d+)\.(router|experts)\.(proj\.weight|scale|per_expert_scale|gate_up_proj|down_proj)$")
 # Gemma4ForConditionalGeneration's parts beside its language model and vision tower.
 _NOT_TEXT_PREFIXES = ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.", "audio_tower.", "embed_vision.", "embed_audio.")
-# The per-layer input gate's activation (the model's hidden_activation, applied on its own).
-_PER_LAYER_GATE_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
 
 class LayerScalar(nn.Module):
@@ -195,7 +192,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
         per_layer = int(getattr(hf_config, "hidden_size_per_layer_input", 0) or 0)
         if per_layer:  # small: every rank holds all of it
-            self.act = _PER_LAYER_GATE_ACTIVATIONS[canonical_activation(act)]
+            self.act = plain_activation(act)  # the model's hidden_activation, on its own
             self.per_layer_input_gate = Linear(hidden, per_layer)
             self.per_layer_projection = Linear(per_layer, hidden)
             self.post_per_layer_input_norm = RMSNorm(hidden, eps)
