@@ -32,6 +32,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--num-steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=0, help="also print the N operators with the most self time")
     add_engine_args(parser)
 
 
@@ -124,4 +125,6 @@ def main(args: argparse.Namespace) -> int:
     rate = f", {kv_read / (attn_fwd / 1000) / 1e9:.1f} GB/s in attention" if attn_fwd > 0 else ""
     print(f"  KV cache read by attention per step: {kv_read / 2**20:.1f} MiB "
           f"({engine.memory_plan.kv_cache_dtype}, {bytes_per_token:,.0f} bytes a token){rate}")
+    if args.top:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     return 0

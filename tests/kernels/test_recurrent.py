@@ -158,12 +158,16 @@ def test_gated_delta_rule_cpp_chunked_prefill_split():
 
 
 @needs_cpp
-def test_gated_delta_rule_cpp_zero_state_ignores_slot_contents():
-    q, k, v, g, beta = _gdr_inputs([1, 9], 1, 2, 16, 16)
-    state = torch.full((2, 2, 16, 16), float("nan"))
-    out = recurrent.gated_delta_rule(q, k, v, g, beta, state, torch.tensor([0, 1, 10], dtype=torch.int32), torch.tensor([1, 0]),
-                                     torch.tensor([False, False]), None, 0.25)
-    assert torch.isfinite(out).all() and torch.isfinite(state).all()
+@pytest.mark.parametrize("dv", [16, 64])  # a decode's column chunks: part of one, and whole ones
+def test_gated_delta_rule_cpp_zero_state_ignores_slot_contents(dv):
+    q, k, v, g, beta = _gdr_inputs([1, 9], 1, 2, 16, dv)
+    state = torch.full((2, 2, 16, dv), float("nan"))
+    meta = (torch.tensor([0, 1, 10], dtype=torch.int32), torch.tensor([1, 0]), torch.tensor([False, False]), None, 0.25)
+    out = recurrent.gated_delta_rule(q, k, v, g, beta, state, *meta)
+    ref_state = torch.zeros_like(state)
+    ref = recurrent.gated_delta_rule_reference(q, k, v, g, beta, ref_state, *meta)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
 
 
 @needs_cpp

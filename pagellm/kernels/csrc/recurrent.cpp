@@ -29,6 +29,7 @@ constexpr int kTileVecs = 2;               // value columns per state tile, in v
 constexpr int kTile = kTileVecs * W;       // 32 floats with AVX-512, 16 with AVX2
 constexpr int64_t kConvBlock = 8 * W;      // channels per convolution work item
 constexpr int64_t kParallelMin = 1 << 17;  // state or input elements below which one thread runs the call
+constexpr int kDecodeVecs = 32 / W;        // a decode's column chunk: 128 bytes of each state row
 
 // ---- causal conv1d ---------------------------------------------------------------------------
 
@@ -273,6 +274,69 @@ void gdr_tile(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i,
   save(m.slots[i]);
 }
 
+// A one-token sequence's head, in place in its state slot: the columns in chunks of kDecodeVecs
+// vectors (two cache lines a row), each chunk read from memory once (k.S and q.S), then updated
+// while still in L1. Checkpoints at its token copy the head.
+template <typename T>
+void gdr_decode_head(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i, int64_t h) {
+  constexpr int kVecs = kDecodeVecs, kChunk = kVecs * W;
+  const int64_t Dk = p.Dk, Dv = p.Dv, t = m.starts[i], kh = h / p.group, head_state = Dk * Dv;
+  float* S = p.state + (m.slots[i] * p.Hv + h) * head_state;
+  const float decay = std::exp(p.g[t * p.Hv + h]), b = p.beta[t * p.Hv + h], qk = p.qk[t * p.Hk + kh];
+  const float* kr = p.kn + (t * p.Hk + kh) * Dk;
+  const float* qr = p.qn + (t * p.Hk + kh) * Dk;
+  const T* vr = v + (t * p.Hv + h) * Dv;
+  T* orow = out + (t * p.Hv + h) * Dv;
+  const bool initial = m.initial[i];
+  alignas(64) float vin[kChunk], ov[kChunk];
+  for (int64_t c0 = 0; c0 < Dv; c0 += kChunk) {
+    const int64_t cw = std::min<int64_t>(kChunk, Dv - c0);
+    for (int c = 0; c < kChunk; ++c) vin[c] = c < cw ? to_float(vr[c0 + c]) : 0.0f;
+    vfloat kv[kVecs] = {}, qs[kVecs] = {};
+    if (initial && cw == kChunk) {
+      for (int64_t d = 0; d < Dk; ++d) {
+        const float* row = S + d * Dv + c0;
+        for (int u = 0; u < kVecs; ++u) {
+          const vfloat sv = vload(row + u * W);
+          kv[u] += kr[d] * sv;
+          qs[u] += qr[d] * sv;
+        }
+      }
+    } else if (initial) {
+      alignas(64) float ks[kChunk] = {}, qv[kChunk] = {};
+      for (int64_t d = 0; d < Dk; ++d)
+        for (int64_t c = 0; c < cw; ++c) ks[c] += kr[d] * S[d * Dv + c0 + c], qv[c] += qr[d] * S[d * Dv + c0 + c];
+      for (int u = 0; u < kVecs; ++u) kv[u] = vload(ks + u * W), qs[u] = vload(qv + u * W);
+    }
+    vfloat delta[kVecs];
+    for (int u = 0; u < kVecs; ++u) {
+      delta[u] = (vload(vin + u * W) - decay * kv[u]) * b;
+      vstore(ov + u * W, decay * qs[u] + qk * delta[u]);
+    }
+    for (int64_t c = 0; c < cw; ++c) orow[c0 + c] = from_float<T>(ov[c]);
+    const float keep = initial ? decay : 0.0f;  // no initial state: S starts at zero
+    if (cw == kChunk) {
+      for (int64_t d = 0; d < Dk; ++d) {
+        float* row = S + d * Dv + c0;
+        for (int u = 0; u < kVecs; ++u) {
+          const vfloat prev = initial ? vload(row + u * W) : vfloat{};
+          vstore(row + u * W, prev * keep + kr[d] * delta[u]);
+        }
+      }
+    } else {
+      alignas(64) float dl[kChunk];
+      for (int u = 0; u < kVecs; ++u) vstore(dl + u * W, delta[u]);
+      for (int64_t d = 0; d < Dk; ++d)
+        for (int64_t c = 0; c < cw; ++c) {
+          float& x = S[d * Dv + c0 + c];
+          x = (initial ? x * keep : 0.0f) + kr[d] * dl[c];
+        }
+    }
+  }
+  for (int64_t cp = m.cp_begin[i]; cp < m.cp_begin[i + 1]; ++cp)
+    std::memcpy(p.state + (m.cps[3 * cp + 2] * p.Hv + h) * head_state, S, sizeof(float) * head_state);
+}
+
 void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, const at::Tensor& query_start_loc,
                       const at::Tensor& slot_ids, const at::Tensor& has_initial_state, const at::Tensor& checkpoints,
@@ -320,15 +384,32 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                   Dk,
                   Dv,
                   Hv / Hk};
-  const int64_t tiles = (Dv + kTile - 1) / kTile, per_seq = Hv * tiles, items = m.num_seqs * per_seq;
+  const int64_t tiles = (Dv + kTile - 1) / kTile;
   int64_t work = 0;  // state elements touched, one pass per token
   for (int64_t i = 0; i < m.num_seqs; ++i) work += std::max<int64_t>(1, m.starts[i + 1] - m.starts[i]) * Hv * Dk * Dv;
-  const bool parallel = work >= kParallelMin && items > 1;
   // Longest sequences first, so that the dynamic schedule does not end on one long item.
   std::vector<int64_t> order(m.num_seqs);
   for (int64_t i = 0; i < m.num_seqs; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t x, int64_t y) { return m.starts[x + 1] - m.starts[x] > m.starts[y + 1] - m.starts[y]; });
+  // A work item: (sequence, head, tile), or for a one-token sequence (a decode, bound by reading its
+  // state from memory) the whole head in place (tile -1).
+  struct Item {
+    int64_t seq, head, tile_begin, tile_end;
+  };
+  std::vector<Item> work_items;
+  for (int64_t i : order) {
+    const bool decode = m.starts[i + 1] - m.starts[i] == 1;
+    for (int64_t h = 0; h < Hv; ++h) {
+      if (decode) {
+        work_items.push_back({i, h, -1, -1});
+      } else {
+        for (int64_t c = 0; c < tiles; ++c) work_items.push_back({i, h, c, c + 1});
+      }
+    }
+  }
+  const int64_t items = static_cast<int64_t>(work_items.size());
+  const bool parallel = work >= kParallelMin && items > 1;
   dispatch_float_bf16(v.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* vp = v.data_ptr<scalar_t>();
@@ -339,8 +420,12 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
       float* S = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < items; ++item) {
-        const int64_t i = order[item / per_seq], rest = item % per_seq;
-        gdr_tile<scalar_t>(p, vp, op_, m, i, rest / tiles, (rest % tiles) * kTile, S);
+        const Item& it = work_items[item];
+        if (it.tile_end < 0) {
+          gdr_decode_head<scalar_t>(p, vp, op_, m, it.seq, it.head);
+        } else {
+          gdr_tile<scalar_t>(p, vp, op_, m, it.seq, it.head, it.tile_begin * kTile, S);
+        }
       }
     }
   });
