@@ -33,12 +33,43 @@ constexpr int kDecodeVecs = 32 / W;        // a decode's column chunk: 128 bytes
 
 // ---- causal conv1d ---------------------------------------------------------------------------
 
+// A one-token sequence's full block of channels, straight from its state rows (the K - 1 inputs
+// before it, oldest first), which then shift by one: no ring of inputs to set up and save.
+template <typename T>
+void conv_decode_block(T* orow, const T* xr, const float* wpad, const float* bpad, T* st, bool initial, int64_t C,
+                       int64_t K, bool silu_on) {
+  const int64_t H = K - 1;
+  alignas(64) float xin[kConvBlock], y[kConvBlock];
+  for (int64_t c = 0; c < kConvBlock; ++c) xin[c] = to_float(xr[c]);
+  for (int64_t v = 0; v < kConvBlock; v += W) {
+    vfloat acc = vload(bpad + v) + vload(wpad + H * kConvBlock + v) * vload(xin + v);
+    if (initial) {
+      for (int64_t j = 0; j < H; ++j) {
+        alignas(64) float prev[W];
+        for (int c = 0; c < W; ++c) prev[c] = to_float(st[j * C + v + c]);
+        acc += vload(wpad + j * kConvBlock + v) * vload(prev);
+      }
+    }
+    vstore(y + v, silu_on ? silu(acc) : acc);
+  }
+  for (int64_t c = 0; c < kConvBlock; ++c) orow[c] = from_float<T>(y[c]);
+  for (int64_t j = 0; j + 1 < H; ++j) {
+    for (int64_t c = 0; c < kConvBlock; ++c) st[j * C + c] = initial ? st[(j + 1) * C + c] : T(0);
+  }
+  if (H > 0) std::copy(xr, xr + kConvBlock, st + (H - 1) * C);
+}
+
 // One sequence's channels [c0, c0 + cw) through all its tokens, with a ring of the last K inputs
 // (float32, kConvBlock wide, zero-padded past cw): each input row is converted once.
 template <typename T>
 void conv_block(T* out, const T* x, const float* wpad, const float* bpad, T* state, const SeqMeta& m, int64_t i,
                 int64_t c0, int64_t C, int64_t K, bool silu_on, float* win) {
   const int64_t cw = std::min(kConvBlock, C - c0), a = m.starts[i], L = m.starts[i + 1] - a, H = K - 1;
+  if (L == 1 && cw == kConvBlock && m.cp_begin[i] == m.cp_begin[i + 1]) {
+    conv_decode_block(out + a * C + c0, x + a * C + c0, wpad, bpad, state + m.slots[i] * H * C + c0, m.initial[i], C, K,
+                      silu_on);
+    return;
+  }
   auto row = [&](int64_t pos) { return win + (((pos % K) + K) % K) * kConvBlock; };  // input at token position pos
   std::memset(win, 0, sizeof(float) * K * kConvBlock);
   if (m.initial[i]) {
