@@ -8,7 +8,8 @@
 // whole sequence, and each token is one fused pass over it: the update of token t
 // (S = S * e^g_t + k_t delta_t^T) also accumulates token t+1's reads k_{t+1}.S and q_{t+1}.S, so the
 // output of t+1 follows from S_t without a second pass (q.(d S + k delta^T) = d q.S + (q.k) delta).
-// A decode (one token) reads its state from memory once and writes it once.
+// A decode (one token) is one work item per head, updated in place in its slot: its state is read
+// from memory once and written once.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -424,18 +425,19 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t x, int64_t y) { return m.starts[x + 1] - m.starts[x] > m.starts[y + 1] - m.starts[y]; });
   // A work item: (sequence, head, tile), or for a one-token sequence (a decode, bound by reading its
-  // state from memory) the whole head in place (tile -1).
+  // state from memory) the whole head in place (tile kWholeHead).
+  constexpr int64_t kWholeHead = -1;
   struct Item {
-    int64_t seq, head, tile_begin, tile_end;
+    int64_t seq, head, tile;
   };
   std::vector<Item> work_items;
   for (int64_t i : order) {
     const bool decode = m.starts[i + 1] - m.starts[i] == 1;
     for (int64_t h = 0; h < Hv; ++h) {
       if (decode) {
-        work_items.push_back({i, h, -1, -1});
+        work_items.push_back({i, h, kWholeHead});
       } else {
-        for (int64_t c = 0; c < tiles; ++c) work_items.push_back({i, h, c, c + 1});
+        for (int64_t c = 0; c < tiles; ++c) work_items.push_back({i, h, c});
       }
     }
   }
@@ -452,10 +454,10 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < items; ++item) {
         const Item& it = work_items[item];
-        if (it.tile_end < 0) {
+        if (it.tile == kWholeHead) {
           gdr_decode_head<scalar_t>(p, vp, op_, m, it.seq, it.head);
         } else {
-          gdr_tile<scalar_t>(p, vp, op_, m, it.seq, it.head, it.tile_begin * kTile, S);
+          gdr_tile<scalar_t>(p, vp, op_, m, it.seq, it.head, it.tile * kTile, S);
         }
       }
     }
