@@ -346,13 +346,12 @@ void gdr_decode_head(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int
       vstore(ov + u * W, decay * qs[u] + qk * delta[u]);
     }
     for (int64_t c = 0; c < cw; ++c) orow[c0 + c] = from_float<T>(ov[c]);
-    const float keep = initial ? decay : 0.0f;  // no initial state: S starts at zero
-    if (cw == kChunk) {
+    if (cw == kChunk) {  // no initial state: S starts at zero
       for (int64_t d = 0; d < Dk; ++d) {
         float* row = S + d * Dv + c0;
         for (int u = 0; u < kVecs; ++u) {
           const vfloat prev = initial ? vload(row + u * W) : vfloat{};
-          vstore(row + u * W, prev * keep + kr[d] * delta[u]);
+          vstore(row + u * W, prev * decay + kr[d] * delta[u]);
         }
       }
     } else {
@@ -361,7 +360,7 @@ void gdr_decode_head(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int
       for (int64_t d = 0; d < Dk; ++d)
         for (int64_t c = 0; c < cw; ++c) {
           float& x = S[d * Dv + c0 + c];
-          x = (initial ? x * keep : 0.0f) + kr[d] * dl[c];
+          x = (initial ? x * decay : 0.0f) + kr[d] * dl[c];
         }
     }
   }
