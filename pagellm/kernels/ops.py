@@ -541,10 +541,10 @@ def causal_conv1d(
     activation: Optional[str],
 ) -> torch.Tensor:
     """pagellm.kernels.recurrent.causal_conv1d's C++ kernel (check :func:`causal_conv1d_supports`); returns out."""
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty(x.shape, dtype=x.dtype)
     torch.ops.pagellm_recurrent.causal_conv1d(
         out,
-        x.contiguous(),
+        x if x.stride(-1) == 1 else x.contiguous(),  # rows may lie apart: a slice of a wider projection
         _conv_taps(weight),
         None if bias is None else bias.to(torch.float32).contiguous(),
         conv_state,

@@ -183,7 +183,7 @@ class GatedDeltaNet(nn.Module):
         conv_state, ssm_state = state
         md = metadata
         mixed = recurrent.causal_conv1d(
-            mixed.contiguous(), self.conv1d.weight, None, conv_state, md.query_start_loc, md.slot_ids, md.has_initial_state, md.checkpoints
+            mixed, self.conv1d.weight, None, conv_state, md.query_start_loc, md.slot_ids, md.has_initial_state, md.checkpoints
         )
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)

@@ -168,7 +168,7 @@ class Mamba2Mixer(nn.Module):
         conv_state, ssm_state = state
         md = metadata
         xbc = recurrent.causal_conv1d(
-            xbc.contiguous(), self.conv1d.weight, self.conv1d.bias, conv_state, md.query_start_loc, md.slot_ids,
+            xbc, self.conv1d.weight, self.conv1d.bias, conv_state, md.query_start_loc, md.slot_ids,
             md.has_initial_state, md.checkpoints,
         )
         bc_size = self.num_groups * self.state_size

@@ -190,6 +190,24 @@ def test_causal_conv1d_cpp_matches_reference(dtype, activation, C, K):
     assert torch.equal(cpp_state, ref_state)
 
 
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_cpp_spans_of_a_wide_strided_input(dtype):
+    """Prompts longer than a work item's tokens, channels over several spans with a partial last
+    vector, decodes beside them, and x a column slice of a wider projection (read in place)."""
+    lengths, C, K, S = [1, 70, 1, 0, 5, 33], 1100, 4, 20
+    wide, weight, bias, conv_state = _conv_inputs(lengths, C + 37, K, S, dtype=dtype)
+    x, weight, bias, conv_state = wide[:, 5:5 + C], weight[:C], bias[:C], conv_state[..., :C].contiguous()
+    qsl, slots, has_init, cps = batch_meta(lengths, S, seed=2, checkpoint_offsets={1: [2, 32, 33, 70], 4: [1, 2], 5: [33]})
+    ref_state, cpp_state = conv_state.clone(), conv_state.clone()
+    ref = recurrent.causal_conv1d_reference(x.contiguous(), weight, bias, ref_state, qsl, slots, has_init, cps, "silu")
+    assert x.stride(0) == C + 37 and ops.causal_conv1d_supports(x, weight, cpp_state)
+    out = recurrent.causal_conv1d(x, weight, bias, cpp_state, qsl, slots, has_init, cps, "silu")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    assert torch.equal(cpp_state, ref_state)
+
+
 def test_dispatch_falls_back_to_reference(monkeypatch):
     monkeypatch.setattr(ops, "gated_delta_rule_supports", lambda *a: False)
     monkeypatch.setattr(ops, "causal_conv1d_supports", lambda *a: False)

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_types.h"
 #include "seq_meta.h"
 #include "vec.h"
 
@@ -60,76 +61,88 @@ void conv_decode_block(T* orow, const T* xr, const float* wpad, const float* bpa
   if (H > 0) std::copy(xr, xr + kConvBlock, st + (H - 1) * C);
 }
 
-// One sequence's channels [c0, c0 + cw) through all its tokens, with a ring of the last K inputs
-// (float32, kConvBlock wide, zero-padded past cw): each input row is converted once.
+// Channels [c0, c1) of tokens [t0, t1) of sequence i. Each input is read where it lies: a row of x
+// (ldx apart), or before the sequence's first token a row of its state slot (zeros without one).
+// A work item's K row spans and taps stay in L1, and the rows stream through it in order.
 template <typename T>
-void conv_block(T* out, const T* x, const float* wpad, const float* bpad, T* state, const SeqMeta& m, int64_t i,
-                int64_t c0, int64_t C, int64_t K, bool silu_on, float* win) {
-  const int64_t cw = std::min(kConvBlock, C - c0), a = m.starts[i], L = m.starts[i + 1] - a, H = K - 1;
-  if (L == 1 && cw == kConvBlock && m.cp_begin[i] == m.cp_begin[i + 1]) {
-    conv_decode_block(out + a * C + c0, x + a * C + c0, wpad, bpad, state + m.slots[i] * H * C + c0, m.initial[i], C, K,
-                      silu_on);
-    return;
-  }
-  auto row = [&](int64_t pos) { return win + (((pos % K) + K) % K) * kConvBlock; };  // input at token position pos
-  std::memset(win, 0, sizeof(float) * K * kConvBlock);
-  if (m.initial[i]) {
-    const T* src = state + m.slots[i] * H * C + c0;
-    for (int64_t r = 0; r < H; ++r) {
-      float* dst = row(r - H);
-      for (int64_t c = 0; c < cw; ++c) dst[c] = to_float(src[r * C + c]);
+void conv_span(T* out, const T* x, int64_t ldx, const float* taps, const float* bias, const T* state, const T* zeros,
+               const SeqMeta& m, int64_t i, int64_t t0, int64_t t1, int64_t c0, int64_t c1, int64_t C, int64_t K,
+               bool silu_on) {
+  const int64_t a = m.starts[i], H = K - 1;
+  const T* st = m.initial[i] ? state + m.slots[i] * H * C : nullptr;
+  const T* in[16];
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t j = 0; j < K; ++j) {  // token t's inputs, oldest first
+      const int64_t p = t - H + j;
+      in[j] = p >= 0 ? x + (a + p) * ldx : st != nullptr ? st + (H + p) * C : zeros;
     }
-  }
-  auto save = [&](int64_t offset, int64_t slot) {  // the K - 1 inputs before `offset`
-    T* dst = state + slot * H * C + c0;
-    for (int64_t r = 0; r < H; ++r) {
-      const float* src = row(offset - H + r);
-      for (int64_t c = 0; c < cw; ++c) dst[r * C + c] = from_float<T>(src[c]);
+    T* orow = out + (a + t) * C;
+    int64_t c = c0;
+    for (; c + W <= c1; c += W) {
+      vfloat acc = bias != nullptr ? vload(bias + c) : vfloat{};
+      for (int64_t j = 0; j < K; ++j) acc += vload(taps + j * C + c) * load_kv(in[j] + c);
+      store_kv(orow + c, silu_on ? silu(acc) : acc);
     }
-  };
-  int64_t cp = m.cp_begin[i];
-  const int64_t cp_end = m.cp_begin[i + 1];
-  for (int64_t t = 0; t < L; ++t) {
-    float* cur = row(t);
-    const T* xr = x + (a + t) * C + c0;
-    for (int64_t c = 0; c < cw; ++c) cur[c] = to_float(xr[c]);
-    T* orow = out + (a + t) * C + c0;
-    const float* taps[16];
-    for (int64_t j = 0; j < K; ++j) taps[j] = row(t - H + j);
-    for (int64_t v = 0; v < kConvBlock; v += W) {
-      vfloat acc = vload(bpad + v);
-      for (int64_t j = 0; j < K; ++j) acc += vload(wpad + j * kConvBlock + v) * vload(taps[j] + v);
-      if (silu_on) acc = silu(acc);
-      if constexpr (std::is_same_v<T, float>) {
-        if (v + W <= cw) {
-          vstore(orow + v, acc);
-          continue;
+    if (c < c1) {  // the last channels, through zero-padded vectors
+      alignas(64) float tap[W], xin[W], y[W];
+      vfloat acc{};
+      for (int l = 0; l < W; ++l) y[l] = bias != nullptr && c + l < c1 ? bias[c + l] : 0.0f;
+      acc = vload(y);
+      for (int64_t j = 0; j < K; ++j) {
+        for (int l = 0; l < W; ++l) {
+          tap[l] = c + l < c1 ? taps[j * C + c + l] : 0.0f;
+          xin[l] = c + l < c1 ? to_float(in[j][c + l]) : 0.0f;
         }
+        acc += vload(tap) * vload(xin);
       }
-      for (int64_t c = v; c < std::min<int64_t>(v + W, cw); ++c) orow[c] = from_float<T>(acc[c - v]);
+      vstore(y, silu_on ? silu(acc) : acc);
+      for (int64_t l = 0; c + l < c1; ++l) orow[c + l] = from_float<T>(y[l]);
     }
-    for (; cp < cp_end && m.cps[3 * cp + 1] == t + 1; ++cp) save(t + 1, m.cps[3 * cp + 2]);
   }
-  save(L, m.slots[i]);
 }
+
+// The K - 1 inputs of sequence i before token `offset`, channels [c0, c1), into state slot `slot`.
+// Rows go in ascending order: a slot overwritten with its own later rows (a sequence shorter than
+// K - 1 saving into its slot) reads each row before it is written.
+template <typename T>
+void conv_save(const T* x, int64_t ldx, T* state, const T* zeros, const SeqMeta& m, int64_t i, int64_t offset,
+               int64_t slot, int64_t c0, int64_t c1, int64_t C, int64_t H) {
+  const int64_t a = m.starts[i];
+  const T* st = m.initial[i] ? state + m.slots[i] * H * C : nullptr;
+  T* dst = state + slot * H * C;
+  for (int64_t r = 0; r < H; ++r) {
+    const int64_t p = offset - H + r;
+    const T* src = p >= 0 ? x + (a + p) * ldx : st != nullptr ? st + (H + p) * C : zeros;
+    std::memmove(dst + r * C + c0, src + c0, sizeof(T) * (c1 - c0));
+  }
+}
+
+constexpr int64_t kConvTokens = 32;  // tokens per prompt work item
+constexpr int64_t kConvSpan = 512;   // channels per prompt work item
+
+// A work item of the convolution: a block of channels of every one-token sequence (the decode
+// path, seq < 0), or a span of channels and tokens of one sequence.
+struct ConvItem {
+  int64_t seq, c0, c1, t0, t1;
+};
 
 void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                    const c10::optional<at::Tensor>& bias, at::Tensor& conv_state, const at::Tensor& query_start_loc,
                    const at::Tensor& slot_ids, const at::Tensor& has_initial_state, const at::Tensor& checkpoints,
                    bool silu_on) {
   const char* op = "causal_conv1d";
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() &&
-                        out.scalar_type() == x.scalar_type(),
-                    op, ": x and out must be contiguous [T, C] tensors of one dtype");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) >= x.size(1) && out.is_contiguous() &&
+                        out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+                    op, ": x must be a [T, C] tensor of contiguous rows and out a contiguous one of its dtype");
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
                     ": x must be float32 or bfloat16");
-  const int64_t T = x.size(0), C = x.size(1);
+  const int64_t T = x.size(0), C = x.size(1), ldx = x.stride(0);
   TORCH_CHECK_VALUE(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
                         weight.size(1) == C && weight.size(0) >= 1 && weight.size(0) <= 16,
                     op, ": weight must be a contiguous float32 [K, C] tensor, K <= 16");
-  const int64_t K = weight.size(0);
+  const int64_t K = weight.size(0), H = K - 1;
   TORCH_CHECK_VALUE(conv_state.scalar_type() == x.scalar_type() && conv_state.is_contiguous() &&
-                        conv_state.dim() == 3 && conv_state.size(1) == K - 1 && conv_state.size(2) == C,
+                        conv_state.dim() == 3 && conv_state.size(1) == H && conv_state.size(2) == C,
                     op, ": conv_state must be a contiguous [S, K - 1, C] tensor in x's dtype");
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -138,32 +151,60 @@ void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
     b = bias->data_ptr<float>();
   }
   const SeqMeta m = read_meta(query_start_loc, slot_ids, has_initial_state, checkpoints, T, conv_state.size(0), op);
-  const int64_t blocks = (C + kConvBlock - 1) / kConvBlock;
-  const bool parallel =
-      T * C * 8 >= kParallelMin && blocks > 1;  // a block of channels per thread pays already at a few tokens
+  // One-token sequences without checkpoints take the decode path on their full channel blocks;
+  // everything else is cut into spans, whose windows are saved once all inputs are read.
+  const int64_t full = C / kConvBlock * kConvBlock;
+  std::vector<ConvItem> items, saves;
+  bool any_decode = false;
+  for (int64_t i = 0; i < m.num_seqs; ++i) {
+    const int64_t L = m.starts[i + 1] - m.starts[i];
+    const bool decode = L == 1 && m.cp_begin[i] == m.cp_begin[i + 1] && full > 0;
+    any_decode = any_decode || decode;
+    for (int64_t c0 = decode ? full : 0; c0 < C; c0 += kConvSpan) {
+      const int64_t c1 = std::min(C, c0 + kConvSpan);
+      for (int64_t t0 = 0; t0 < L; t0 += kConvTokens) items.push_back({i, c0, c1, t0, std::min(L, t0 + kConvTokens)});
+      saves.push_back({i, c0, c1, 0, 0});
+    }
+  }
+  if (any_decode) {
+    for (int64_t c0 = 0; c0 < full; c0 += kConvBlock) items.push_back({-1, c0, c0 + kConvBlock, 0, 0});
+  }
+  const bool parallel = T * C * 8 >= kParallelMin && items.size() > 1;
   dispatch_float_bf16(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* st = conv_state.data_ptr<scalar_t>();
     const float* w = weight.data_ptr<float>();
+    const std::vector<scalar_t> zeros(C, scalar_t(0));
 #pragma omp parallel if (parallel)
     {
-      std::vector<float> win(K * kConvBlock);
-      float wpad[16 * kConvBlock];  // K <= 16 taps, zero-padded channels
+      float wpad[16 * kConvBlock];  // a decode block's taps
       float bpad[kConvBlock];
-      // A work item is a block of channels for every sequence: its taps are laid out once, and a
-      // batch of one-token decodes is a few items rather than one per sequence and block.
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        const int64_t c0 = blk * kConvBlock, cw = std::min(kConvBlock, C - c0);
-        for (int64_t j = 0; j < K; ++j) {
-          for (int64_t c = 0; c < kConvBlock; ++c) wpad[j * kConvBlock + c] = c < cw ? w[j * C + c0 + c] : 0.0f;
+      for (size_t n = 0; n < items.size(); ++n) {
+        const ConvItem& it = items[n];
+        if (it.seq >= 0) {
+          conv_span<scalar_t>(o, xp, ldx, w, b, st, zeros.data(), m, it.seq, it.t0, it.t1, it.c0, it.c1, C, K, silu_on);
+          continue;
         }
-        for (int64_t c = 0; c < kConvBlock; ++c) bpad[c] = b != nullptr && c < cw ? b[c0 + c] : 0.0f;
+        for (int64_t j = 0; j < K; ++j) std::copy(w + j * C + it.c0, w + j * C + it.c1, wpad + j * kConvBlock);
+        for (int64_t c = 0; c < kConvBlock; ++c) bpad[c] = b != nullptr ? b[it.c0 + c] : 0.0f;
         for (int64_t i = 0; i < m.num_seqs; ++i) {
-          conv_block<scalar_t>(o, xp, wpad, bpad, st, m, i, c0, C, K, silu_on, win.data());
+          const int64_t a = m.starts[i];
+          if (m.starts[i + 1] - a != 1 || m.cp_begin[i] != m.cp_begin[i + 1]) continue;
+          conv_decode_block(o + a * C + it.c0, xp + a * ldx + it.c0, wpad, bpad, st + m.slots[i] * H * C + it.c0,
+                            m.initial[i], C, K, silu_on);
         }
+      }
+      // Checkpoints first: a sequence's own slot, which they may read, is written last.
+#pragma omp for schedule(dynamic, 1)
+      for (size_t n = 0; n < saves.size(); ++n) {
+        const ConvItem& it = saves[n];
+        const int64_t i = it.seq, L = m.starts[i + 1] - m.starts[i];
+        for (int64_t cp = m.cp_begin[i]; cp < m.cp_begin[i + 1]; ++cp)
+          conv_save(xp, ldx, st, zeros.data(), m, i, m.cps[3 * cp + 1], m.cps[3 * cp + 2], it.c0, it.c1, C, H);
+        conv_save(xp, ldx, st, zeros.data(), m, i, L, m.slots[i], it.c0, it.c1, C, H);
       }
     }
   });
@@ -259,13 +300,20 @@ void gdr_tile(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i,
   for (int64_t t = a; t < e; ++t) {
     const float decay = std::exp(p.g[t * p.Hv + h]), b = p.beta[t * p.Hv + h], qk = p.qk[t * p.Hk + kh];
     const T* vr = v + (t * p.Hv + h) * Dv + c0;
-    for (int64_t c = 0; c < kTile; ++c) vin[c] = c < cw ? to_float(vr[c]) : 0.0f;
+    const bool whole = cw == kTile;  // a full tile moves its v and out rows as vectors
+    if (!whole) {
+      for (int64_t c = 0; c < kTile; ++c) vin[c] = c < cw ? to_float(vr[c]) : 0.0f;
+    }
     vfloat delta[kTileVecs];
     T* orow = out + (t * p.Hv + h) * Dv + c0;
     for (int u = 0; u < kTileVecs; ++u) {
-      delta[u] = (vload(vin + u * W) - decay * kv[u]) * b;
+      delta[u] = ((whole ? load_kv(vr + u * W) : vload(vin + u * W)) - decay * kv[u]) * b;
       const vfloat o = decay * qs[u] + qk * delta[u];
-      for (int64_t c = u * W; c < std::min<int64_t>((u + 1) * W, cw); ++c) orow[c] = from_float<T>(o[c - u * W]);
+      if (whole) {
+        store_kv(orow + u * W, o);
+      } else {
+        for (int64_t c = u * W; c < std::min<int64_t>((u + 1) * W, cw); ++c) orow[c] = from_float<T>(o[c - u * W]);
+      }
     }
     // S = S * decay + k_t delta^T, accumulating the next token's k.S and q.S on the way.
     const int64_t next = t + 1 < e ? t + 1 : t;
