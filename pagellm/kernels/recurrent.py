@@ -176,8 +176,9 @@ def causal_conv1d(
 ) -> torch.Tensor:
     """Depthwise causal convolution over each sequence of a flat batch, continuing from its conv state.
 
-    ``x`` ``[T, C]`` float32 or bfloat16 (a column slice of a wider tensor is read in place); ``weight`` ``[C, K]``; ``bias`` ``[C]`` or None; ``conv_state``
-    ``[S, K - 1, C]`` in x's dtype, each slot the last ``K - 1`` inputs, oldest first.
+    ``x`` ``[T, C]`` float32 or bfloat16 (a column slice of a wider tensor is read in place); ``weight``
+    ``[C, K]``; ``bias`` ``[C]`` or None; ``conv_state`` ``[S, K - 1, C]`` in x's dtype, each slot the
+    last ``K - 1`` inputs, oldest first.
     ``out[t, c] = act(bias[c] + sum_j weight[c, j] * xin[t - (K - 1) + j, c])``, inputs before a sequence's
     first token read from its initial state (zeros without one), sums in float32; ``activation`` "silu" or
     None. Writes each sequence's last ``K - 1`` inputs into its slot and, per checkpoint ``(i, o, s)``, the

@@ -76,11 +76,22 @@ def load_tokenizer(model_path: str) -> FastTokenizer | PreTrainedTokenizerBase:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(
             os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
         )
+        _follow_gguf_bos_eos_flags(tokenizer, GGUFFile.cached(path).metadata)
     else:
         from transformers import AutoTokenizer  # its registry of every model's classes: HF directories only
 
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return tokenizer
+
+
+def _follow_gguf_bos_eos_flags(tokenizer: PreTrainedTokenizerBase, metadata: dict[str, Any]) -> None:
+    """Add BOS / EOS to encoded text as the file says (llama.cpp does): transformers' conversion of a
+    SentencePiece-style vocabulary (Gemma's, Llama 2's) drops the file's add_bos_token, and Gemma's
+    output degrades without its BOS."""
+    for flag in ("add_bos_token", "add_eos_token"):
+        wanted = metadata.get(f"tokenizer.ggml.{flag}")
+        if wanted is not None and getattr(tokenizer, flag, None) != bool(wanted):
+            setattr(tokenizer, flag, bool(wanted))  # the setter rebuilds the post-processor
 
 
 def byte_level_gguf_tokenizer(path: str) -> FastTokenizer | None:
