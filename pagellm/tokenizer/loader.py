@@ -86,7 +86,7 @@ def load_tokenizer(model_path: str) -> FastTokenizer | PreTrainedTokenizerBase:
 
 def _follow_gguf_bos_eos_flags(tokenizer: PreTrainedTokenizerBase, metadata: dict[str, Any]) -> None:
     """Add BOS / EOS to encoded text as the file says (llama.cpp does): transformers' conversion of a
-    SentencePiece-style vocabulary (Gemma's, Llama 2's) drops the file's add_bos_token, and Gemma's
+    SentencePiece-style vocabulary (Gemma 4's "gemma4") drops the file's add_bos_token, and Gemma's
     output degrades without its BOS."""
     for flag in ("add_bos_token", "add_eos_token"):
         wanted = metadata.get(f"tokenizer.ggml.{flag}")
