@@ -73,11 +73,17 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def convert(d: Path, out: Path, *flags: str) -> str | None:
+# The converter takes Gemma 4 only with a tokenizer in Gemma's format: the suite's small one (1,024 tokens).
+GEMMA4_TOKENIZER = REPO / "tests" / "tokenizer" / "fixtures" / "gemma4" / "hf"
+GEMMA4_VOCAB = 1024
+
+
+def convert(d: Path, out: Path, *flags: str, tokenizer: Path | None = None) -> str | None:
     """Runs the converter; None on success, else its last error line."""
-    for f in TOK_FILES:
-        if (tokenizer_dir() / f).exists():
-            shutil.copy(tokenizer_dir() / f, d / f)
+    tokenizer = tokenizer or tokenizer_dir()
+    for f in (*TOK_FILES, "chat_template.jinja"):
+        if (tokenizer / f).exists():
+            shutil.copy(tokenizer / f, d / f)
     cmd = [PYTHON, "-c", _CONVERT, f"{SRC}/convert_hf_to_gguf.py", str(d), "--outfile", str(out), *flags]
     r = subprocess.run(cmd, env={"PYTHONPATH": f"{SRC}/gguf-py", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
     return r.stderr.strip().splitlines()[-1] if r.returncode else None
@@ -85,22 +91,26 @@ def convert(d: Path, out: Path, *flags: str) -> str | None:
 
 def check_logits(name: str) -> None:
     config = CONFIGS[name][0]()
-    config.vocab_size = VOCAB
-    config.bos_token_id, config.eos_token_id = 1, 2
+    gemma4 = config.model_type == "gemma4_text"
+    vocab = GEMMA4_VOCAB if gemma4 else VOCAB
+    config.vocab_size = vocab
+    config.bos_token_id, config.eos_token_id = (2, 1) if gemma4 else (1, 2)
     if hasattr(config, "pad_token_id"):
-        config.pad_token_id = 2
+        config.pad_token_id = 0 if gemma4 else 2
+    if gemma4 and config.hidden_size_per_layer_input:
+        config.vocab_size_per_layer_input = vocab
     d = WORK / name
     shutil.rmtree(d, ignore_errors=True)
     hf = make_random_hf_model(config, seed=1)
     hf.save_pretrained(d)
     out = d / "model-f32.gguf"
-    if err := convert(d, out, "--outtype", "f32"):
+    if err := convert(d, out, "--outtype", "f32", tokenizer=GEMMA4_TOKENIZER if gemma4 else None):
         print(name, "the converter failed:", err)
         return
     lc = load_hf_config(str(out))
     model = load_model(str(out), lc, torch.float32, torch.device("cpu"), TorchReferenceBackend())
     rng = random.Random(0)
-    toks = [rng.randrange(VOCAB) for _ in range(24)]
+    toks = [rng.randrange(vocab) for _ in range(24)]
     with torch.no_grad():
         ref = hf(torch.tensor([toks])).logits[0]
     lg = PagedDriver(model, lc, block_size=4).step([(0, toks)])
