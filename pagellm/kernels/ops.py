@@ -544,7 +544,8 @@ def causal_conv1d(
     out = torch.empty(x.shape, dtype=x.dtype)
     torch.ops.pagellm_recurrent.causal_conv1d(
         out,
-        x if x.stride(-1) == 1 else x.contiguous(),  # rows may lie apart: a slice of a wider projection
+        # Rows may lie apart (a column slice of a wider projection), each contiguous.
+        x if x.stride(-1) == 1 and x.stride(0) >= x.shape[-1] else x.contiguous(),
         _conv_taps(weight),
         None if bias is None else bias.to(torch.float32).contiguous(),
         conv_state,
