@@ -25,7 +25,7 @@ from pagellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagellm.engine.stats import EngineStats
 from pagellm.executor.factory import create_executor
 from pagellm.lora.request import LoRARequest
-from pagellm.models.loader import eos_token_ids, is_gguf, resolve_model_path
+from pagellm.models.loader import eos_token_ids
 from pagellm.models.shape import ModelShape
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.plan.memory_plan import MemoryPlan
@@ -77,7 +77,7 @@ class LLMEngine:
         executor = create_executor(resolved, set()) if in_process else None
         self.tokenizer = tokenizer_future.result()
         self.eos_token_ids = eos_token_ids(resolved.model.path, resolved.model.hf_config, self.tokenizer)
-        if is_gguf(resolve_model_path(resolved.model.path)):
+        if resolved.model.is_gguf:
             self.eos_token_ids |= turn_end_token_ids(self.tokenizer)  # what generation_config.json would list
         executor = executor or create_executor(resolved, self.eos_token_ids)
         # Shared by the input processor (compiles, refusing bad grammars) and an in-process runner (masks).

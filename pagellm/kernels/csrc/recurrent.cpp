@@ -61,21 +61,25 @@ void conv_decode_block(T* orow, const T* xr, const float* wpad, const float* bpa
   if (H > 0) std::copy(xr, xr + kConvBlock, st + (H - 1) * C);
 }
 
-// Channels [c0, c1) of tokens [t0, t1) of sequence i. Each input is read where it lies: a row of x
-// (ldx apart), or before the sequence's first token a row of its state slot (zeros without one).
+// Where sequence i's input at position p (from its first token; negative: before it) lies: a row of x
+// (ldx apart), or a row of its state slot, or zeros for a sequence without a state.
+template <typename T>
+const T* conv_input(const T* x, int64_t ldx, const T* state, const T* zeros, const SeqMeta& m, int64_t i, int64_t p,
+                    int64_t C, int64_t H) {
+  if (p >= 0) return x + (m.starts[i] + p) * ldx;
+  return m.initial[i] ? state + (m.slots[i] * H + H + p) * C : zeros;
+}
+
+// Channels [c0, c1) of tokens [t0, t1) of sequence i, each input read where it lies (conv_input).
 // A work item's K row spans and taps stay in L1, and the rows stream through it in order.
 template <typename T>
 void conv_span(T* out, const T* x, int64_t ldx, const float* taps, const float* bias, const T* state, const T* zeros,
                const SeqMeta& m, int64_t i, int64_t t0, int64_t t1, int64_t c0, int64_t c1, int64_t C, int64_t K,
                bool silu_on) {
   const int64_t a = m.starts[i], H = K - 1;
-  const T* st = m.initial[i] ? state + m.slots[i] * H * C : nullptr;
   const T* in[16];
   for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t j = 0; j < K; ++j) {  // token t's inputs, oldest first
-      const int64_t p = t - H + j;
-      in[j] = p >= 0 ? x + (a + p) * ldx : st != nullptr ? st + (H + p) * C : zeros;
-    }
+    for (int64_t j = 0; j < K; ++j) in[j] = conv_input(x, ldx, state, zeros, m, i, t - H + j, C, H);  // oldest first
     T* orow = out + (a + t) * C;
     int64_t c = c0;
     for (; c + W <= c1; c += W) {
@@ -85,9 +89,8 @@ void conv_span(T* out, const T* x, int64_t ldx, const float* taps, const float* 
     }
     if (c < c1) {  // the last channels, through zero-padded vectors
       alignas(64) float tap[W], xin[W], y[W];
-      vfloat acc{};
       for (int l = 0; l < W; ++l) y[l] = bias != nullptr && c + l < c1 ? bias[c + l] : 0.0f;
-      acc = vload(y);
+      vfloat acc = vload(y);
       for (int64_t j = 0; j < K; ++j) {
         for (int l = 0; l < W; ++l) {
           tap[l] = c + l < c1 ? taps[j * C + c + l] : 0.0f;
@@ -107,12 +110,9 @@ void conv_span(T* out, const T* x, int64_t ldx, const float* taps, const float* 
 template <typename T>
 void conv_save(const T* x, int64_t ldx, T* state, const T* zeros, const SeqMeta& m, int64_t i, int64_t offset,
                int64_t slot, int64_t c0, int64_t c1, int64_t C, int64_t H) {
-  const int64_t a = m.starts[i];
-  const T* st = m.initial[i] ? state + m.slots[i] * H * C : nullptr;
   T* dst = state + slot * H * C;
   for (int64_t r = 0; r < H; ++r) {
-    const int64_t p = offset - H + r;
-    const T* src = p >= 0 ? x + (a + p) * ldx : st != nullptr ? st + (H + p) * C : zeros;
+    const T* src = conv_input(x, ldx, static_cast<const T*>(state), zeros, m, i, offset - H + r, C, H);
     std::memmove(dst + r * C + c0, src + c0, sizeof(T) * (c1 - c0));
   }
 }
