@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from gguf_blocks import random_blocks
 
@@ -256,3 +256,27 @@ def test_int8_rows_reads_back_exactly_what_gguf_dequantizes(qtype: T) -> None:
     assert torch.equal(got, reference(raw, qtype).float()[ids])
     with pytest.raises(ValueError, match="outside"):
         ops.int8_rows(packed, int(qtype), cols, torch.tensor([96]))
+
+
+# Byte ranges, in a K-quant block, of its quants (low bits and high-bit planes): all bits set is
+# every quant at its largest.
+QUANT_BYTES = {T.Q2_K: [(16, 80)], T.Q3_K: [(0, 96)], T.Q4_K: [(16, 144)], T.Q5_K: [(16, 176)], T.Q6_K: [(0, 192)]}
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_largest_quants_times_largest_activations_do_not_saturate(qtype: T, sign: int) -> None:
+    # Every quant at its top and every activation at +-127: the int16 pair sums (without VNNI, up
+    # to 4 steps of a 4-bit group before vpmaddwd) reach their bound and must not saturate.
+    out_features, in_features = 40, 512
+    raw = random_blocks(qtype, out_features, in_features, seed=int(qtype)).reshape(out_features, -1, GGML_QUANT_SIZES[qtype][1])
+    for start, stop in QUANT_BYTES[qtype]:
+        raw[..., start:stop] = 0xFF
+    raw = raw.reshape(out_features, -1)
+    weight = reference(raw, qtype)
+    packed = ops.pack_weight_int8(torch.from_numpy(raw), int(qtype), in_features)
+    for rows in (4, 7):
+        x = torch.full((rows, in_features), sign * 127 * 2.0**-6)
+        out = torch.empty(rows, out_features)
+        ops.linear_int8(out, x, packed, int(qtype), None)
+        assert_float32_close(out, x.double(), weight, None)

@@ -154,6 +154,10 @@ inline vfloat load_half(const uint16_t* p) {
 #endif
 static_assert(sizeof(ivec) == kQuadBytes, "one k-quad of a column vector is one register");
 
+// Makes v a register value here: without it GCC reassociates a group's int16 sums into one tree
+// at the group's end, and spills every product until then.
+inline void computed_here(ivec& v) { asm("" : "+x"(v)); }
+
 // acc + the lanes' dot products of two k-quad pairs of unsigned quants (at most 6 bits) with signed
 // activations. Without VNNI the two pairs meet in int16: 2 x 2 x 63 x 127 = 32004 does not saturate.
 inline ivec dot_quads2(ivec acc, ivec u_a, ivec a_a, ivec u_b, ivec a_b) {
@@ -221,7 +225,11 @@ struct Form {
   // 32-blocks of a row sharing one activation scale: a superblock where it is summed as one, else
   // one block (a scale per 32 follows the local magnitude: closer to float32, and as fast with VNNI).
   static constexpr int kActSpan = kFused ? 8 : 1;
+  // Steps (2 k-quads of each column vector) whose vpmaddubsw pair sums, at most 2 x 2 x (2^Bits - 1)
+  // x 127 a step, add up in int16 without saturating: 4 for 4 bits, 2 for 5, 1 for 6.
+  static constexpr int kSumSteps = std::min(32767 / (4 * ((1 << std::min(Bits, 6)) - 1) * 127), kGroup / 8);
   static_assert((kGroup / 8) % kStepsPerPlane == 0, "a plane vector does not straddle two groups");
+  static_assert((kGroup / 8) % kSumSteps == 0, "int16 sums do not straddle two groups");
   static constexpr int64_t kHeaderBytes = NR * 2 * (HasMin ? 2 : 1);
   static constexpr int64_t kScaleBytes = S == Scales::kHalf      ? 0
                                          : S == Scales::kSuper32 ? 2 * NR
@@ -708,14 +716,31 @@ __attribute__((always_inline)) inline void fused_superblocks(const uint8_t* pane
           w0 = widen(sc), w1 = widen(sc + W);
         }
         const ivec sc0 = (ivec)((w0 & 0xFFFF) | w0 * 0x10000), sc1 = (ivec)((w1 & 0xFFFF) | w1 * 0x10000);
+        // The pair sums of up to F::kSumSteps steps meet in int16 before one vpmaddwd: the multiply
+        // ports, which vpmaddubsw and vpmaddwd share, are what bounds this loop.
+        ivec t0[R], t1[R];
 #pragma GCC unroll 4
         for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
           const NibbleStep u = unpack_step<F>(qs, i);
+          const bool first = i % F::kSumSteps == 0, last = (i + 1) % F::kSumSteps == 0;
           for (int r = 0; r < R; ++r) {
             const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
             const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
-            s0[r] = scaled_pairs32(s0[r], add16(pairs16(u.lo0, a_lo), pairs16(u.hi0, a_hi)), sc0);
-            s1[r] = scaled_pairs32(s1[r], add16(pairs16(u.lo1, a_lo), pairs16(u.hi1, a_hi)), sc1);
+            const ivec p0 = add16(pairs16(u.lo0, a_lo), pairs16(u.hi0, a_hi));
+            const ivec p1 = add16(pairs16(u.lo1, a_lo), pairs16(u.hi1, a_hi));
+            if constexpr (F::kSumSteps == 1) {
+              s0[r] = scaled_pairs32(s0[r], p0, sc0);
+              s1[r] = scaled_pairs32(s1[r], p1, sc1);
+            } else {
+              t0[r] = first ? p0 : add16(t0[r], p0);
+              t1[r] = first ? p1 : add16(t1[r], p1);
+              computed_here(t0[r]);
+              computed_here(t1[r]);
+              if (last) {
+                s0[r] = scaled_pairs32(s0[r], t0[r], sc0);
+                s1[r] = scaled_pairs32(s1[r], t1[r], sc1);
+              }
+            }
           }
         }
       }
