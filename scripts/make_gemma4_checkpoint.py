@@ -39,6 +39,8 @@ def train_tokenizer(out: Path, vocab_size: int, learned: int) -> None:
     """Writes tokenizer.json, tokenizer_config.json and chat_template.jinja to `out`."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+    if len(SPECIAL) + 256 + learned > vocab_size:
+        raise ValueError(f"{learned} learned tokens do not fit a vocabulary of {vocab_size} after the specials and bytes")
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.normalizer = normalizers.Replace(" ", "▁")
@@ -50,8 +52,8 @@ def train_tokenizer(out: Path, vocab_size: int, learned: int) -> None:
     tok.train([str(p) for p in sources], trainer)
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A <bos>:1 $B:1", special_tokens=[("<bos>", 2)])
-    # The trainer's special tokens are added tokens; the byte tokens must be plain vocabulary
-    # entries for byte fallback, so rebuild the vocabulary with both in place.
+    # The trainer made every special token an added token; byte fallback needs the byte tokens as
+    # plain vocabulary entries, so only Gemma's specials stay added. <unusedN> pads to the model's size.
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     num_used = len(vocab)
