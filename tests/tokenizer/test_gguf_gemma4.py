@@ -2,8 +2,8 @@
 the Hugging Face tokenizer it was converted from.
 
 fixtures/gemma4/hf: a tokenizer in Gemma's format (BPE with byte fallback, spaces as "▁", Gemma 4's turn
-tokens; 1,024 tokens, made by scripts/make_gemma4_checkpoint.py --tokenizer-only
---vocab-size 1024 --learned 600) and vocab.gguf, the tokenizer keys
+tokens; 1,024 tokens, the recipe of scripts/make_gemma4_checkpoint.py --tokenizer-only
+--vocab-size 1024 --learned 600, whose merges depend on the Python whose stdlib it learns from) and vocab.gguf, the tokenizer keys
 that llama.cpp's convert_hf_to_gguf.py wrote for a tiny Gemma 4 checkpoint holding it (its tensors
 dropped)."""
 from __future__ import annotations
