@@ -39,14 +39,15 @@ def train_tokenizer(out: Path, vocab_size: int, learned: int) -> None:
     """Writes tokenizer.json, tokenizer_config.json and chat_template.jinja to `out`."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-    if len(SPECIAL) + 256 + learned > vocab_size:
+    num_trained = len(SPECIAL) + 256 + learned
+    if num_trained > vocab_size:
         raise ValueError(f"{learned} learned tokens do not fit a vocabulary of {vocab_size} after the specials and bytes")
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    trainer = trainers.BpeTrainer(vocab_size=len(SPECIAL) + 256 + learned, special_tokens=SPECIAL + byte_tokens,
+    trainer = trainers.BpeTrainer(vocab_size=num_trained, special_tokens=SPECIAL + byte_tokens,
                                   show_progress=False)
     sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     tok.train([str(p) for p in sources], trainer)

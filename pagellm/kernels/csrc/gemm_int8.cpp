@@ -728,7 +728,7 @@ __attribute__((always_inline)) inline void fused_superblocks(const uint8_t* pane
             const ivec a_hi = splat_i32(quad_at(qa + ((2 * i + 1) * MR_MAX + r) * 4));
             const ivec p0 = add16(pairs16(u.lo0, a_lo), pairs16(u.hi0, a_hi));
             const ivec p1 = add16(pairs16(u.lo1, a_lo), pairs16(u.hi1, a_hi));
-            if constexpr (F::kSumSteps == 1) {
+            if constexpr (F::kSumSteps == 1) {  // spelled apart: the general form spills more here (Q6_K)
               s0[r] = scaled_pairs32(s0[r], p0, sc0);
               s1[r] = scaled_pairs32(s1[r], p1, sc1);
             } else {
