@@ -96,6 +96,9 @@ inline ivec place_high(ivec v, int left, uint8_t mask) {
   return _mm512_and_si512(t, _mm512_set1_epi8(static_cast<char>(mask)));
 }
 inline ivec or_bytes(ivec a, ivec b) { return _mm512_or_si512(a, b); }
+inline ivec and_bytes(ivec a, ivec b) { return _mm512_and_si512(a, b); }
+inline ivec splat_i8(char v) { return _mm512_set1_epi8(v); }
+inline ivec shift_right16(ivec v, int n) { return _mm512_srli_epi16(v, n); }
 #if PAGELLM_VNNI
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
 #else
@@ -132,6 +135,9 @@ inline ivec place_high(ivec v, int left, uint8_t mask) {
   return _mm256_and_si256(t, _mm256_set1_epi8(static_cast<char>(mask)));
 }
 inline ivec or_bytes(ivec a, ivec b) { return _mm256_or_si256(a, b); }
+inline ivec and_bytes(ivec a, ivec b) { return _mm256_and_si256(a, b); }
+inline ivec splat_i8(char v) { return _mm256_set1_epi8(v); }
+inline ivec shift_right16(ivec v, int n) { return _mm256_srli_epi16(v, n); }
 #if PAGELLM_VNNI
 inline ivec dpbusd(ivec acc, ivec u8, ivec s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
 #else
@@ -177,10 +183,10 @@ inline ivec dot_bytes(ivec acc, ivec u, ivec a) {
   return add_pairs32(acc, pairs16(abs_bytes(q), sign_of(a, q)));
 #endif
 }
-// The bias the activations' int32 start carries for a form: byte quants' only with VNNI.
+// The bias the activations' int32 start carries for a form: 8-bit quants' only with VNNI.
 template <typename F>
 constexpr int activation_bias(int bias) {
-  return F::kNibbles || PAGELLM_VNNI ? bias : 0;
+  return F::kBits < 8 || PAGELLM_VNNI ? bias : 0;
 }
 
 typedef int8_t vbyte __attribute__((vector_size(W)));
@@ -200,16 +206,27 @@ enum class Scales { kHalf, kSuper32, kSuper16 };
 // not per type: the bias a type stores its quants with is carried by the activations.
 //   superblock: fp16 d[NR], if kHasMin fp16 m[NR] (offsets stored negated where the file subtracts)
 //   per 32-block: super32 uint8 sc[NR], mn[NR]; super16 int8 sc[2][NR], if kHasMin uint8 mn[2][NR]
-//                 then for 8 bits bytes uint8 [QUADS][2 vectors][W][4], else the low 4 bits as
-//                 nibbles uint8 [QUADS / 2][2][W][4] and, for 5 and 6 bits, the high bits in a
-//                 plane uint8 [QUADS / 2 / kStepsPerPlane][W][4] (see kernel below)
+//                 then for 8 bits bytes uint8 [QUADS][2 vectors][W][4], for 6 bits summed fused
+//                 triples uint8 [QUADS / 2][3][W][4] (kTriples), else the low 4 bits as nibbles
+//                 uint8 [QUADS / 2][2][W][4] and, for 5 and 6 bits, the high bits in a plane
+//                 uint8 [QUADS / 2 / kStepsPerPlane][W][4] (see kernel below)
 // 5- and 6-bit quants stay as small as in the file (a whole byte each would read 1.3-1.6x the
 // bytes a decode step streams); unpacking their high bits costs shifts, not memory.
 template <int Bits, Scales S, bool HasMin>
 struct Form {
   static_assert(S != Scales::kSuper32 || HasMin, "super32 types all have mins");
   static_assert(Bits == 4 || Bits == 5 || Bits == 6 || Bits == 8, "quants of 4, 5, 6 or 8 bits");
-  static constexpr bool kNibbles = Bits < 8, kHasMin = HasMin;
+  // Without VNNI a K-quant's products meet its integer group scales in vpmaddwd (which widens them
+  // to int32 anyway): a superblock sums in int32 under one activation scale, as llama.cpp's Q8_K,
+  // and its float epilogue runs once per 256 inputs instead of per group. VNNI keeps the per-group form.
+  static constexpr bool kFused = S != Scales::kHalf && !PAGELLM_VNNI;
+  static constexpr int kBits = Bits;
+  // 6-bit quants summed fused (Q6_K without VNNI) as triples: a step's 4 vectors of quants (k-quads
+  // 2i and 2i + 1 of column vectors 0 and 1) in 3, the first three whole in bits 0-5 and the fourth
+  // split over their bits 6-7. They unpack in 11 vector ops where nibbles and a plane take 18, as
+  // many as the step's multiplies, and stay as small as the file's.
+  static constexpr bool kTriples = Bits == 6 && kFused;
+  static constexpr bool kNibbles = Bits < 8 && !kTriples, kHasMin = HasMin;
   static constexpr int kHighBits = kNibbles ? Bits - 4 : 0;
   // A nibble vector holds 2 k-quads of W columns; a plane vector holds their high bits for both
   // column vectors of kStepsPerPlane such steps: 4 fields of kHighBits bits per step and byte.
@@ -218,10 +235,6 @@ struct Form {
   static constexpr int kBlocks = S == Scales::kHalf ? 1 : 8;      // 32-blocks per superblock
   static constexpr int kGroup = S == Scales::kSuper16 ? 16 : 32;  // inputs per scale
   static constexpr int kGroups = QK / kGroup;
-  // Without VNNI a K-quant's products meet its integer group scales in vpmaddwd (which widens them
-  // to int32 anyway): a superblock sums in int32 under one activation scale, as llama.cpp's Q8_K,
-  // and its float epilogue runs once per 256 inputs instead of per group. VNNI keeps the per-group form.
-  static constexpr bool kFused = S != Scales::kHalf && !PAGELLM_VNNI;
   // 32-blocks of a row sharing one activation scale: a superblock where it is summed as one, else
   // one block (a scale per 32 follows the local magnitude: closer to float32, and as fast with VNNI).
   static constexpr int kActSpan = kFused ? 8 : 1;
@@ -234,7 +247,7 @@ struct Form {
   static constexpr int64_t kScaleBytes = S == Scales::kHalf      ? 0
                                          : S == Scales::kSuper32 ? 2 * NR
                                                                  : kGroups * NR * (HasMin ? 2 : 1);
-  static constexpr int64_t kQuantBytes = kNibbles ? QK * W : QK * NR;
+  static constexpr int64_t kQuantBytes = kNibbles ? QK * W : kTriples ? QK * W * 3 / 2 : QK * NR;
   static constexpr int64_t kBlockBytes = kScaleBytes + kQuantBytes + kHighBits * QK * W / 4;
   static constexpr int64_t kSuperBytes = kHeaderBytes + kBlocks * kBlockBytes;
   // Byte offset in a 32-block's quants of the plane vector holding step i's high bits, and where
@@ -263,6 +276,23 @@ __attribute__((always_inline)) inline NibbleStep unpack_step(const uint8_t* qs, 
     u.hi1 = or_bytes(u.hi1, place_high(h, 4 - s1 - F::kHighBits, kMask));
   }
   return u;
+}
+// The same step from triples (Form::kTriples): lo0, hi0, lo1 in bits 0-5 of vectors 0, 1, 2, and
+// bits 2v, 2v + 1 of hi1 in bits 6-7 of vector v (masked before the 16-bit shifts: no bit crosses
+// into the next byte).
+template <typename F>
+__attribute__((always_inline)) inline NibbleStep quants_step(const uint8_t* qs, int i) {
+  if constexpr (F::kNibbles) {
+    return unpack_step<F>(qs, i);
+  } else {
+    static_assert(F::kTriples, "a step of nibbles or triples");
+    const ivec v0 = load_bytes(qs + (3 * i) * kQuadBytes), v1 = load_bytes(qs + (3 * i + 1) * kQuadBytes),
+               v2 = load_bytes(qs + (3 * i + 2) * kQuadBytes);
+    const ivec low = splat_i8(0x3F), top = splat_i8(static_cast<char>(0xC0));
+    const ivec hi1 = or_bytes(or_bytes(shift_right16(and_bytes(v0, top), 6), shift_right16(and_bytes(v1, top), 4)),
+                              shift_right16(and_bytes(v2, top), 2));
+    return {and_bytes(v0, low), and_bytes(v1, low), and_bytes(v2, low), hi1};
+  }
 }
 
 // One column's superblock of a file's block, decoded: u[] = q + bias per input, d and m as fp16
@@ -429,7 +459,7 @@ void pack_panel(const uint8_t* const* rows, int64_t n, int64_t p, int64_t num_su
   const int64_t cols = std::min<int64_t>(NR, n - p * NR);
   // A whole panel's bytes are all written below, the high-bit planes by OR; an edge panel's
   // missing columns stay zero.
-  if (cols < NR || F::kHighBits > 0) std::memset(dst, 0, num_super * F::kSuperBytes);
+  if (cols < NR || F::kHighBits > 0 || F::kTriples) std::memset(dst, 0, num_super * F::kSuperBytes);
   Decoded dec;
   for (int64_t sb = 0; sb < num_super; ++sb) {
     uint8_t* super = dst + sb * F::kSuperBytes;
@@ -466,6 +496,21 @@ void pack_panel(const uint8_t* const* rows, int64_t n, int64_t p, int64_t num_su
               std::memcpy(plane, &bits, 4);
             }
           }
+        } else if constexpr (F::kTriples) {
+          // Step i's vectors 3i .. 3i + 2 (quants_step): this column's lane in each.
+          uint8_t* lanes = block + F::kScaleBytes + (j % W) * 4;
+          for (int i = 0; i < QUADS / 2; ++i)
+            for (int r = 0; r < 4; ++r) {
+              uint8_t* v = lanes + 3 * i * kQuadBytes + r;
+              const uint8_t lo = u[8 * i + r], hi = u[8 * i + 4 + r];
+              if (j < W) {
+                v[0] |= lo;
+                v[kQuadBytes] |= hi;
+              } else {
+                v[2 * kQuadBytes] |= lo;
+                for (int part = 0; part < 3; ++part) v[part * kQuadBytes] |= ((hi >> (2 * part)) & 3) << 6;
+              }
+            }
         } else {
           for (int q = 0; q < QUADS; ++q) std::memcpy(lane + q * 2 * kQuadBytes, u + 4 * q, 4);
         }
@@ -502,6 +547,19 @@ void unpack_row(const uint8_t* panel, int64_t j, int64_t num_super, float* out) 
               u[8 * i + r] = static_cast<uint8_t>(u[8 * i + r] | ((high >> shift) & kHighMask) << 4);
               u[8 * i + 4 + r] =
                   static_cast<uint8_t>(u[8 * i + 4 + r] | ((high >> (shift + F::kHighBits)) & kHighMask) << 4);
+            }
+          }
+      } else if constexpr (F::kTriples) {
+        const uint8_t* lanes = block + F::kScaleBytes + (j % W) * 4;
+        for (int i = 0; i < QUADS / 2; ++i)
+          for (int r = 0; r < 4; ++r) {
+            const uint8_t* v = lanes + 3 * i * kQuadBytes + r;
+            if (j < W) {
+              u[8 * i + r] = v[0] & 63;
+              u[8 * i + 4 + r] = v[kQuadBytes] & 63;
+            } else {
+              u[8 * i + r] = v[2 * kQuadBytes] & 63;
+              u[8 * i + 4 + r] = static_cast<uint8_t>(v[0] >> 6 | (v[kQuadBytes] >> 6) << 2 | (v[2 * kQuadBytes] >> 6) << 4);
             }
           }
       } else {
@@ -616,6 +674,7 @@ template <typename F, int R>
 __attribute__((always_inline)) inline void group_superblocks(const uint8_t* panel, int64_t num_super, const int8_t* qa,
                                                              const ActBlock* ab, const uint8_t* ahead,
                                                              vfloat (&acc0)[R], vfloat (&acc1)[R]) {
+  static_assert(!F::kTriples, "triples are summed fused");
   for (int64_t sb = 0; sb < num_super; ++sb) {
     const uint8_t* super = panel + sb * F::kSuperBytes;
     const uint16_t* header = reinterpret_cast<const uint16_t*>(super);
@@ -721,7 +780,7 @@ __attribute__((always_inline)) inline void fused_superblocks(const uint8_t* pane
         ivec t0[R], t1[R];
 #pragma GCC unroll 4
         for (int i = g * F::kGroup / 8; i < (g + 1) * F::kGroup / 8; ++i) {
-          const NibbleStep u = unpack_step<F>(qs, i);
+          const NibbleStep u = quants_step<F>(qs, i);
           const bool first = i % F::kSumSteps == 0, last = (i + 1) % F::kSumSteps == 0;
           for (int r = 0; r < R; ++r) {
             const ivec a_lo = splat_i32(quad_at(qa + ((2 * i) * MR_MAX + r) * 4));
@@ -946,6 +1005,7 @@ constexpr int64_t kAmxMinRowsInt8 = 64;
 template <typename T>
 void dequantize_panel_bf16(const uint8_t* panel, int64_t num_super, uint16_t* dst) {
   using F = typename T::F;
+  static_assert(!F::kTriples, "AMX builds have VNNI: no triples");
   uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
