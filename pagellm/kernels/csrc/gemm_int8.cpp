@@ -223,8 +223,8 @@ struct Form {
   static constexpr int kBits = Bits;
   // 6-bit quants summed fused (Q6_K without VNNI) as triples: a step's 4 vectors of quants (k-quads
   // 2i and 2i + 1 of column vectors 0 and 1) in 3, the first three whole in bits 0-5 and the fourth
-  // split over their bits 6-7. They unpack in 11 vector ops where nibbles and a plane take 18, as
-  // many as the step's multiplies, and stay as small as the file's.
+  // split over their bits 6-7. They unpack in 11 vector ops where nibbles and a plane take 18, and
+  // stay as small as the file's (whole bytes were faster at many rows, slower at one: docs/kernels.md).
   static constexpr bool kTriples = Bits == 6 && kFused;
   static constexpr bool kNibbles = Bits < 8 && !kTriples, kHasMin = HasMin;
   static constexpr int kHighBits = kNibbles ? Bits - 4 : 0;
