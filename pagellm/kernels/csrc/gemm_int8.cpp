@@ -457,8 +457,8 @@ template <typename T>
 void pack_panel(const uint8_t* const* rows, int64_t n, int64_t p, int64_t num_super, uint8_t* dst) {
   using F = typename T::F;
   const int64_t cols = std::min<int64_t>(NR, n - p * NR);
-  // A whole panel's bytes are all written below, the high-bit planes by OR; an edge panel's
-  // missing columns stay zero.
+  // A whole panel's bytes are all written below, the high-bit planes and triples by OR; an edge
+  // panel's missing columns stay zero.
   if (cols < NR || F::kHighBits > 0 || F::kTriples) std::memset(dst, 0, num_super * F::kSuperBytes);
   Decoded dec;
   for (int64_t sb = 0; sb < num_super; ++sb) {
@@ -559,7 +559,8 @@ void unpack_row(const uint8_t* panel, int64_t j, int64_t num_super, float* out) 
               u[8 * i + 4 + r] = v[kQuadBytes] & 63;
             } else {
               u[8 * i + r] = v[2 * kQuadBytes] & 63;
-              u[8 * i + 4 + r] = static_cast<uint8_t>(v[0] >> 6 | (v[kQuadBytes] >> 6) << 2 | (v[2 * kQuadBytes] >> 6) << 4);
+              u[8 * i + 4 + r] =
+                  static_cast<uint8_t>(v[0] >> 6 | (v[kQuadBytes] >> 6) << 2 | (v[2 * kQuadBytes] >> 6) << 4);
             }
           }
       } else {
