@@ -31,8 +31,29 @@ from pagellm.attention.selector import BACKEND_NAMES, get_attn_backend
 from pagellm.attention.synthetic import SyntheticBatch, make_batch
 from pagellm.config import KV_CACHE_DTYPE_NAMES, parse_dtype
 
-# SmolLM2-135M attention.
+# SmolLM2-135M attention, the default shape (--heads gives another model's).
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+SMOLLM2_HEADS = HeadShape(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+
+
+def parse_heads(text: str) -> HeadShape:
+    """``"8,2,256"``: query heads, kv heads, head size."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--heads takes three positive integers, query heads,kv heads,head size; got {text!r}")
+    shape = HeadShape(*(int(p) for p in parts))
+    if shape.num_heads % shape.num_kv_heads:
+        raise ValueError(f"--heads: {shape.num_heads} query heads do not divide into {shape.num_kv_heads} kv heads")
+    return shape
 
 CASES: dict[str, list[tuple[int, int]]] = {
     "decode": [(1, 1024)] * 32,
@@ -68,20 +89,22 @@ class BenchRow:
     sliding_window: Optional[int] = None
 
 
-def attention_flops(seqs: list[tuple[int, int]], window: Optional[int] = None) -> float:
+def attention_flops(seqs: list[tuple[int, int]], window: Optional[int] = None, heads: HeadShape = SMOLLM2_HEADS) -> float:
     """Multiply-adds x2 of QK^T and PV over the causally visible keys (inside the window, if any)."""
     flops = 0.0
     for q_len, seq_len in seqs:
         visible = sum(min(seq_len - q_len + i + 1, window or seq_len) for i in range(q_len))
-        flops += 4.0 * visible * NUM_HEADS * HEAD_DIM
+        flops += 4.0 * visible * heads.num_heads * heads.head_dim
     return flops
 
 
-def kv_bytes(seqs: list[tuple[int, int]], cache_dtype: torch.dtype = torch.float32, window: Optional[int] = None) -> float:
+def kv_bytes(
+    seqs: list[tuple[int, int]], cache_dtype: torch.dtype = torch.float32, window: Optional[int] = None, heads: HeadShape = SMOLLM2_HEADS
+) -> float:
     """Bytes of K and V the contexts hold in a cache of ``cache_dtype`` (an int8 row's scale included),
     or with a window the bytes of the keys a decode sees."""
     tokens = sum(min(seq_len, window or seq_len) for _, seq_len in seqs)
-    return float(tokens) * 2 * NUM_KV_HEADS * bytes_per_token_head(HEAD_DIM, cache_dtype)
+    return float(tokens) * 2 * heads.num_kv_heads * bytes_per_token_head(heads.head_dim, cache_dtype)
 
 
 def share_prefixes(batch: SyntheticBatch, num_prefixes: int, prefix_tokens: int, seed: int = 0) -> None:
@@ -136,9 +159,10 @@ def run_case(
     num_layers: int = 1,
     cache_dtype: torch.dtype = torch.float32,
     sliding_window: Optional[int] = None,
+    heads: HeadShape = SMOLLM2_HEADS,
 ) -> list[BenchRow]:
     seqs = CASES[case]
-    batch = make_batch(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, seed=0, cache_dtype=cache_dtype)
+    batch = make_batch(seqs, heads.num_heads, heads.num_kv_heads, heads.head_dim, BLOCK_SIZE, seed=0, cache_dtype=cache_dtype)
     if case in SHARED_PREFIXES:
         share_prefixes(batch, *SHARED_PREFIXES[case])
     options = AttentionOptions(sliding_window=sliding_window)
@@ -150,9 +174,9 @@ def run_case(
             ref_timing if name == "torch_ref" else time_backend(name, batch, min_seconds, max_repeats, num_layers, options)
         )
         if case.startswith("decode"):
-            rate, unit = num_layers * kv_bytes(seqs, cache_dtype, sliding_window) / seconds / 1e9, "GB/s"
+            rate, unit = num_layers * kv_bytes(seqs, cache_dtype, sliding_window, heads) / seconds / 1e9, "GB/s"
         else:
-            rate, unit = num_layers * attention_flops(seqs, sliding_window) / seconds / 1e9, "GFLOP/s"
+            rate, unit = num_layers * attention_flops(seqs, sliding_window, heads) / seconds / 1e9, "GFLOP/s"
         diff = (out - ref_out).abs().max().item()
         rows.append(
             BenchRow(
@@ -177,8 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the cache's element type(s), comma-separated: float32, float16, bfloat16, fp8 (fp8_e4m3), fp8_e5m2, int8",
     )
     parser.add_argument("--sliding-window", type=int, default=None, metavar="W", help="attend with a sliding window of W tokens")
+    parser.add_argument(
+        "--heads",
+        default="9,3,64",
+        metavar="Q,KV,D",
+        help="query heads, kv heads, head size (default SmolLM2-135M's; Gemma 4's layers: 8,2,256 and 8,2,512)",
+    )
     parser.add_argument("--save-result", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    heads = parse_heads(args.heads)
     if args.sliding_window is not None and args.sliding_window < 1:
         raise ValueError(f"--sliding-window must be at least 1, got {args.sliding_window}")
     cache_dtypes = [KV_CACHE_DTYPE_NAMES.get(n) or parse_dtype(n) for n in args.kv_cache_dtype.lower().split(",") if n]
@@ -193,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"unknown case {case!r}; choose from {', '.join(CASES)}")
     rows: list[BenchRow] = []
     header = f"{'case':<13}{'cache':<10}{'backend':<12}{'ms/call':>10}{'best ms':>10}{'vs ref':>9}{'rate':>10} {'unit':<8}{'max|diff|':>11}"
-    print(f"attention micro-benchmark: heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}, "
+    print(f"attention micro-benchmark: heads {heads.num_heads}/{heads.num_kv_heads}, head_dim {heads.head_dim}, block {BLOCK_SIZE}, "
           f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call"
           + (f", sliding window {args.sliding_window}" if args.sliding_window else ""))
     print(header)
     print("-" * len(header))
     for case, cache_dtype in ((c, d) for c in cases for d in cache_dtypes):
-        for row in run_case(case, backends, args.min_seconds, args.max_repeats, args.layers, cache_dtype, args.sliding_window):
+        for row in run_case(case, backends, args.min_seconds, args.max_repeats, args.layers, cache_dtype, args.sliding_window, heads):
             rows.append(row)
             print(f"{row.case:<13}{row.kv_cache_dtype:<10}{row.backend:<12}{row.ms_per_call:>10.3f}{row.best_ms:>10.3f}"
                   f"{row.speedup_vs_ref:>8.1f}x{row.rate:>10.1f} {row.rate_unit:<8}{row.max_abs_diff:>11.2e}")
@@ -211,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "machine": platform.machine(),
-            "shapes": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
+            "shapes": {**asdict(heads), "block_size": BLOCK_SIZE},
             "cases": {c: CASES[c] for c in cases},
             "layers": args.layers,
             "sliding_window": args.sliding_window,

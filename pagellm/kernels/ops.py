@@ -22,7 +22,7 @@ from pagellm.kernels.build import load_error as _build_load_error
 from pagellm.kernels.build import load_kernels
 
 # What paged_attention.cpp instantiates its templates for.
-PAGED_ATTENTION_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256})
+PAGED_ATTENTION_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256, 512})
 PAGED_ATTENTION_CACHE_DTYPES = frozenset(
     {torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8}
 )

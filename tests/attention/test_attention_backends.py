@@ -50,11 +50,13 @@ def test_agrees_with_reference(name, scenario, block_size, num_heads, num_kv_hea
 
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"), [(12, 1, 64), (16, 2, 128), (8, 8, 256), (10, 2, 80), (10, 5, 64), (18, 2, 32)]
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(12, 1, 64), (16, 2, 128), (8, 8, 256), (10, 2, 80), (10, 5, 64), (18, 2, 32), (8, 2, 256), (8, 2, 512), (4, 2, 96), (3, 3, 128)],
 )
 def test_other_head_shapes(name, num_heads, num_kv_heads, head_dim, reference) -> None:
     # Groups above 8 split into head chunks in the C++ kernel; other head sizes use other templates;
-    # a decode item covers up to 4 kv heads (8 and 5 kv heads: items of 4 + 4 and 4 + 1).
+    # a decode item covers up to 4 kv heads (8 and 5 kv heads: items of 4 + 4 and 4 + 1); groups of
+    # 1, 2, 4 and 8 keep 4, 4, 2 and 1 sums per head in a key's dot product (80 and 96: a tail).
     batch = make_batch(SCENARIOS["mixed"], num_heads, num_kv_heads, head_dim, block_size=16, seed=7)
     got, expected, _, _ = run_both(batch, name, reference)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -63,12 +65,14 @@ def test_other_head_shapes(name, num_heads, num_kv_heads, head_dim, reference) -
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("seqs", [[(1, 3000), (1, 700)], [(1, 2000), (5, 700)]])
-def test_long_decode_few_sequences(name, num_threads, seqs, reference) -> None:
-    # Few long contexts: the C++ kernel splits the context across threads and merges.
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 512)])
+def test_long_decode_few_sequences(name, num_threads, seqs, num_heads, num_kv_heads, head_dim, reference) -> None:
+    # Few long contexts: the C++ kernel splits the context across threads and merges (512: Gemma 4's
+    # full layers, the widest head the merge holds).
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        batch = make_batch(seqs, 9, 3, 64, block_size=16, seed=11)
+        batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size=16, seed=11)
         got, expected, _, _ = run_both(batch, name, reference)
     finally:
         torch.set_num_threads(previous)
@@ -172,6 +176,7 @@ EIGHT_BIT = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
         ("mixed", 16, 2, 128),
         ("mixed", 10, 5, 64),
         ("zero_new_tokens_for_one_seq", 18, 2, 32),
+        ("decode_only", 8, 2, 512),
     ],
 )
 def test_eight_bit_cache(name, cache_dtype, scenario, num_heads, num_kv_heads, head_dim, reference) -> None:

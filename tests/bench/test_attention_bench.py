@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from pagellm.attention.synthetic import make_batch
@@ -51,3 +52,23 @@ def test_share_prefixes_points_tables_at_the_same_blocks() -> None:
     assert len(prefixes) == 2  # two prefixes, three sequences each
     assert sorted(sum(tuple(row[:2].tolist()) == p for row in table) for p in prefixes) == [3, 3]
     assert torch.equal(table[:, 2:], before[:, 2:])  # past the prefix every sequence keeps its own blocks
+
+
+def test_other_head_shape(tmp_path: Path) -> None:
+    # Gemma 4's full layers: counts and the JSON follow --heads.
+    out = tmp_path / "attn.json"
+    code = attention_bench.main(
+        ["--cases", "decode_short", "--backends", "torch_sdpa", "--heads", "8,2,512", "--min-seconds", "0", "--save-result", str(out)]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["shapes"] == {"num_heads": 8, "num_kv_heads": 2, "head_dim": 512, "block_size": attention_bench.BLOCK_SIZE}
+    heads = attention_bench.parse_heads("8,2,512")
+    assert attention_bench.kv_bytes([(1, 10)], heads=heads) == 10 * 2 * 2 * 512 * 4
+    assert attention_bench.attention_flops([(2, 2)], heads=heads) == 4.0 * 3 * 8 * 512
+
+
+def test_bad_heads_are_refused() -> None:
+    for text in ("8,2", "8,3,64", "8,0,64", "a,b,c"):
+        with pytest.raises(ValueError, match="--heads"):
+            attention_bench.parse_heads(text)

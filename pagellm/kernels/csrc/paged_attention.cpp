@@ -122,7 +122,7 @@ constexpr int kPrefetchChunks = kMemoryBound<T> ? 2 : 1;
 constexpr int kKeyChunk = 32;  // keys per prefill step
 constexpr int kTileRows = 64;  // target (token, head) rows per prefill tile
 constexpr int kMaxGroup = 8;   // query heads per kv head handled in one item
-constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHeadDim = 512;
 constexpr int kMaxKvPerItem = 4;  // kv heads per decode item (whole rows up to this many heads)
 
 // Where everything lives for one call.
@@ -256,6 +256,40 @@ inline void prefetch_head_row(const T* row, bool to_l2) {
   }
 }
 
+// Independent sums per query head in a key's dot product, and value vectors per pass over a
+// chunk's rows (the output's G x kValueVecs sums then stay in registers): one chain per head, or
+// sums kept in memory, leave the FMA units waiting on latency or on stores when heads are few.
+template <int G>
+constexpr int kDotChains = G <= 2   ? 4
+                           : G <= 4 ? 2
+                                    : 1;
+template <int G>
+constexpr int kValueVecs = G <= 2   ? 4
+                           : G <= 4 ? 2
+                                    : 1;
+
+// st.acc[j][v0, v0 + B) += sum over the chunk's keys n of prob[j][n] * value n's vectors there.
+// `ahead` (or null): rows whose part for this head is prefetched, one per key.
+template <int D, int G, int B, typename T>
+inline void accumulate_values(DecodeState<D, G>& st, const T* const* value_rows, int head_offset, int n_keys,
+                              const float (&prob)[G][kDecodeChunk], int v0, const T* const* ahead, bool to_l2) {
+  vfloat a[G][B];
+  for (int j = 0; j < G; ++j)
+    for (int b = 0; b < B; ++b) a[j][b] = st.acc[j][v0 + b];
+  for (int n = 0; n < n_keys; ++n) {
+    if (ahead != nullptr) prefetch_head_row<D, T>(ahead[n] + head_offset, to_l2);
+    const T* vrow = value_rows[n] + head_offset + v0 * W;
+    vfloat vr[B];
+    for (int b = 0; b < B; ++b) vr[b] = load_kv(vrow + b * W);
+    for (int j = 0; j < G; ++j) {
+      const vfloat pj = vsplat(prob[j][n]);
+      for (int b = 0; b < B; ++b) a[j][b] += pj * vr[b];
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int b = 0; b < B; ++b) st.acc[j][v0 + b] = a[j][b];
+}
+
 // One chunk of keys for one kv head (`head_offset` elements into each row). `ahead_keys` and
 // `ahead_values`, when given, are the rows kPrefetchChunks<T> chunks ahead: this head's part of
 // each is prefetched (into L2 only with `to_l2`) one key at a time as the current rows are
@@ -267,6 +301,8 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
                          float cap_log2) {
   constexpr int NV = D / W;
   constexpr int KV = kDecodeChunk / W;  // score vectors per chunk
+  constexpr int C = kDotChains<G> < NV ? kDotChains<G> : NV;
+  constexpr int kDotMain = NV / C * C;
   vint lane{};
   for (int i = 0; i < W; ++i) lane[i] = i;
   vfloat scores[G][KV];
@@ -280,12 +316,23 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
       }
       const T* k = key_rows[kv * W + n] + head_offset;
       if constexpr (kRowScaled<T>) key_scales[n] = row_scale<D>(k);
-      vfloat kr[NV];
-      for (int v = 0; v < NV; ++v) kr[v] = load_kv(k + v * W);
+      vfloat s[G][C];
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c) s[j][c] = vfloat{};
+      for (int v0 = 0; v0 < kDotMain; v0 += C) {
+        for (int c = 0; c < C; ++c) {
+          const vfloat kr = load_kv(k + (v0 + c) * W);
+          for (int j = 0; j < G; ++j) s[j][c] += st.q[j][v0 + c] * kr;
+        }
+      }
+      for (int v = kDotMain; v < NV; ++v) {
+        const vfloat kr = load_kv(k + v * W);
+        for (int j = 0; j < G; ++j) s[j][0] += st.q[j][v] * kr;
+      }
       for (int j = 0; j < G; ++j) {
-        vfloat s = st.q[j][0] * kr[0];
-        for (int v = 1; v < NV; ++v) s += st.q[j][v] * kr[v];
-        part[j][n] = s;
+        vfloat sum = s[j][0];
+        for (int c = 1; c < C; ++c) sum += s[j][c];
+        part[j][n] = sum;
       }
     }
     const vint valid = lane < (n_keys - kv * W);
@@ -296,6 +343,7 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
       scores[j][kv] = valid ? sum : vsplat(kNegInf);
     }
   }
+  float prob[G][kDecodeChunk];
   for (int j = 0; j < G; ++j) {
     vfloat cm = scores[j][0];
     for (int kv = 1; kv < KV; ++kv) cm = vmax(cm, scores[j][kv]);
@@ -309,23 +357,25 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
     }
     const vfloat shift = vsplat(st.m[j] == kNegInf ? 0.f : st.m[j]);
     for (int kv = 0; kv < KV; ++kv) {
-      scores[j][kv] = vexp2(scores[j][kv] - shift);
-      st.l[j] += scores[j][kv];
+      const vfloat e = vexp2(scores[j][kv] - shift);
+      st.l[j] += e;
+      vstore(prob[j] + kv * W, e);
     }
   }
-  for (int n = 0; n < n_keys; ++n) {
-    if constexpr (kMemoryBound<T>) {
-      if (ahead_values != nullptr) prefetch_head_row<D, T>(ahead_values[n] + head_offset, to_l2);
-    }
-    const T* vrow = value_rows[n] + head_offset;
-    const float value_scale = row_scale<D>(vrow);
-    vfloat vr[NV];
-    for (int v = 0; v < NV; ++v) vr[v] = load_kv(vrow + v * W);
-    for (int j = 0; j < G; ++j) {
-      const vfloat pj = vsplat(scores[j][n / W][n % W] * value_scale);
-      for (int v = 0; v < NV; ++v) st.acc[j][v] += pj * vr[v];
+  if constexpr (kRowScaled<T>) {  // each value row's scale, folded into its weights
+    for (int n = 0; n < n_keys; ++n) {
+      const float value_scale = row_scale<D>(value_rows[n] + head_offset);
+      for (int j = 0; j < G; ++j) prob[j][n] *= value_scale;
     }
   }
+  constexpr int B = kValueVecs<G> < NV ? kValueVecs<G> : NV;
+  constexpr int kValueMain = NV / B * B;
+  // float32 rows' prefetches go with the first pass over the values (see above).
+  const T* const* value_ahead = kMemoryBound<T> ? ahead_values : nullptr;
+  for (int v0 = 0; v0 < kValueMain; v0 += B, value_ahead = nullptr)
+    accumulate_values<D, G, B, T>(st, value_rows, head_offset, n_keys, prob, v0, value_ahead, to_l2);
+  for (int v0 = kValueMain; v0 < NV; ++v0)
+    accumulate_values<D, G, 1, T>(st, value_rows, head_offset, n_keys, prob, v0, nullptr, to_l2);
 }
 
 template <int D, int G, typename T>
@@ -925,7 +975,9 @@ void run(const Problem& p, int num_seqs, int num_threads) {
   }
 }
 
-bool supported_head_dim(int64_t d) { return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+bool supported_head_dim(int64_t d) {
+  return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256 || d == 512;
+}
 
 bool supported_cache_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 ||
@@ -956,7 +1008,8 @@ void run_for_head_dim(const Problem& p, int num_seqs, int threads) {
     case 80: return run<80, T>(p, num_seqs, threads);
     case 96: return run<96, T>(p, num_seqs, threads);
     case 128: return run<128, T>(p, num_seqs, threads);
-    default: return run<256, T>(p, num_seqs, threads);
+    case 256: return run<256, T>(p, num_seqs, threads);
+    default: return run<512, T>(p, num_seqs, threads);
   }
 }
 
