@@ -256,17 +256,13 @@ inline void prefetch_head_row(const T* row, bool to_l2) {
   }
 }
 
-// Independent sums per query head in a key's dot product, and value vectors per pass over a
-// chunk's rows (the output's G x kValueVecs sums then stay in registers): one chain per head, or
-// sums kept in memory, leave the FMA units waiting on latency or on stores when heads are few.
+// Sums per query head, about 8 registers' worth over the G heads: independent chains in a key's
+// dot product, and output vectors per pass over a chunk's value rows (kept in registers). One
+// chain per head, or sums kept in memory, leave the FMA units waiting on latency or on stores.
 template <int G>
-constexpr int kDotChains = G <= 2   ? 4
-                           : G <= 4 ? 2
-                                    : 1;
-template <int G>
-constexpr int kValueVecs = G <= 2   ? 4
-                           : G <= 4 ? 2
-                                    : 1;
+constexpr int kSumsPerHead = G <= 2   ? 4
+                             : G <= 4 ? 2
+                                      : 1;
 
 // st.acc[j][v0, v0 + B) += sum over the chunk's keys n of prob[j][n] * value n's vectors there.
 // `ahead` (or null): rows whose part for this head is prefetched, one per key.
@@ -301,7 +297,7 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
                          float cap_log2) {
   constexpr int NV = D / W;
   constexpr int KV = kDecodeChunk / W;  // score vectors per chunk
-  constexpr int C = kDotChains<G> < NV ? kDotChains<G> : NV;
+  constexpr int C = std::min(kSumsPerHead<G>, NV);
   constexpr int kDotMain = NV / C * C;
   vint lane{};
   for (int i = 0; i < W; ++i) lane[i] = i;
@@ -368,7 +364,7 @@ inline void decode_chunk(DecodeState<D, G>& st, const T* const* key_rows, const 
       for (int j = 0; j < G; ++j) prob[j][n] *= value_scale;
     }
   }
-  constexpr int B = kValueVecs<G> < NV ? kValueVecs<G> : NV;
+  constexpr int B = std::min(kSumsPerHead<G>, NV);
   constexpr int kValueMain = NV / B * B;
   // float32 rows' prefetches go with the first pass over the values (see above).
   const T* const* value_ahead = kMemoryBound<T> ? ahead_values : nullptr;
