@@ -43,6 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="hybrid models: tokens between the recurrent state checkpoints prefix caching saves (a multiple of --block-size)",
     )
     parser.add_argument(
+        "--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="hybrid models: the recurrent matrices' type (Gated DeltaNet, Mamba-2); auto: float32, bfloat16 halves their memory",
+    )
+    parser.add_argument(
         "--packed-weight-cache",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -166,6 +170,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         num_state_slots=args.num_state_slots,
         state_checkpoint_interval=args.state_checkpoint_interval,
+        mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
         packed_weight_cache=args.packed_weight_cache,
         seed=args.seed,
         dtype=args.dtype,

@@ -144,6 +144,11 @@ class EngineConfig:
     # planned), and how many tokens apart prefix caching checkpoints it.
     num_state_slots: Optional[int] = None
     state_checkpoint_interval: int = 256
+    # vLLM's --mamba-ssm-cache-dtype: the element type of the recurrent matrices (Gated DeltaNet's
+    # and Mamba-2's state; the convolutions' tails stay in the activations' dtype). "auto" is
+    # float32; bfloat16 halves their slots and checkpoints and the bytes a decode step moves, and
+    # rounds a state once per step (docs/hybrid_models.md has what that costs).
+    mamba_ssm_cache_dtype: Union[str, torch.dtype] = "auto"
     # Keep the CPU kernels' packed weights on disk so that later starts map them instead of packing
     # (pagellm.kernels.pack_cache; PAGELLM_PACKED_WEIGHT_CACHE says where, or 0 for never).
     packed_weight_cache: bool = True
@@ -238,6 +243,14 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.num_state_slots is not None and self.num_state_slots < 2:
             raise ValueError(f"num_state_slots must be at least 2, got {self.num_state_slots}")
+        if not self.auto_mamba_ssm_cache_dtype:
+            try:
+                ssm = parse_dtype(self.mamba_ssm_cache_dtype)
+            except ValueError:
+                ssm = None
+            if ssm not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"mamba_ssm_cache_dtype must be auto, float32 or bfloat16, got {self.mamba_ssm_cache_dtype!r}")
+            self._set("mamba_ssm_cache_dtype", ssm)
         if self.state_checkpoint_interval < self.block_size:
             raise ValueError(f"state_checkpoint_interval must be at least the block size, got {self.state_checkpoint_interval}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -324,6 +337,10 @@ class EngineConfig:
     @property
     def auto_lora_dtype(self) -> bool:
         return _is_auto(self.lora_dtype)
+
+    @property
+    def auto_mamba_ssm_cache_dtype(self) -> bool:
+        return _is_auto(self.mamba_ssm_cache_dtype)
 
     @property
     def is_pooling(self) -> bool:

@@ -133,6 +133,27 @@ def test_lora_flags_reach_the_config():
     assert config.lora_dtype == torch.bfloat16
 
 
+def test_mamba_ssm_cache_dtype_is_resolved_and_checked():
+    from pagellm.models.precision import resolve_precision
+
+    assert EngineConfig(device="cpu").mamba_ssm_cache_dtype == "auto"
+    # auto keeps the recurrent matrices in float32 whatever the model computes in.
+    for dtype in ("auto", "float32", "bfloat16"):
+        assert resolve_precision(EngineConfig(device="cpu", dtype=dtype), torch.bfloat16, True).ssm_state_dtype == torch.float32
+    chosen = EngineConfig(device="cpu", mamba_ssm_cache_dtype="bfloat16")
+    assert chosen.mamba_ssm_cache_dtype == torch.bfloat16
+    assert resolve_precision(chosen, torch.bfloat16, True).ssm_state_dtype == torch.bfloat16
+    for bad in ("float16", "fp8", "banana"):
+        with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be auto, float32 or bfloat16"):
+            EngineConfig(device="cpu", mamba_ssm_cache_dtype=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = EngineConfig(**engine_kwargs(parser.parse_args(["--mamba-ssm-cache-dtype", "bfloat16", "--device", "cpu"])))
+    assert config.mamba_ssm_cache_dtype == torch.bfloat16
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mamba-ssm-cache-dtype", "float16"])
+
+
 def test_command_line_imports_only_the_subcommand_it_runs() -> None:
     """``pagellm serve`` does not import the benchmarks (their HTTP client) to build its parser."""
     import subprocess

@@ -13,7 +13,10 @@ layers) against Qwen3-1.7B's attention; Granite-4.0-H-Micro (36 Mamba-2 + 4 atte
 Gemma 4-E4B (five sliding W=512 to one full, 512-wide full heads, the last 18 layers reading earlier
 layers' KV) against Llama-3.2-3B's attention (28 layers, 8 KV heads of 128).
 
-usage: python -m pagellm.bench.kv_held_by_hybrid [--models qwen3.5-2b,granite-4.0-h-micro,gemma4-e4b] [OUT.json]
+``--mamba-ssm-cache-dtype bfloat16`` holds the hybrids' recurrent matrices in bfloat16 (the engine's flag).
+
+usage: python -m pagellm.bench.kv_held_by_hybrid [--models qwen3.5-2b,granite-4.0-h-micro,gemma4-e4b]
+       [--mamba-ssm-cache-dtype auto|float32|bfloat16] [OUT.json]
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
 FULL_ATTENTION_OF = {"qwen3.5-2b": "qwen3-1.7b", "granite-4.0-h-micro": "llama-3.2-3b", "gemma4-e4b": "llama-3.2-3b"}
 
 
-def held(model_type: str, shape: dict, num_tokens: int) -> dict:
+def held(model_type: str, shape: dict, num_tokens: int, mamba_ssm_cache_dtype: str = "auto") -> dict:
     config = AutoConfig.for_model(model_type, **{**NARROW, **shape})
     with tempfile.TemporaryDirectory() as path:
         torch.manual_seed(0)
@@ -67,6 +70,7 @@ def held(model_type: str, shape: dict, num_tokens: int) -> dict:
         engine = LLMEngine(EngineConfig(
             model=path, tokenizer=default_model_path(), dtype="bfloat16", max_model_len=max(CONTEXTS) + 64,
             max_num_batched_tokens=CHUNK, kv_cache_memory_bytes=8 << 30, max_num_seqs=4, enable_prefix_caching=False,
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
         ))
         core = engine.core
         prompt = [(7 * i) % 49000 + 10 for i in range(num_tokens)]
@@ -96,6 +100,8 @@ def held(model_type: str, shape: dict, num_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(FULL_ATTENTION_OF), help="comma-separated, of " + ", ".join(FULL_ATTENTION_OF))
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the hybrids' recurrent matrices' type (auto: float32)")
     parser.add_argument("out", nargs="?", help="write the report here as JSON")
     args = parser.parse_args()
     report: dict[str, dict] = {}
@@ -105,7 +111,7 @@ def main() -> None:
             parser.error(f"unknown model {name!r}; known: {', '.join(FULL_ATTENTION_OF)}")
         full_name = FULL_ATTENTION_OF[name]
         for n in CONTEXTS:
-            model = held(*SHAPES[name], n)
+            model = held(*SHAPES[name], n, args.mamba_ssm_cache_dtype)
             if (full_name, n) not in full_held:
                 full_held[full_name, n] = held(*SHAPES[full_name], n)
             full = full_held[full_name, n]

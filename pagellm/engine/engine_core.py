@@ -111,8 +111,10 @@ class EngineCore:
         draft = resolved.draft.shape if resolved.draft is not None else None
         config = resolved.args
         max_model_len = config.max_model_len or resolved.model_max_len
+        precision = resolved.precision
         return plan_kv_cache(
-            config, resolved.model.shape, resolved.precision.kv_cache_dtype, max_model_len, layout, draft, budget, resolved.precision.dtype
+            config, resolved.model.shape, precision.kv_cache_dtype, max_model_len, layout, draft, budget, precision.dtype,
+            precision.ssm_state_dtype,
         )
 
     # The plan's figures, as the benchmarks and the server read them.

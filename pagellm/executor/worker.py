@@ -166,7 +166,7 @@ class Worker:
         state_caches = allocate_state_caches(
             len(shape.state_layer_ids),
             kv_cache.num_state_slots,
-            [(t.per_rank(tp_size), torch.float32 if t.float32 else resolved.precision.dtype) for t in shape.state_tensors],
+            [(t.per_rank(tp_size), t.dtype(resolved.precision.dtype, resolved.precision.ssm_state_dtype)) for t in shape.state_tensors],
             self.device,
         )
         for layer, state in zip(shape.state_layer_ids, state_caches):

@@ -77,8 +77,8 @@ def _check_args(x, dt, A, B, C, D, dt_bias, state, query_start_loc, slot_ids, ha
     G, N = B.shape[1], B.shape[2]
     if G == 0 or H % G:
         raise ValueError(f"selective_state_scan: {H} heads are not a multiple of {G} groups")
-    if state.dtype != torch.float32:
-        raise ValueError(f"selective_state_scan: state must be float32, got {state.dtype}")
+    if state.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"selective_state_scan: state must be float32 or bfloat16, got {state.dtype}")
     if state.dim() != 4 or tuple(state.shape[1:]) != (H, P, N):
         raise ValueError(f"selective_state_scan: state must be [S, H, P, N] = [S, {H}, {P}, {N}], got {tuple(state.shape)}")
     num_seqs = slot_ids.numel()
@@ -154,7 +154,8 @@ def selective_state_scan(
 
     ``x`` ``[T, H, P]`` float32 or bfloat16; ``dt`` ``[T, H]`` raw (before ``dt_bias`` and softplus);
     ``A`` (negative), ``D``, ``dt_bias`` ``[H]``; ``B``, ``C`` ``[T, G, N]`` (head ``h`` reads group
-    ``h // (H // G)``); ``state`` ``[S, H, P, N]`` float32. Sums in float32. Writes each sequence's final
+    ``h // (H // G)``); ``state`` ``[S, H, P, N]`` float32 or bfloat16 (updated in float32, rounded only
+    where it is written). Sums in float32. Writes each sequence's final
     state into its slot and, per checkpoint ``(i, o, s)``, the state after ``o`` tokens into slot ``s``.
     ``chunk_size`` shapes only the torch reference's prefill. Returns ``y`` ``[T, H, P]`` in x's dtype.
     """

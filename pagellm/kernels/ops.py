@@ -559,11 +559,12 @@ def causal_conv1d(
 
 
 def gated_delta_rule_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> bool:
-    """Whether :func:`gated_delta_rule` covers these tensors: CPU, q/k/v float32 or bfloat16, a contiguous float32 state."""
+    """Whether :func:`gated_delta_rule` covers these tensors: CPU, q/k/v float32 or bfloat16, a contiguous
+    float32 or bfloat16 state."""
     return (
         all(t.device.type == "cpu" for t in (q, k, v, state))
         and all(t.dtype in (torch.float32, torch.bfloat16) for t in (q, k, v))
-        and state.dtype == torch.float32
+        and state.dtype in (torch.float32, torch.bfloat16)
         and state.is_contiguous()
         and _recurrent_ops_loaded()
     )
@@ -611,12 +612,13 @@ def _mamba_ops_loaded() -> bool:
 
 
 def selective_state_scan_supports(x: torch.Tensor, state: torch.Tensor) -> bool:
-    """Whether :func:`selective_state_scan` covers these tensors: CPU, x float32 or bfloat16, a contiguous float32 state."""
+    """Whether :func:`selective_state_scan` covers these tensors: CPU, x float32 or bfloat16, a contiguous
+    float32 or bfloat16 state."""
     return (
         x.device.type == "cpu"
         and state.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
-        and state.dtype == torch.float32
+        and state.dtype in (torch.float32, torch.bfloat16)
         and state.is_contiguous()
         and _mamba_ops_loaded()
     )

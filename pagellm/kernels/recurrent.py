@@ -217,7 +217,8 @@ def gated_delta_rule(
 
     ``q``, ``k`` ``[T, Hk, Dk]``, ``v`` ``[T, Hv, Dv]`` (float32 or bfloat16; v head ``h`` reads q/k head
     ``h // (Hv // Hk)``), ``g`` ``[T, Hv]`` float32 log decay, ``beta`` ``[T, Hv]`` float32 (already a
-    sigmoid), ``state`` ``[S, Hv, Dk, Dv]`` float32. With ``use_qk_l2norm`` q and k are L2-normalised
+    sigmoid), ``state`` ``[S, Hv, Dk, Dv]`` float32 or bfloat16 (a state is updated in float32 and
+    rounded only where it is written: a slot or a checkpoint). With ``use_qk_l2norm`` q and k are L2-normalised
     over Dk (eps 1e-6), then q is multiplied by ``scale``. Per token: ``S *= exp(g)``; ``delta = (v - k.S) * beta``;
     ``S += k delta^T``; ``o = q.S`` (transformers' ``torch_recurrent_gated_delta_rule``), sums in float32.
     Writes each sequence's final state into its slot and, per checkpoint ``(i, o, s)``, the state after

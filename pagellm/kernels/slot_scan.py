@@ -42,7 +42,8 @@ def scan_sequences(
 ) -> None:
     """Runs every 1-token sequence through ``decode_step`` at once, then each longer one through
     ``chunk_step`` chunk by chunk (``chunk_size`` tokens, also cut at each checkpoint offset); writes
-    each sequence's final state into its slot and each checkpoint's state into its slot."""
+    each sequence's final state into its slot and each checkpoint's state into its slot. The steps see
+    float32 states; a bfloat16 ``state`` is rounded only where it is written, as the kernels do."""
     starts = query_start_loc.tolist()
     slots = slot_ids.tolist()
     initial = has_initial_state.tolist()
@@ -54,9 +55,9 @@ def scan_sequences(
         rows = torch.tensor([starts[i] for i in decodes], device=state.device)
         dslots = torch.tensor([slots[i] for i in decodes], device=state.device)
         keep = torch.tensor([initial[i] for i in decodes], device=state.device)
-        # One gathered copy, zeroed for the sequences that start without a state.
-        S = state.index_select(0, dslots).masked_fill_(~keep.view(-1, *([1] * (state.dim() - 1))), 0.0)
-        state.index_copy_(0, dslots, decode_step(S, rows))
+        # One gathered float32 copy, zeroed for the sequences that start without a state.
+        S = state.index_select(0, dslots).float().masked_fill_(~keep.view(-1, *([1] * (state.dim() - 1))), 0.0)
+        state.index_copy_(0, dslots, decode_step(S, rows).to(state.dtype))
         for i in decodes:
             for _, s in cps[i]:
                 state[s] = state[slots[i]]
@@ -67,7 +68,7 @@ def scan_sequences(
         if n <= 1:
             continue
         a = starts[i]
-        S = state[slots[i]].clone() if initial[i] else state.new_zeros(state.shape[1:])
+        S = state[slots[i]].to(torch.float32, copy=True) if initial[i] else state.new_zeros(state.shape[1:], dtype=torch.float32)
         cuts = sorted({o for o, _ in cps[i]} | set(range(chunk_size, n, chunk_size)) | {n})
         begin = 0
         for end in cuts:

@@ -35,7 +35,7 @@ def _selective_state_scan_kernel(
     m2 = pmask[:, None] & nmask[None, :]
     a, L, slot, has_init = _sequence(qsl_ptr, slot_ptr, init_ptr, i)
     tile = (h * P + rp[:, None]) * N + rn[None, :]
-    S = tl.load(state_ptr + slot * H * P * N + tile, mask=m2, other=0.0)
+    S = tl.load(state_ptr + slot * H * P * N + tile, mask=m2, other=0.0).to(tl.float32)
     S = tl.where(has_init, S, 0.0)
     A = tl.load(A_ptr + h).to(tl.float32)
     D = tl.load(D_ptr + h).to(tl.float32)
@@ -56,7 +56,7 @@ def _selective_state_scan_kernel(
             S = S * tl.exp(dtv * A) + (x * dtv)[:, None] * b[None, :]
             y = tl.sum(S * cc[None, :], axis=1) + D * x
             tl.store(out_ptr + (t * H + h) * P + rp, y.to(out_ptr.dtype.element_ty), mask=pmask)
-        tl.store(state_ptr + dest * H * P * N + tile, S, mask=m2)
+        tl.store(state_ptr + dest * H * P * N + tile, S.to(state_ptr.dtype.element_ty), mask=m2)
         begin = end
 
 
@@ -80,7 +80,7 @@ def selective_state_scan(
     checkpoints: Optional[torch.Tensor],
     dt_limit: tuple[float, float] = (0.0, float("inf")),
 ) -> torch.Tensor:
-    """pagellm.kernels.mamba.selective_state_scan in Triton (state contiguous float32)."""
+    """pagellm.kernels.mamba.selective_state_scan in Triton (state contiguous, float32 or bfloat16)."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     device = x.device

@@ -92,7 +92,7 @@ def _gated_delta_rule_kernel(
     m2 = kmask[:, None] & vmask[None, :]
     a, L, slot, has_init = _sequence(qsl_ptr, slot_ptr, init_ptr, i)
     tile = (h * Dk + rk[:, None]) * Dv + cv[None, :]
-    S = tl.load(state_ptr + slot * Hv * Dk * Dv + tile, mask=m2, other=0.0)
+    S = tl.load(state_ptr + slot * Hv * Dk * Dv + tile, mask=m2, other=0.0).to(tl.float32)
     S = tl.where(has_init, S, 0.0)
     cp_begin = tl.load(cp_begin_ptr + i)
     cp_end = tl.load(cp_begin_ptr + i + 1)
@@ -115,7 +115,7 @@ def _gated_delta_rule_kernel(
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(S * q[:, None], axis=0)
             tl.store(out_ptr + (t * Hv + h) * Dv + cv, o.to(out_ptr.dtype.element_ty), mask=vmask)
-        tl.store(state_ptr + dest * Hv * Dk * Dv + tile, S, mask=m2)
+        tl.store(state_ptr + dest * Hv * Dk * Dv + tile, S.to(state_ptr.dtype.element_ty), mask=m2)
         begin = end
 
 
@@ -179,7 +179,7 @@ def gated_delta_rule(
     scale: float,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """pagellm.kernels.recurrent.gated_delta_rule in Triton (state contiguous float32)."""
+    """pagellm.kernels.recurrent.gated_delta_rule in Triton (state contiguous, float32 or bfloat16)."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     device = v.device

@@ -35,15 +35,15 @@ def mamba2_state_shapes(
 ) -> tuple[StateTensorShape, StateTensorShape]:
     """A Mamba-2 layer's state per request, all ranks': the convolution's last K - 1 inputs (x, B and C
     channels; B and C held whole by every rank where the groups do not divide over them) and a
-    ``[P, N]`` float32 matrix per head."""
+    ``[P, N]`` matrix per head (the SSM state)."""
     return (
         StateTensorShape(
             (conv_kernel_size - 1, num_heads * head_dim + 2 * num_groups * state_size),
             1,
-            float32=False,
+            ssm=False,
             whole_if_indivisible=((num_groups, state_size), (num_groups, state_size)),
         ),
-        StateTensorShape((num_heads, head_dim, state_size), 0, float32=True),
+        StateTensorShape((num_heads, head_dim, state_size), 0, ssm=True),
     )
 
 

@@ -11,12 +11,13 @@ import torch
 @dataclass(frozen=True)
 class StateTensorShape:
     """One of a recurrent layer's state tensors, one per request (all ranks' heads): ``shape``
-    with ``split_dim`` cut evenly across tensor-parallel ranks; float32 (a recurrent matrix, which
-    accumulates over the whole context) or the activations' dtype (a convolution's input tail)."""
+    with ``split_dim`` cut evenly across tensor-parallel ranks; ``ssm``: a recurrent matrix, which
+    accumulates over the whole context, held in the SSM state dtype (float32 unless
+    ``--mamba-ssm-cache-dtype`` says otherwise), else a convolution's input tail in the activations' dtype."""
 
     shape: tuple[int, ...]
     split_dim: int
-    float32: bool
+    ssm: bool
     # Runs of ``split_dim``, (units, elements per unit) each, that every rank holds whole when their
     # units do not divide over the ranks (a Mamba-2 layer's B and C groups, vLLM's rule).
     whole_if_indivisible: tuple[tuple[int, int], ...] = ()
@@ -29,6 +30,9 @@ class StateTensorShape:
         held = rest // tp_size + sum(n // tp_size if units % tp_size == 0 else n for (units, _), n in zip(self.whole_if_indivisible, runs))
         return tuple(held if d == self.split_dim else n for d, n in enumerate(self.shape))
 
-    def nbytes(self, dtype: torch.dtype, tp_size: int = 1) -> int:
-        element = 4 if self.float32 else torch.empty((), dtype=dtype).element_size()
+    def dtype(self, activation_dtype: torch.dtype, ssm_dtype: torch.dtype) -> torch.dtype:
+        return ssm_dtype if self.ssm else activation_dtype
+
+    def nbytes(self, activation_dtype: torch.dtype, ssm_dtype: torch.dtype, tp_size: int = 1) -> int:
+        element = torch.empty((), dtype=self.dtype(activation_dtype, ssm_dtype)).element_size()
         return math.prod(self.per_rank(tp_size)) * element

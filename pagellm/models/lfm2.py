@@ -72,7 +72,7 @@ class Lfm2ForCausalLM(CausalLM):
     def recurrent_state(cls, hf_config: PretrainedConfig) -> tuple[tuple[int, ...], tuple[StateTensorShape, ...]]:
         """The conv layers and their state: the convolution's last ``conv_L_cache - 1`` inputs, split by channel."""
         layer_ids = tuple(i for i, kind in enumerate(layer_types(hf_config)) if kind == CONV)
-        return layer_ids, (StateTensorShape((hf_config.conv_L_cache - 1, hf_config.hidden_size), 1, float32=False),)
+        return layer_ids, (StateTensorShape((hf_config.conv_L_cache - 1, hf_config.hidden_size), 1, ssm=False),)
 
     def make_mlp(self, hf_config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return GatedMLP(hf_config.hidden_size, dense_intermediate_size(hf_config), "silu")

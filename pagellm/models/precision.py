@@ -28,12 +28,13 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ResolvedPrecision:
     """What an engine computes in, decided once: the linear layers' arithmetic, the model's tensors,
-    the KV cache and the LoRA slots."""
+    the KV cache, the LoRA slots and a hybrid model's recurrent matrices (the SSM state)."""
 
     linear: LinearPrecision
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype
     lora_dtype: torch.dtype
+    ssm_state_dtype: torch.dtype = torch.float32
 
 
 def resolve_precision(config: EngineConfig, checkpoint_dtype: torch.dtype, is_gguf: bool) -> ResolvedPrecision:
@@ -63,7 +64,10 @@ def resolve_precision(config: EngineConfig, checkpoint_dtype: torch.dtype, is_gg
         lora_dtype = torch.float32 if linear.exact else torch.bfloat16
     else:
         lora_dtype = config.lora_dtype
-    return ResolvedPrecision(linear, dtype, kv_cache_dtype, lora_dtype)
+    # "auto" keeps the recurrent matrices in float32 (llama.cpp's choice; vLLM's "auto" follows the
+    # model's dtype): they accumulate over the whole context.
+    ssm_state_dtype = torch.float32 if config.auto_mamba_ssm_cache_dtype else config.mamba_ssm_cache_dtype
+    return ResolvedPrecision(linear, dtype, kv_cache_dtype, lora_dtype, ssm_state_dtype)
 
 
 def draft_linear_precision(device: torch.device, checkpoint_dtype: torch.dtype, is_gguf: bool) -> LinearPrecision:

@@ -71,8 +71,8 @@ class Qwen3_5ForCausalLM(CausalLM):
         c = hf_config
         conv_channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
         return layer_ids, (
-            StateTensorShape((c.linear_conv_kernel_dim - 1, conv_channels), 1, float32=False),
-            StateTensorShape((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), 0, float32=True),
+            StateTensorShape((c.linear_conv_kernel_dim - 1, conv_channels), 1, ssm=False),
+            StateTensorShape((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), 0, ssm=True),
         )
 
     def make_mlp(self, hf_config: PretrainedConfig, layer_idx: int) -> nn.Module:

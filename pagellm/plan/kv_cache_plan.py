@@ -90,6 +90,7 @@ def plan_kv_cache(
     draft_shape: Optional[ModelShape] = None,
     budget_bytes: Optional[int] = None,
     state_dtype: torch.dtype = torch.float32,
+    ssm_state_dtype: torch.dtype = torch.float32,
 ) -> KVCachePlan:
     """Blocks from ``num_kv_blocks``, else from ``budget_bytes`` (a GPU's free memory), else the
     configured or default budget. A ``max_model_len`` the cache cannot hold for one request is an
@@ -111,7 +112,7 @@ def plan_kv_cache(
     if shape.is_hybrid:
         if draft_shape is not None:
             raise ValueError("speculative decoding with a draft model is not supported for hybrid (recurrent) models")
-        state_slot_bytes = shape.state_slot_bytes(state_dtype, config.tensor_parallel_size)
+        state_slot_bytes = shape.state_slot_bytes(state_dtype, ssm_state_dtype, config.tensor_parallel_size)
         total = budget if budget is not None else DEFAULT_KV_CACHE_MEMORY_BYTES
         num_state_slots = plan_state_slots(config, state_slot_bytes, total)
         if config.num_kv_blocks is None:

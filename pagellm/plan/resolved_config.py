@@ -120,6 +120,7 @@ def resolve_with_model(
         kv_cache_layout_for(model.shape),
         draft.shape if draft is not None else None,
         state_dtype=precision.dtype,
+        ssm_state_dtype=precision.ssm_state_dtype,
     )
     from_free_memory = config.device.type == "cuda" and config.kv_cache_memory_bytes is None and config.num_kv_blocks is None
     memory = _plan_memory(args, model, precision, kv_cache)

@@ -10,11 +10,11 @@ from pagellm.models.shape import ModelShape, StateTensorShape
 from pagellm.plan.kv_cache_plan import kv_cache_layout_for, plan_kv_cache
 
 # Qwen3.5-2B's shape: 18 Gated DeltaNet layers (a [3, 6144] convolution tail in the activations'
-# dtype and a [16, 128, 128] float32 matrix each), 6 attention layers with 2 KV heads of 256.
+# dtype and a [16, 128, 128] matrix each, float32 unless --mamba-ssm-cache-dtype), 6 attention layers with 2 KV heads of 256.
 SHAPE = ModelShape(
     num_layers=24, num_kv_heads=2, head_dim=256, vocab_size=49152,
     state_layer_ids=tuple(i for i in range(24) if i % 4 != 3),
-    state_tensors=(StateTensorShape((3, 6144), 1, float32=False), StateTensorShape((16, 128, 128), 0, float32=True)),
+    state_tensors=(StateTensorShape((3, 6144), 1, ssm=False), StateTensorShape((16, 128, 128), 0, ssm=True)),
 )
 SLOT_BYTES = 18 * (3 * 6144 * 2 + 16 * 128 * 128 * 4)
 BLOCK_BYTES = 2 * 6 * 16 * 2 * 256 * 2
@@ -34,6 +34,18 @@ def test_slots_for_twice_the_batch_within_three_quarters_of_the_budget():
     small = _plan(kv_cache_memory_bytes=2 << 30, max_num_seqs=8)
     assert small.num_state_slots == 16
     assert _plan(kv_cache_memory_bytes=2 << 30, max_num_seqs=8, enable_prefix_caching=False).num_state_slots == 8
+
+
+def test_a_bfloat16_ssm_state_halves_the_matrices_and_buys_slots():
+    budget = 1 << 30
+    config = EngineConfig(max_model_len=4096, kv_cache_memory_bytes=budget, max_num_seqs=64)
+    wide = plan_kv_cache(config, SHAPE, torch.bfloat16, 4096, kv_cache_layout_for(SHAPE), state_dtype=torch.bfloat16)
+    narrow = plan_kv_cache(
+        config, SHAPE, torch.bfloat16, 4096, kv_cache_layout_for(SHAPE), state_dtype=torch.bfloat16, ssm_state_dtype=torch.bfloat16
+    )
+    assert narrow.state_slot_bytes == 18 * (3 * 6144 * 2 + 16 * 128 * 128 * 2) == 10_100_736
+    assert wide.num_state_slots == budget * 3 // 4 // SLOT_BYTES == 41
+    assert narrow.num_state_slots == budget * 3 // 4 // narrow.state_slot_bytes == 79
 
 
 def test_explicit_slots_and_tensor_parallel_ranks():

@@ -31,7 +31,7 @@ constexpr int64_t kParallelMin = 1 << 16;  // state elements updated per call be
 struct ScanArgs {
   const float *dt, *decay;  // [T, H]: the discretized dt and e^(dt A)
   const float *B, *C, *D;   // B, C rows of N floats, token stride bc_stride; D [H]
-  float* state;             // [S, H, P, N]
+  void* state;              // [S, H, P, N] of ST
   int64_t H, P, N, heads_per_group, x_stride, bc_stride;
 };
 
@@ -52,7 +52,8 @@ void discretize(const float* dt_raw, int64_t dt_stride, const float* A, const fl
 }
 
 // A whole head for one token, in place on its slot's state (zeros first without an initial state).
-template <typename T>
+// T: x/out's element type; ST: the state slots'.
+template <typename T, typename ST>
 void decode_head(const ScanArgs& p, const T* x, T* out, const SeqMeta& m, int64_t i, int64_t h) {
   const int64_t t = m.starts[i], P = p.P, N = p.N, head_state = P * N;
   const float dtv = p.dt[t * p.H + h], decay = p.decay[t * p.H + h], d = p.D[h];
@@ -60,57 +61,58 @@ void decode_head(const ScanArgs& p, const T* x, T* out, const SeqMeta& m, int64_
   const float* c = p.C + t * p.bc_stride + (h / p.heads_per_group) * N;
   const T* xr = x + t * p.x_stride + h * P;
   T* yr = out + (t * p.H + h) * P;
-  float* S = p.state + (m.slots[i] * p.H + h) * head_state;
+  ST* const state = static_cast<ST*>(p.state);
+  ST* S = state + (m.slots[i] * p.H + h) * head_state;
   const bool initial = m.initial[i];
   const int64_t nv = N / W * W;
   for (int64_t r = 0; r < P; ++r) {
     const float xv = to_float(xr[r]), xdt = xv * dtv;
-    float* s = S + r * N;
+    ST* s = S + r * N;
     vfloat acc0 = {}, acc1 = {};
     int64_t n = 0;
     for (; n + 2 * W <= nv; n += 2 * W) {
-      const vfloat s0 = (initial ? vload(s + n) * decay : vfloat{}) + xdt * vload(b + n);
-      const vfloat s1 = (initial ? vload(s + n + W) * decay : vfloat{}) + xdt * vload(b + n + W);
-      vstore(s + n, s0);
-      vstore(s + n + W, s1);
+      const vfloat s0 = (initial ? load_kv(s + n) * decay : vfloat{}) + xdt * vload(b + n);
+      const vfloat s1 = (initial ? load_kv(s + n + W) * decay : vfloat{}) + xdt * vload(b + n + W);
+      store_kv(s + n, s0);
+      store_kv(s + n + W, s1);
       acc0 += s0 * vload(c + n);
       acc1 += s1 * vload(c + n + W);
     }
     for (; n < nv; n += W) {
-      const vfloat s0 = (initial ? vload(s + n) * decay : vfloat{}) + xdt * vload(b + n);
-      vstore(s + n, s0);
+      const vfloat s0 = (initial ? load_kv(s + n) * decay : vfloat{}) + xdt * vload(b + n);
+      store_kv(s + n, s0);
       acc0 += s0 * vload(c + n);
     }
     float y = hsum(acc0 + acc1);
     for (; n < N; ++n) {
-      const float s0 = (initial ? s[n] * decay : 0.0f) + xdt * b[n];
-      s[n] = s0;
+      const float s0 = (initial ? to_float(s[n]) * decay : 0.0f) + xdt * b[n];
+      s[n] = from_float<ST>(s0);
       y += s0 * c[n];
     }
     yr[r] = from_float<T>(y + d * xv);
   }
   for (int64_t cp = m.cp_begin[i]; cp < m.cp_begin[i + 1]; ++cp) {
-    std::memcpy(p.state + (m.cps[3 * cp + 2] * p.H + h) * head_state, S, sizeof(float) * head_state);
+    std::memcpy(state + (m.cps[3 * cp + 2] * p.H + h) * head_state, S, sizeof(ST) * head_state);
   }
 }
 
 // Rows [r0, r0 + kTile) of one head through all of a sequence's tokens; S: an [N, kTile] buffer.
-template <typename T>
+template <typename T, typename ST>
 void prefill_tile(const ScanArgs& p, const T* x, T* out, const SeqMeta& m, int64_t i, int64_t h, int64_t r0, float* S) {
   const int64_t N = p.N, P = p.P, rw = std::min<int64_t>(kTile, P - r0), a = m.starts[i], e = m.starts[i + 1];
   const int64_t g = h / p.heads_per_group;
-  auto head_rows = [&](int64_t slot) { return p.state + ((slot * p.H + h) * P + r0) * N; };
+  auto head_rows = [&](int64_t slot) { return static_cast<ST*>(p.state) + ((slot * p.H + h) * P + r0) * N; };
   std::fill(S, S + N * kTile, 0.0f);
   if (m.initial[i]) {
-    const float* src = head_rows(m.slots[i]);
+    const ST* src = head_rows(m.slots[i]);
     for (int64_t r = 0; r < rw; ++r) {
-      for (int64_t n = 0; n < N; ++n) S[n * kTile + r] = src[r * N + n];
+      for (int64_t n = 0; n < N; ++n) S[n * kTile + r] = to_float(src[r * N + n]);
     }
   }
   auto save = [&](int64_t slot) {
-    float* dst = head_rows(slot);
+    ST* dst = head_rows(slot);
     for (int64_t r = 0; r < rw; ++r) {
-      for (int64_t n = 0; n < N; ++n) dst[r * N + n] = S[n * kTile + r];
+      for (int64_t n = 0; n < N; ++n) dst[r * N + n] = from_float<ST>(S[n * kTile + r]);
     }
   };
   const float d = p.D[h];
@@ -182,9 +184,10 @@ void selective_state_scan(at::Tensor& out, const at::Tensor& x, const at::Tensor
                     op, ": B and C must be float32 [T, G, N] tensors of one layout with contiguous groups");
   const int64_t G = B.size(1), N = B.size(2);
   TORCH_CHECK_VALUE(G > 0 && H % G == 0, op, ": the heads must be a multiple of the groups");
-  TORCH_CHECK_VALUE(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
-                        state.size(1) == H && state.size(2) == P && state.size(3) == N,
-                    op, ": state must be a contiguous float32 [S, H, P, N] tensor");
+  TORCH_CHECK_VALUE((state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16) &&
+                        state.is_contiguous() && state.dim() == 4 && state.size(1) == H && state.size(2) == P &&
+                        state.size(3) == N,
+                    op, ": state must be a contiguous float32 or bfloat16 [S, H, P, N] tensor");
   const SeqMeta m = read_meta(query_start_loc, slot_ids, has_initial_state, checkpoints, T, state.size(0), op);
 
   at::Tensor dts = at::empty({T, H}, dt.options());
@@ -195,7 +198,7 @@ void selective_state_scan(at::Tensor& out, const at::Tensor& x, const at::Tensor
   p.B = B.data_ptr<float>();
   p.C = C.data_ptr<float>();
   p.D = D.data_ptr<float>();
-  p.state = state.data_ptr<float>();
+  p.state = state.data_ptr();
   p.H = H;
   p.P = P;
   p.N = N;
@@ -214,7 +217,8 @@ void selective_state_scan(at::Tensor& out, const at::Tensor& x, const at::Tensor
   for (int64_t i = 0; i < m.num_seqs; ++i) {
     const int64_t L = m.starts[i + 1] - m.starts[i];
     if (L == 0 && !m.initial[i]) {
-      std::memset(p.state + m.slots[i] * H * P * N, 0, sizeof(float) * H * P * N);
+      const int64_t slot_bytes = H * P * N * state.element_size();
+      std::memset(static_cast<char*>(p.state) + m.slots[i] * slot_bytes, 0, slot_bytes);
     } else if (L > 0) {
       order.push_back(i);
     }
@@ -237,23 +241,26 @@ void selective_state_scan(at::Tensor& out, const at::Tensor& x, const at::Tensor
   const int64_t num_items = static_cast<int64_t>(items.size());
   const bool parallel = work >= kParallelMin && num_items > 1;
   dispatch_float_bf16(x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* yp = out.data_ptr<scalar_t>();
+    dispatch_float_bf16(state.scalar_type(), [&](auto state_tag) {
+      using scalar_t = decltype(tag);
+      using state_t = decltype(state_tag);
+      const scalar_t* xp = x.data_ptr<scalar_t>();
+      scalar_t* yp = out.data_ptr<scalar_t>();
 #pragma omp parallel if (parallel)
-    {
-      std::vector<float> buf(N * kTile + 16);
-      float* S = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+      {
+        std::vector<float> buf(N * kTile + 16);
+        float* S = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t k = 0; k < num_items; ++k) {
-        const Item& it = items[k];
-        if (it.row < 0) {
-          decode_head<scalar_t>(p, xp, yp, m, it.seq, it.head);
-        } else {
-          prefill_tile<scalar_t>(p, xp, yp, m, it.seq, it.head, it.row, S);
+        for (int64_t k = 0; k < num_items; ++k) {
+          const Item& it = items[k];
+          if (it.row < 0) {
+            decode_head<scalar_t, state_t>(p, xp, yp, m, it.seq, it.head);
+          } else {
+            prefill_tile<scalar_t, state_t>(p, xp, yp, m, it.seq, it.head, it.row, S);
+          }
         }
       }
-    }
+    });
   });
 }
 

@@ -243,28 +243,29 @@ void prepare_qk(const T* q, const T* k, float* qn, float* kn, float* qk, int64_t
 
 struct GdrArgs {
   const float *qn, *kn, *qk, *g, *beta;
-  float* state;
+  void* state;  // [S, Hv, Dk, Dv] of ST
   int64_t Hk, Hv, Dk, Dv, group;
 };
 
 // One (sequence, v head, column tile) through all the sequence's tokens; S: a [Dk, kTile] buffer.
-template <typename T>
+// T: q/k/v/out's element type; ST: the state slots'.
+template <typename T, typename ST>
 void gdr_tile(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i, int64_t h, int64_t c0, float* S) {
   const int64_t Dk = p.Dk, Dv = p.Dv, cw = std::min<int64_t>(kTile, Dv - c0), a = m.starts[i], e = m.starts[i + 1];
   const int64_t kh = h / p.group, head_state = p.Dk * p.Dv;
-  auto state_tile = [&](int64_t slot) { return p.state + (slot * p.Hv + h) * head_state + c0; };
+  auto state_tile = [&](int64_t slot) { return static_cast<ST*>(p.state) + (slot * p.Hv + h) * head_state + c0; };
   if (m.initial[i]) {
-    const float* src = state_tile(m.slots[i]);
+    const ST* src = state_tile(m.slots[i]);
     for (int64_t d = 0; d < Dk; ++d) {
-      std::memcpy(S + d * kTile, src + d * Dv, sizeof(float) * cw);
+      state_to_float(S + d * kTile, src + d * Dv, cw);
       std::fill(S + d * kTile + cw, S + (d + 1) * kTile, 0.0f);
     }
   } else {
     std::fill(S, S + Dk * kTile, 0.0f);
   }
   auto save = [&](int64_t slot) {
-    float* dst = state_tile(slot);
-    for (int64_t d = 0; d < Dk; ++d) std::memcpy(dst + d * Dv, S + d * kTile, sizeof(float) * cw);
+    ST* dst = state_tile(slot);
+    for (int64_t d = 0; d < Dk; ++d) float_to_state(dst + d * Dv, S + d * kTile, cw);
   };
   // kv, qs: k_t.S and q_t.S of the state before token t's decay, two accumulators each to shorten the chains.
   vfloat kv[kTileVecs], qs[kTileVecs];
@@ -357,11 +358,12 @@ void gdr_tile(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i,
 // A one-token sequence's head, in place in its state slot: the columns in chunks of kDecodeVecs
 // vectors (two cache lines a row), each chunk read from memory once (k.S and q.S), then updated
 // while still in L1. Checkpoints at its token copy the head.
-template <typename T>
+template <typename T, typename ST>
 void gdr_decode_head(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i, int64_t h) {
   constexpr int kVecs = kDecodeVecs, kChunk = kVecs * W;
   const int64_t Dk = p.Dk, Dv = p.Dv, t = m.starts[i], kh = h / p.group, head_state = Dk * Dv;
-  float* S = p.state + (m.slots[i] * p.Hv + h) * head_state;
+  ST* const state = static_cast<ST*>(p.state);
+  ST* S = state + (m.slots[i] * p.Hv + h) * head_state;
   const float decay = std::exp(p.g[t * p.Hv + h]), b = p.beta[t * p.Hv + h], qk = p.qk[t * p.Hk + kh];
   const float* kr = p.kn + (t * p.Hk + kh) * Dk;
   const float* qr = p.qn + (t * p.Hk + kh) * Dk;
@@ -375,9 +377,9 @@ void gdr_decode_head(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int
     vfloat kv[kVecs] = {}, qs[kVecs] = {};
     if (initial && cw == kChunk) {
       for (int64_t d = 0; d < Dk; ++d) {
-        const float* row = S + d * Dv + c0;
+        const ST* row = S + d * Dv + c0;
         for (int u = 0; u < kVecs; ++u) {
-          const vfloat sv = vload(row + u * W);
+          const vfloat sv = load_kv(row + u * W);
           kv[u] += kr[d] * sv;
           qs[u] += qr[d] * sv;
         }
@@ -385,7 +387,11 @@ void gdr_decode_head(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int
     } else if (initial) {
       alignas(64) float ks[kChunk] = {}, qv[kChunk] = {};
       for (int64_t d = 0; d < Dk; ++d)
-        for (int64_t c = 0; c < cw; ++c) ks[c] += kr[d] * S[d * Dv + c0 + c], qv[c] += qr[d] * S[d * Dv + c0 + c];
+        for (int64_t c = 0; c < cw; ++c) {
+          const float sv = to_float(S[d * Dv + c0 + c]);
+          ks[c] += kr[d] * sv;
+          qv[c] += qr[d] * sv;
+        }
       for (int u = 0; u < kVecs; ++u) kv[u] = vload(ks + u * W), qs[u] = vload(qv + u * W);
     }
     vfloat delta[kVecs];
@@ -396,10 +402,10 @@ void gdr_decode_head(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int
     for (int64_t c = 0; c < cw; ++c) orow[c0 + c] = from_float<T>(ov[c]);
     if (cw == kChunk) {  // no initial state: S starts at zero
       for (int64_t d = 0; d < Dk; ++d) {
-        float* row = S + d * Dv + c0;
+        ST* row = S + d * Dv + c0;
         for (int u = 0; u < kVecs; ++u) {
-          const vfloat prev = initial ? vload(row + u * W) : vfloat{};
-          vstore(row + u * W, prev * decay + kr[d] * delta[u]);
+          const vfloat prev = initial ? load_kv(row + u * W) : vfloat{};
+          store_kv(row + u * W, prev * decay + kr[d] * delta[u]);
         }
       }
     } else {
@@ -407,13 +413,13 @@ void gdr_decode_head(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int
       for (int u = 0; u < kVecs; ++u) vstore(dl + u * W, delta[u]);
       for (int64_t d = 0; d < Dk; ++d)
         for (int64_t c = 0; c < cw; ++c) {
-          float& x = S[d * Dv + c0 + c];
-          x = (initial ? x * decay : 0.0f) + kr[d] * dl[c];
+          ST& x = S[d * Dv + c0 + c];
+          x = from_float<ST>((initial ? to_float(x) * decay : 0.0f) + kr[d] * dl[c]);
         }
     }
   }
   for (int64_t cp = m.cp_begin[i]; cp < m.cp_begin[i + 1]; ++cp)
-    std::memcpy(p.state + (m.cps[3 * cp + 2] * p.Hv + h) * head_state, S, sizeof(float) * head_state);
+    std::memcpy(state + (m.cps[3 * cp + 2] * p.Hv + h) * head_state, S, sizeof(ST) * head_state);
 }
 
 void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -438,9 +444,10 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
         t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T && t->size(1) == Hv,
         op, ": g and beta must be contiguous float32 [T, Hv] tensors");
   }
-  TORCH_CHECK_VALUE(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
-                        state.size(1) == Hv && state.size(2) == Dk && state.size(3) == Dv,
-                    op, ": state must be a contiguous float32 [S, Hv, Dk, Dv] tensor");
+  TORCH_CHECK_VALUE((state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16) &&
+                        state.is_contiguous() && state.dim() == 4 && state.size(1) == Hv && state.size(2) == Dk &&
+                        state.size(3) == Dv,
+                    op, ": state must be a contiguous float32 or bfloat16 [S, Hv, Dk, Dv] tensor");
   const SeqMeta m = read_meta(query_start_loc, slot_ids, has_initial_state, checkpoints, T, state.size(0), op);
 
   at::Tensor qn = at::empty({T, Hk, Dk}, q.options().dtype(at::kFloat));
@@ -457,7 +464,7 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                   qk.data_ptr<float>(),
                   g.data_ptr<float>(),
                   beta.data_ptr<float>(),
-                  state.data_ptr<float>(),
+                  state.data_ptr(),
                   Hk,
                   Hv,
                   Dk,
@@ -491,23 +498,26 @@ void gated_delta_rule(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
   const int64_t items = static_cast<int64_t>(work_items.size());
   const bool parallel = work >= kParallelMin && items > 1;
   dispatch_float_bf16(v.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    scalar_t* op_ = out.data_ptr<scalar_t>();
+    dispatch_float_bf16(state.scalar_type(), [&](auto state_tag) {
+      using scalar_t = decltype(tag);
+      using state_t = decltype(state_tag);
+      const scalar_t* vp = v.data_ptr<scalar_t>();
+      scalar_t* op_ = out.data_ptr<scalar_t>();
 #pragma omp parallel if (parallel)
-    {
-      std::vector<float> buf(Dk * kTile + 16);
-      float* S = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+      {
+        std::vector<float> buf(Dk * kTile + 16);
+        float* S = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t item = 0; item < items; ++item) {
-        const Item& it = work_items[item];
-        if (it.tile == kWholeHead) {
-          gdr_decode_head<scalar_t>(p, vp, op_, m, it.seq, it.head);
-        } else {
-          gdr_tile<scalar_t>(p, vp, op_, m, it.seq, it.head, it.tile * kTile, S);
+        for (int64_t item = 0; item < items; ++item) {
+          const Item& it = work_items[item];
+          if (it.tile == kWholeHead) {
+            gdr_decode_head<scalar_t, state_t>(p, vp, op_, m, it.seq, it.head);
+          } else {
+            gdr_tile<scalar_t, state_t>(p, vp, op_, m, it.seq, it.head, it.tile * kTile, S);
+          }
         }
       }
-    }
+    });
   });
 }
 
