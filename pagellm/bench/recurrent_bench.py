@@ -1,14 +1,19 @@
 """Micro-benchmark of the recurrent layers' kernels (causal conv1d, gated delta rule) on Qwen3.5-2B shapes.
 
-    python -m pagellm.bench.recurrent_bench [--cases decode_1,decode_16,prefill_4096] [--reps 10] [--save-result out.json]
+    python -m pagellm.bench.recurrent_bench [--cases decode_1,decode_16,prefill_4096] [--reps 10]
+                                            [--state-dtype float32|bfloat16] [--layers 1] [--save-result out.json]
 
 Each case runs one layer's call on the same batch with the C++ kernels (pagellm.kernels.recurrent's
 dispatch) and with the torch reference; the table shows the median time per call, tokens per second
 and the reference's time over the kernel's. Decodes start from a state, the prefill from none.
+``--state-dtype`` is the delta rule's state slots' type (``--mamba-ssm-cache-dtype``); with
+``--layers N`` the calls take N layers' states in turn, as a decode step does, so that a decode's
+states are read from memory rather than from a cache that held them since the last call.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import statistics
 import time
@@ -47,7 +52,7 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def make_inputs(lengths: list[int], seed: int = 0) -> dict:
+def make_inputs(lengths: list[int], seed: int = 0, state_dtype: torch.dtype = torch.float32) -> dict:
     gen = torch.Generator().manual_seed(seed)
     T, N = sum(lengths), len(lengths)
     decode = all(n == 1 for n in lengths)
@@ -69,24 +74,27 @@ def make_inputs(lengths: list[int], seed: int = 0) -> dict:
         v=torch.randn(T, NUM_V_HEADS, HEAD_V_DIM, generator=gen),
         g=-torch.nn.functional.softplus(torch.randn(T, NUM_V_HEADS, generator=gen)),
         beta=torch.sigmoid(torch.randn(T, NUM_V_HEADS, generator=gen)),
-        state=torch.randn(N, NUM_V_HEADS, HEAD_K_DIM, HEAD_V_DIM, generator=gen) * 0.1,
+        state=(torch.randn(N, NUM_V_HEADS, HEAD_K_DIM, HEAD_V_DIM, generator=gen) * 0.1).to(state_dtype),
     )
     return {"meta": meta, "conv": conv, "gdr": gdr}
 
 
-def run_case(name: str, lengths: list[int], reps: int) -> list[dict]:
-    inputs = make_inputs(lengths)
+def run_case(name: str, lengths: list[int], reps: int, state_dtype: torch.dtype = torch.float32, layers: int = 1) -> list[dict]:
+    inputs = make_inputs(lengths, state_dtype=state_dtype)
     meta, conv, gdr = inputs["meta"], inputs["conv"], inputs["gdr"]
     tokens = sum(lengths)
     scale = HEAD_K_DIM**-0.5
+    # Each call the next layer's states.
+    conv_states = itertools.cycle([conv["conv_state"]] + [conv["conv_state"].clone() for _ in range(layers - 1)])
+    gdr_states = itertools.cycle([gdr["state"]] + [gdr["state"].clone() for _ in range(layers - 1)])
     impls = {
         "causal_conv1d": (
-            lambda: recurrent.causal_conv1d(**conv, **meta),
-            lambda: recurrent.causal_conv1d_reference(**conv, **meta),
+            lambda: recurrent.causal_conv1d(**{**conv, "conv_state": next(conv_states)}, **meta),
+            lambda: recurrent.causal_conv1d_reference(**{**conv, "conv_state": next(conv_states)}, **meta),
         ),
         "gated_delta_rule": (
-            lambda: recurrent.gated_delta_rule(**gdr, **meta, scale=scale),
-            lambda: recurrent.gated_delta_rule_reference(**gdr, **meta, scale=scale),
+            lambda: recurrent.gated_delta_rule(**{**gdr, "state": next(gdr_states)}, **meta, scale=scale),
+            lambda: recurrent.gated_delta_rule_reference(**{**gdr, "state": next(gdr_states)}, **meta, scale=scale),
         ),
     }
     rows = []
@@ -103,22 +111,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"], help="the delta rule's state slots")
+    parser.add_argument("--layers", type=int, default=1, help="layers' states the calls take in turn")
     add_result_args(parser)
     args = parser.parse_args(argv)
+    if args.layers < 1:
+        parser.error("--layers must be at least 1")
+    state_dtype = getattr(torch, args.state_dtype)
     if not ops.available() or not ops.gated_delta_rule_supports(*(torch.zeros(1, 1, 1),) * 3, torch.zeros(1, 1, 1, 1)):
         print(f"the C++ recurrent kernels are unavailable ({ops.load_error()}); both columns would be the torch reference")
         return 1
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
-    print(f"Qwen3.5-2B shapes: Hk=Hv={NUM_K_HEADS}, Dk=Dv={HEAD_K_DIM}, conv C={CONV_CHANNELS}, K={CONV_KERNEL}; float32")
+    print(f"Qwen3.5-2B shapes: Hk=Hv={NUM_K_HEADS}, Dk=Dv={HEAD_K_DIM}, conv C={CONV_CHANNELS}, K={CONV_KERNEL}; float32 inputs, "
+          f"{args.state_dtype} state, {args.layers} layer(s)")
     header = f"{'case':<14}{'op':<18}{'C++ ms':>10}{'torch ms':>10}{'C++ tok/s':>12}{'torch tok/s':>13}{'ratio':>8}"
     print(header)
     results = []
     for name in args.cases.split(","):
-        for row in run_case(name, CASES[name], args.reps):
+        for row in run_case(name, CASES[name], args.reps, state_dtype, args.layers):
             results.append(row)
             print(f"{row['case']:<14}{row['op']:<18}{row['cpp_ms']:>10.3f}{row['torch_ms']:>10.3f}"
                   f"{row['cpp_tok_s']:>12.0f}{row['torch_tok_s']:>13.0f}{row['speedup']:>7.1f}x")
-    save_result({"cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": results}, args, "recurrent_bench")
+    info = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "state_dtype": args.state_dtype, "layers": args.layers}
+    save_result({**info, "rows": results}, args, "recurrent_bench")
     return 0
 
 

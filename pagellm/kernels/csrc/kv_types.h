@@ -19,7 +19,7 @@
 
 #include "vec.h"
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -74,11 +74,18 @@ inline void store_kv(c10::Half* p, vfloat x) {
 #endif
 }
 
-// bfloat16 is the upper half of a float32, so widening is a shift.
+// bfloat16 is the upper half of a float32, so widening is a shift. (GCC splits the generic
+// widening into halves and reinserts them; the x86 forms load and widen in one instruction.)
 inline vfloat load_kv(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+  return (vfloat)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
   vu16 bits;
   std::memcpy(&bits, p, sizeof(bits));
   return (vfloat)(__builtin_convertvector(bits, vuint) << 16);
+#endif
 }
 
 inline void store_kv(c10::BFloat16* p, vfloat x) {
@@ -86,8 +93,15 @@ inline void store_kv(c10::BFloat16* p, vfloat x) {
   // Round to nearest even on the 16 dropped bits; NaN stays a (quiet) NaN, as in c10.
   vuint rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   rounded = x != x ? vuint{} + 0x7FC0u : rounded;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // Each lane is below 2^16, so the saturating pack is exact (the generic narrowing masks and permutes).
+  const __m256i r = (__m256i)rounded;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+#else
   const vu16 narrow = __builtin_convertvector(rounded, vu16);
   std::memcpy(p, &narrow, sizeof(narrow));
+#endif
 }
 
 // W bytes zero-extended to 16 bits. (GCC's generic __builtin_convertvector between element
