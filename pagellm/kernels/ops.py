@@ -21,8 +21,6 @@ from pagellm import envs
 from pagellm.kernels.build import load_error as _build_load_error
 from pagellm.kernels.build import load_kernels
 
-# What paged_attention.cpp instantiates its templates for.
-PAGED_ATTENTION_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 256, 512})
 PAGED_ATTENTION_CACHE_DTYPES = frozenset(
     {torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8}
 )
@@ -73,15 +71,25 @@ def _padded_rows(kv_cache: torch.Tensor) -> bool:
     return element == 1 and head == width and token >= num_kv_heads * width and block == block_size * token and kv == num_blocks * block
 
 
+_head_dims: Optional[frozenset[int]] = None
+
+
+def paged_attention_head_dims() -> frozenset[int]:
+    """The head sizes paged_attention.cpp instantiates its kernel for (its own list); none without the library."""
+    global _head_dims
+    if _head_dims is None:
+        _head_dims = frozenset(torch.ops.pagellm_attn.paged_attention_head_dims()) if available() else frozenset()
+    return _head_dims
+
+
 def paged_attention_supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_attention` covers this query and cache (otherwise attend in torch)."""
     return (
         query.device.type == "cpu"
         and query.dtype == torch.float32
         and kv_cache.dtype in PAGED_ATTENTION_CACHE_DTYPES
-        and query.shape[-1] in PAGED_ATTENTION_HEAD_DIMS
         and (kv_cache.is_contiguous() or _padded_rows(kv_cache))
-        and available()
+        and query.shape[-1] in paged_attention_head_dims()
     )
 
 

@@ -307,7 +307,7 @@ def decode_prefetch_to_l2(shape: DecodeShape = SMOLLM2_DECODE_SHAPE) -> bool:
     """:func:`measure_decode_prefetch`'s answer for this machine and ``shape``: as an earlier start
     measured it for the loaded kernel build, else measured now and kept for the next start. A shape
     the C++ kernel does not run (its head size) has nothing to choose: False, unmeasured."""
-    if shape.head_dim not in ops.PAGED_ATTENTION_HEAD_DIMS or shape.num_heads % shape.num_kv_heads:
+    if shape.head_dim not in ops.paged_attention_head_dims() or shape.num_heads % shape.num_kv_heads:
         return False
     folder = build.loaded_build_dir()
     path = None if folder is None else folder / DECODE_PREFETCH_FILE

@@ -63,6 +63,22 @@ def test_other_head_shapes(name, num_heads, num_kv_heads, head_dim, reference) -
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not ops.available(), reason="C++ kernels unavailable")
+def test_the_kernel_states_its_head_sizes_and_others_attend_in_torch(reference) -> None:
+    """paged_attention.cpp's own list of head sizes; a size outside it goes to torch (and the op refuses it)."""
+    assert ops.paged_attention_head_dims() == {32, 64, 80, 96, 128, 256, 512}
+    batch = make_batch(SCENARIOS["mixed"], 4, 2, 48, block_size=16, seed=7)
+    assert not ops.paged_attention_supports(batch.query, batch.kv_cache)
+    got, expected, _, _ = run_both(batch, "cpu_paged", reference)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    m = batch.metadata
+    out = torch.empty_like(batch.query)
+    with pytest.raises(ValueError, match="unsupported head_dim 48"):
+        torch.ops.pagellm_attn.paged_attention(
+            out, batch.query, batch.kv_cache, m.block_table, m.seq_lens, m.query_start_loc, batch.scale, 1.0, 1.0, False
+        )
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("seqs", [[(1, 3000), (1, 700)], [(1, 2000), (5, 700)]])

@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <utility>
@@ -122,7 +123,10 @@ constexpr int kPrefetchChunks = kMemoryBound<T> ? 2 : 1;
 constexpr int kKeyChunk = 32;  // keys per prefill step
 constexpr int kTileRows = 64;  // target (token, head) rows per prefill tile
 constexpr int kMaxGroup = 8;   // query heads per kv head handled in one item
-constexpr int kMaxHeadDim = 512;
+// The head sizes run() is instantiated for: the dispatch, the argument check and Python's
+// ops.paged_attention_head_dims() all read this list.
+constexpr int kHeadDims[] = {32, 64, 80, 96, 128, 256, 512};
+constexpr int kMaxHeadDim = *std::max_element(std::begin(kHeadDims), std::end(kHeadDims));
 constexpr int kMaxKvPerItem = 4;  // kv heads per decode item (whole rows up to this many heads)
 
 // Where everything lives for one call.
@@ -972,8 +976,10 @@ void run(const Problem& p, int num_seqs, int num_threads) {
 }
 
 bool supported_head_dim(int64_t d) {
-  return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256 || d == 512;
+  return std::find(std::begin(kHeadDims), std::end(kHeadDims), d) != std::end(kHeadDims);
 }
+
+std::vector<int64_t> paged_attention_head_dims() { return {std::begin(kHeadDims), std::end(kHeadDims)}; }
 
 bool supported_cache_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 ||
@@ -996,17 +1002,15 @@ int64_t cache_token_stride(const at::Tensor& kv_cache) {
   return padded ? token : -1;
 }
 
+// run<D> for the kHeadDims entry equal to p.head_dim (checked by supported_head_dim first).
+template <typename T, size_t... I>
+void run_for_head_dim(const Problem& p, int num_seqs, int threads, std::index_sequence<I...>) {
+  (void)((p.head_dim == kHeadDims[I] && (run<kHeadDims[I], T>(p, num_seqs, threads), true)) || ...);
+}
+
 template <typename T>
 void run_for_head_dim(const Problem& p, int num_seqs, int threads) {
-  switch (p.head_dim) {
-    case 32: return run<32, T>(p, num_seqs, threads);
-    case 64: return run<64, T>(p, num_seqs, threads);
-    case 80: return run<80, T>(p, num_seqs, threads);
-    case 96: return run<96, T>(p, num_seqs, threads);
-    case 128: return run<128, T>(p, num_seqs, threads);
-    case 256: return run<256, T>(p, num_seqs, threads);
-    default: return run<512, T>(p, num_seqs, threads);
-  }
+  run_for_head_dim<T>(p, num_seqs, threads, std::make_index_sequence<std::size(kHeadDims)>{});
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
@@ -1204,6 +1208,7 @@ TORCH_LIBRARY(pagellm_attn, m) {
   m.def(
       "write_kv_cache(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping, float k_scale, "
       "float v_scale) -> ()");
+  m.def("paged_attention_head_dims() -> int[]", &pagellm::paged_attention_head_dims);
 }
 
 TORCH_LIBRARY_IMPL(pagellm_attn, CPU, m) {
