@@ -147,7 +147,7 @@ class EngineConfig:
     # vLLM's --mamba-ssm-cache-dtype: the element type of the recurrent matrices (Gated DeltaNet's
     # and Mamba-2's state; the convolutions' tails stay in the activations' dtype). "auto" is
     # float32; bfloat16 halves their slots and checkpoints and the bytes a decode step moves, and
-    # rounds a state once per step (docs/hybrid_models.md has what that costs).
+    # rounds a state where it is written: once per decoded token or prefill chunk (docs/hybrid_models.md).
     mamba_ssm_cache_dtype: Union[str, torch.dtype] = "auto"
     # Keep the CPU kernels' packed weights on disk so that later starts map them instead of packing
     # (pagellm.kernels.pack_cache; PAGELLM_PACKED_WEIGHT_CACHE says where, or 0 for never).
