@@ -74,9 +74,7 @@ def test_the_kernel_states_its_head_sizes_and_others_attend_in_torch(reference) 
     m = batch.metadata
     out = torch.empty_like(batch.query)
     with pytest.raises(ValueError, match="unsupported head_dim 48"):
-        torch.ops.pagellm_attn.paged_attention(
-            out, batch.query, batch.kv_cache, m.block_table, m.seq_lens, m.query_start_loc, batch.scale, 1.0, 1.0, False
-        )
+        ops.paged_attention(out, batch.query, batch.kv_cache, m.block_table, m.seq_lens, m.query_start_loc, batch.scale, False)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
