@@ -198,4 +198,12 @@ inline void convert_row(T* dst, const float* src, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// n elements of a float32 or 16-bit type into float32: convert_row's inverse.
+template <typename T>
+inline void widen_row(float* dst, const T* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(dst + i, load_kv(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 }  // namespace pagellm

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_types.h"
 #include "seq_meta.h"
 #include "vec.h"
 

@@ -257,7 +257,7 @@ void gdr_tile(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i,
   if (m.initial[i]) {
     const ST* src = state_tile(m.slots[i]);
     for (int64_t d = 0; d < Dk; ++d) {
-      state_to_float(S + d * kTile, src + d * Dv, cw);
+      widen_row(S + d * kTile, src + d * Dv, cw);
       std::fill(S + d * kTile + cw, S + (d + 1) * kTile, 0.0f);
     }
   } else {
@@ -265,7 +265,7 @@ void gdr_tile(const GdrArgs& p, const T* v, T* out, const SeqMeta& m, int64_t i,
   }
   auto save = [&](int64_t slot) {
     ST* dst = state_tile(slot);
-    for (int64_t d = 0; d < Dk; ++d) float_to_state(dst + d * Dv, S + d * kTile, cw);
+    for (int64_t d = 0; d < Dk; ++d) convert_row(dst + d * Dv, S + d * kTile, cw);
   };
   // kv, qs: k_t.S and q_t.S of the state before token t's decay, two accumulators each to shorten the chains.
   vfloat kv[kTileVecs], qs[kTileVecs];

@@ -6,11 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <vector>
-
-#include "kv_types.h"
 
 namespace pagellm {
 
@@ -19,28 +15,6 @@ inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_float(float x) {
   return static_cast<T>(x);
-}
-
-// n elements of a state slot (float32, or bfloat16 under --mamba-ssm-cache-dtype) to float32 and
-// back; the kernels update a state in float32 and round it once, where they write it.
-template <typename ST>
-inline void state_to_float(float* dst, const ST* src, int64_t n) {
-  if constexpr (std::is_same_v<ST, float>) {
-    std::memcpy(dst, src, sizeof(float) * n);
-  } else {
-    int64_t i = 0;
-    for (; i + W <= n; i += W) vstore(dst + i, load_kv(src + i));
-    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-  }
-}
-
-template <typename ST>
-inline void float_to_state(ST* dst, const float* src, int64_t n) {
-  if constexpr (std::is_same_v<ST, float>) {
-    std::memcpy(dst, src, sizeof(float) * n);
-  } else {
-    convert_row(dst, src, n);
-  }
 }
 
 // fn(float{}) or fn(at::BFloat16{}): the element type of a float32 or bfloat16 tensor.
