@@ -13,12 +13,11 @@ states in turn, as a decode step does (see recurrent_bench).
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
 from pagellm.bench.common import add_result_args, save_result
-from pagellm.bench.recurrent_bench import _median_time, cpu_model
+from pagellm.bench.recurrent_bench import _median_time, add_state_args, cpu_model, layer_states
 from pagellm.kernels import mamba, ops
 
 # (heads, head dim, state size, groups) of the Mamba-2 layers.
@@ -55,7 +54,7 @@ def run_case(shape_name: str, name: str, reps: int, state_dtype: torch.dtype = t
     inputs = make_inputs(SHAPES[shape_name], lengths, state_dtype=state_dtype)
     tokens = sum(lengths)
     kernel_reps = reps if tokens < 1000 else max(3, reps // 3)
-    states = itertools.cycle([inputs["state"]] + [inputs["state"].clone() for _ in range(layers - 1)])  # each call the next layer's
+    states = layer_states(inputs["state"], layers)
     t_kernel = _median_time(lambda: mamba.selective_state_scan(**{**inputs, "state": next(states)}), kernel_reps)
     t_ref = _median_time(lambda: mamba.selective_state_scan_reference(**{**inputs, "state": next(states)}), kernel_reps)
     return dict(shape=shape_name, case=name, tokens=tokens, cpp_ms=t_kernel * 1e3, torch_ms=t_ref * 1e3,
@@ -67,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"], help="the state slots' type")
-    parser.add_argument("--layers", type=int, default=1, help="layers' states the calls take in turn")
+    add_state_args(parser)
     add_result_args(parser)
     args = parser.parse_args(argv)
     if args.layers < 1:

@@ -17,7 +17,7 @@ import itertools
 import platform
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -52,6 +52,16 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+def layer_states(state: torch.Tensor, layers: int) -> Iterator[torch.Tensor]:
+    """``state`` and ``layers - 1`` copies of it, in turn forever: each call the next layer's."""
+    return itertools.cycle([state] + [state.clone() for _ in range(layers - 1)])
+
+
+def add_state_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"], help="the state slots' type")
+    parser.add_argument("--layers", type=int, default=1, help="layers' states the calls take in turn")
+
+
 def make_inputs(lengths: list[int], seed: int = 0, state_dtype: torch.dtype = torch.float32) -> dict:
     gen = torch.Generator().manual_seed(seed)
     T, N = sum(lengths), len(lengths)
@@ -84,9 +94,7 @@ def run_case(name: str, lengths: list[int], reps: int, state_dtype: torch.dtype 
     meta, conv, gdr = inputs["meta"], inputs["conv"], inputs["gdr"]
     tokens = sum(lengths)
     scale = HEAD_K_DIM**-0.5
-    # Each call the next layer's states.
-    conv_states = itertools.cycle([conv["conv_state"]] + [conv["conv_state"].clone() for _ in range(layers - 1)])
-    gdr_states = itertools.cycle([gdr["state"]] + [gdr["state"].clone() for _ in range(layers - 1)])
+    conv_states, gdr_states = layer_states(conv["conv_state"], layers), layer_states(gdr["state"], layers)
     impls = {
         "causal_conv1d": (
             lambda: recurrent.causal_conv1d(**{**conv, "conv_state": next(conv_states)}, **meta),
@@ -111,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"], help="the delta rule's state slots")
-    parser.add_argument("--layers", type=int, default=1, help="layers' states the calls take in turn")
+    add_state_args(parser)
     add_result_args(parser)
     args = parser.parse_args(argv)
     if args.layers < 1:
