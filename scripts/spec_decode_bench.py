@@ -5,9 +5,12 @@ run group by group in turn (plain, spec; then spec, plain; ...).
     .venv/bin/python scripts/spec_decode_bench.py --out docs/benchmarks/spec_decode/default.json
     .venv/bin/python scripts/spec_decode_bench.py --model M.gguf --speculative-config '{"model": D, ...}'
 
-Three workloads, each timed on both engines:
+Four workloads, each timed on both engines:
   * grounded: one stream at a time, chat prompts that copy from a passage (pagellm.bench.grounded),
     greedy, up to --output-len tokens (the model may stop earlier; both engines give the same);
+  * echo: one stream at a time, greedy; each prompt is a random stem, the engine's own greedy
+    continuation of it and the stem again, so drafts come true as far as the model repeats itself
+    (what a random-weight checkpoint, which copies nothing from a passage, can be drafted for);
   * random: one stream at a time, random token prompts, temperature 1, exactly --output-len tokens;
   * batch: --batch-size random prompts at once, temperature 1, exactly --output-len tokens each.
 Prints a table and writes the figures as JSON.
@@ -68,9 +71,10 @@ def serve_role(args: argparse.Namespace) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     sampled = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(grounded[:1] + random_prompts[:1], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    wanted = set(args.workloads.split(",")) - ({"batch"} if args.skip_batch else set())
     workloads = {"grounded": ([[p] for p in grounded], greedy), "random": ([[p] for p in random_prompts], sampled)}
     workloads["batch"] = ([batch], sampled)
-    wanted = set(args.workloads.split(",")) - ({"batch"} if args.skip_batch else set())
+    workloads["echo"] = ([[p] for p in echo_prompts(llm, random_prompts, args.output_len)] if "echo" in wanted else [], greedy)
     if wanted - workloads.keys():
         raise SystemExit(f"unknown workloads {sorted(wanted - workloads.keys())}; choose from {sorted(workloads)}")
     workloads = {name: w for name, w in workloads.items() if name in wanted}
@@ -84,6 +88,18 @@ def serve_role(args: argparse.Namespace) -> None:
         after = scheduler.stats().spec_decoding
         stats = after.since(before).to_dict() if after else None
         print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens, "spec_decoding": stats}), flush=True)
+
+
+def echo_prompts(llm: LLM, stems: list[dict], output_len: int) -> list[dict]:
+    """Each stem (its first half), the engine's greedy continuation of it, and the stem again: both
+    engines make the same prompts, as greedy speculative output is the plain output."""
+    halves = [{"prompt_token_ids": s["prompt_token_ids"][: len(s["prompt_token_ids"]) // 2]} for s in stems]
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    outs = llm.generate(halves, params, use_tqdm=False)
+    return [
+        {"prompt_token_ids": h["prompt_token_ids"] + list(o.outputs[0].token_ids) + h["prompt_token_ids"]}
+        for h, o in zip(halves, outs)
+    ]
 
 
 class Engine:

@@ -12,6 +12,7 @@ from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
+from pagellm.speculative_config import SpeculativeConfig
 
 
 def fake_token(token_ids: list[int]) -> int:
@@ -86,12 +87,18 @@ def make_hybrid_scheduler(
     max_num_batched_tokens: int = 32,
     enable_caching: bool = True,
     block_size: int = 4,
+    speculative_config: Optional[SpeculativeConfig] = None,
 ) -> Scheduler:
     """A hybrid model's cache without a model: three recurrent layers (``num_slots`` state slots,
-    checkpoints every ``interval`` tokens) and one attention layer."""
+    checkpoints every ``interval`` tokens, and under speculation a draft slot per draft) and one
+    attention layer."""
     layout = group_layers([None] * 4, state_layer_ids=(0, 1, 2))
-    kv = KVCacheManager(num_blocks, block_size, 256, enable_caching, layout, num_state_slots=num_slots, state_checkpoint_interval=interval)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, 256)
+    num_draft_slots = speculative_config.num_speculative_tokens if speculative_config is not None else 0
+    kv = KVCacheManager(
+        num_blocks, block_size, 256, enable_caching, layout, num_state_slots=num_slots, state_checkpoint_interval=interval,
+        num_state_draft_slots=num_draft_slots,
+    )
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, 256, speculative_config=speculative_config)
 
 
 def step(sched: Scheduler, runner: FakeRunner) -> SchedulerOutput:

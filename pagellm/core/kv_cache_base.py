@@ -78,9 +78,14 @@ class KVCacheManagerBase(ABC):
 
     @abstractmethod
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Optional[KVCacheBlocks] = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Optional[KVCacheBlocks] = None,
+        num_draft_tokens: int = 0,
     ) -> Optional[KVCacheBlocks]:
-        """Room for ``num_new_tokens`` more tokens; None, changing nothing, when the pool is short."""
+        """Room for ``num_new_tokens`` more tokens (the last ``num_draft_tokens`` of them drafts to
+        verify); None, changing nothing, when the pool is short."""
 
     @abstractmethod
     def free(self, request: Request) -> None:
@@ -129,6 +134,11 @@ class KVCacheManagerBase(ABC):
 
     def finish_step(self) -> None:
         """The scheduled step has run: what it wrote may now be read by later requests."""
+        return None
+
+    def accept_drafts(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """A step verified ``num_draft_tokens`` of ``request``'s drafts and accepted the first
+        ``num_accepted_tokens``: a recurrent state rolls back to them (KV needs nothing)."""
         return None
 
     def waits_for_pending(self, request: Request, num_hit_tokens: int) -> bool:
@@ -203,9 +213,11 @@ def create_kv_cache_manager(
     kv_cache_layout: Optional[KVCacheLayout] = None,
     num_state_slots: int = 0,
     state_checkpoint_interval: Optional[int] = None,
+    num_state_draft_slots: int = 0,
 ) -> KVCacheManagerBase:
     """``kv_cache_layout``: the model's KV cache groups; None is one full-attention group. A layout
-    with recurrent layers needs a manager that keeps their state (``num_state_slots`` slots)."""
+    with recurrent layers needs a manager that keeps their state (``num_state_slots`` slots, of
+    which each running request holds one and ``num_state_draft_slots`` for its drafts)."""
     cls = kv_cache_manager_class(name)
     if kv_cache_layout is None:
         return cls(num_blocks, block_size, max_model_len, enable_caching)
@@ -213,5 +225,6 @@ def create_kv_cache_manager(
         if not getattr(cls, "supports_recurrent_state", False):
             raise ValueError(f"the {name!r} KV cache manager cannot keep a hybrid model's recurrent state; use 'paged'")
         return cls(num_blocks, block_size, max_model_len, enable_caching, kv_cache_layout=kv_cache_layout,
-                   num_state_slots=num_state_slots, state_checkpoint_interval=state_checkpoint_interval)
+                   num_state_slots=num_state_slots, state_checkpoint_interval=state_checkpoint_interval,
+                   num_state_draft_slots=num_state_draft_slots)
     return cls(num_blocks, block_size, max_model_len, enable_caching, kv_cache_layout=kv_cache_layout)

@@ -35,6 +35,7 @@ class KVCacheManager(KVCacheManagerBase):
         kv_cache_layout: Optional[KVCacheLayout] = None,
         num_state_slots: int = 0,
         state_checkpoint_interval: Optional[int] = None,
+        num_state_draft_slots: int = 0,
     ) -> None:
         # The manager reads only the groups' windows; without a layout, one full-attention group.
         layout = kv_cache_layout if kv_cache_layout is not None else single_group_layout(1)
@@ -52,7 +53,7 @@ class KVCacheManager(KVCacheManagerBase):
                 raise ValueError("a layout with recurrent layers needs state_checkpoint_interval (EngineConfig's)")
             # Tokens between checkpoints, in whole blocks.
             interval = max(block_size, state_checkpoint_interval // block_size * block_size)
-            self.state_cache = StateCacheManager(num_state_slots, block_size, interval, enable_caching)
+            self.state_cache = StateCacheManager(num_state_slots, block_size, interval, enable_caching, num_state_draft_slots)
         self.tier: Optional[KVTier] = None  # the offloading tier under the prefix cache (enable_tier)
 
     @property
@@ -116,10 +117,12 @@ class KVCacheManager(KVCacheManagerBase):
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Optional[KVCacheBlocks] = None,
+        num_draft_tokens: int = 0,
     ) -> Optional[KVCacheBlocks]:
         """Makes room for ``num_new_tokens`` more tokens of ``request`` in every group.
 
-        ``new_computed_blocks`` are prefix-cache hits being adopted at admission. Sliding groups
+        ``new_computed_blocks`` are prefix-cache hits being adopted at admission;
+        ``num_draft_tokens`` of the new tokens are drafts the step verifies. Sliding groups
         first release the blocks the step's first query no longer reaches. Returns the newly
         allocated blocks per group, or None (changing nothing) when the pool cannot supply them.
         """
@@ -148,7 +151,7 @@ class KVCacheManager(KVCacheManagerBase):
             for manager in self.group_managers:
                 manager.cache_blocks(request, num_full)
         if state is not None:
-            state.allocate(request, len(computed[0]), first, num_tokens)
+            state.allocate(request, len(computed[0]), first, num_tokens, num_draft_tokens)
         return KVCacheBlocks(tuple(new_blocks[0]), tuple(tuple(b) for b in new_blocks[1:]))
 
     def _computed_by_group(self, new_computed_blocks: Optional[KVCacheBlocks]) -> tuple[tuple[KVCacheBlock, ...], ...]:
@@ -355,6 +358,10 @@ class KVCacheManager(KVCacheManagerBase):
     def finish_step(self) -> None:
         if self.state_cache is not None:
             self.state_cache.finish_step()
+
+    def accept_drafts(self, request: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if self.state_cache is not None:
+            self.state_cache.accept_drafts(request.request_id, num_draft_tokens, num_accepted_tokens)
 
     def waits_for_pending(self, request: Request, num_hit_tokens: int) -> bool:
         return self.state_cache is not None and self.state_cache.waits_for_pending(request, num_hit_tokens)

@@ -146,7 +146,9 @@ class Scheduler:
             spec_token_ids = self.spec.tokens_to_verify(request, num_new_tokens, token_budget) if self.spec is not None else []
             num_new_tokens += len(spec_token_ids)
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, self._with_lookahead(request, num_new_tokens))
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, self._with_lookahead(request, num_new_tokens), num_draft_tokens=len(spec_token_ids)
+                )
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()
@@ -362,8 +364,10 @@ class Scheduler:
             spec_token_ids = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if spec_token_ids:
                 # Rejected drafts' KV slots are not computed after all: the next step rewrites them.
+                # A recurrent state goes back to the one saved after the accepted drafts.
                 num_accepted = len(token_ids) - 1
                 request.num_computed_tokens -= len(spec_token_ids) - num_accepted
+                self.kv_cache_manager.accept_drafts(request, len(spec_token_ids), num_accepted)
                 self.spec.observe_verification(request.request_id, len(spec_token_ids), num_accepted)
             status = None
             num_new = 0

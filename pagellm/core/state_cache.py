@@ -18,6 +18,12 @@ Checkpoints sit in the slot pool as cached free blocks sit in the block pool: fo
 least recently used first when a slot is needed. A checkpoint is written by the step that computes
 past its boundary, so it is published only after that step (``finish_step``); until then a request
 whose prefix it would serve waits, as it waits for KV blocks another request is computing.
+
+Under speculative decoding a step verifies a token and up to k drafts, and the state must end
+after the accepted ones. Each running request then also holds k draft slots; a step with d drafts
+saves its state after the token and each of its first d - 1 drafts into them (as checkpoints, at
+those offsets), and once the step's acceptance is known (``accept_drafts``) the slot holding the
+state after the accepted tokens becomes the live one: a rollback by bookkeeping, no copy.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ class StateCacheStats:
     """A snapshot of the slot pool; the two counts of checkpoints are cumulative."""
 
     num_slots: int
-    num_live: int  # slots of running requests
+    num_live: int  # slots of running requests (with their draft slots under speculative decoding)
     num_checkpoints: int  # saved states a prefix can resume from
     num_checkpoints_written: int
     num_checkpoints_restored: int
@@ -53,16 +59,27 @@ class StateStep:
 class StateCacheManager:
     """The pool of state slots, each request's live slot and the checkpoints prefix caching keeps."""
 
-    def __init__(self, num_slots: int, block_size: int, checkpoint_interval: int, enable_caching: bool) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a hybrid model needs at least one state slot, got {num_slots}")
+    def __init__(
+        self, num_slots: int, block_size: int, checkpoint_interval: int, enable_caching: bool, num_draft_slots: int = 0
+    ) -> None:
+        if num_draft_slots < 0:
+            raise ValueError(f"num_draft_slots must not be negative, got {num_draft_slots}")
+        # Slots one running request holds: its live state and, under speculative decoding, one per draft.
+        self.slots_per_request = 1 + num_draft_slots
+        if num_slots < self.slots_per_request:
+            what = f"one state slot and {num_draft_slots} for its drafts" if num_draft_slots else "one state slot"
+            raise ValueError(f"a hybrid model's request needs {what}; the pool has {num_slots} slots")
         if checkpoint_interval < block_size or checkpoint_interval % block_size:
             raise ValueError(f"the state checkpoint interval ({checkpoint_interval}) must be a multiple of the block size ({block_size})")
         self.block_size = block_size
         self.checkpoint_interval = checkpoint_interval
         self.enable_caching = enable_caching
+        self.num_draft_slots = num_draft_slots
         self.pool = BlockPool(num_slots, enable_caching)
         self.live: dict[str, KVCacheBlock] = {}
+        # Under speculative decoding: where a request's state is saved after the verified token and
+        # each draft but the last (the live slot holds the state after all of them).
+        self.drafts: dict[str, list[KVCacheBlock]] = {}
         # Where a request's attention hit ended, when its state hit ended earlier (tokens).
         self.attention_hit_tokens: dict[str, int] = {}
         # Checkpoints the step being scheduled writes, with their hashes; published after the step.
@@ -107,16 +124,19 @@ class StateCacheManager:
         return request_id in self.live
 
     def can_admit(self, request: Request, num_hit_blocks: int) -> bool:
-        """Whether a live slot can be had, and the checkpoint a hit restores from kept meanwhile
-        (a free one leaves the free queue while it is copied)."""
+        """Whether a live slot (and draft slots) can be had, and the checkpoint a hit restores from
+        kept meanwhile (a free one leaves the free queue while it is copied)."""
         restore = self.pool.get_cached_block(request.block_hashes[num_hit_blocks - 1]) if num_hit_blocks else None
-        return self.pool.num_free_blocks >= 1 + (restore is not None and restore.ref_cnt == 0)
+        return self.pool.num_free_blocks >= self.slots_per_request + (restore is not None and restore.ref_cnt == 0)
 
-    def allocate(self, request: Request, num_hit_blocks: int, first: int, end: int) -> None:
+    def allocate(self, request: Request, num_hit_blocks: int, first: int, end: int, num_drafts: int = 0) -> None:
         """Plans ``request``'s state for a step that computes tokens ``[first, end)``: a live slot
         (restored from the checkpoint ending its ``num_hit_blocks``-block hit) when it has none,
-        and checkpoints at the boundaries the step passes. The caller checked ``can_admit``."""
+        checkpoints at the boundaries the step passes, and with ``num_drafts`` drafts among the
+        step's tokens (its last ones) the states to roll back to. The caller checked ``can_admit``."""
         req_id = request.request_id
+        if num_drafts > self.num_draft_slots:
+            raise ValueError(f"request {req_id}: {num_drafts} drafts, but a request holds {self.num_draft_slots} draft slots")
         restore: Optional[KVCacheBlock] = None
         if req_id not in self.live:
             if num_hit_blocks:
@@ -127,11 +147,16 @@ class StateCacheManager:
                 self.restoring.append(restore)
                 self.num_checkpoints_restored += 1
             self.live[req_id] = self.pool.get_new_blocks(1)[0]
-        checkpoints = tuple(self._checkpoint(request, p) for p in self._boundaries(request, first, end))
+            if self.num_draft_slots:
+                self.drafts[req_id] = self.pool.get_new_blocks(self.num_draft_slots)
+        checkpoints = [c for c in (self._checkpoint(request, p) for p in self._boundaries(request, first, end)) if c is not None]
+        # The drafts follow the request's known tokens: the state after those and i drafts, i < num_drafts.
+        known = request.num_tokens
+        checkpoints += [(known + i, slot.block_id) for i, slot in enumerate(self.drafts.get(req_id, [])[:num_drafts])]
         self.steps[req_id] = StateStep(
             self.live[req_id].block_id,
             restore.block_id if restore is not None else None,
-            tuple(c for c in checkpoints if c is not None),
+            tuple(sorted(checkpoints)),
         )
 
     def _boundaries(self, request: Request, first: int, end: int) -> list[int]:
@@ -148,12 +173,21 @@ class StateCacheManager:
         block_hash = request.block_hashes[num_tokens // self.block_size - 1]
         if block_hash in self.pending_hashes or self.pool.get_cached_block(block_hash) is not None:
             return None  # saved already, or being saved by another request this step
-        if self.pool.num_free_blocks <= 1:
-            return None  # keep a slot for the next request to start: a checkpoint is only a saving
+        if self.pool.num_free_blocks <= self.slots_per_request:
+            return None  # keep slots for the next request to start: a checkpoint is only a saving
         slot = self.pool.get_new_blocks(1)[0]
         self.pending.append((slot, block_hash))
         self.pending_hashes.add(block_hash)
         return num_tokens, slot.block_id
+
+    def accept_drafts(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """After a step that verified ``num_drafts`` drafts of which ``num_accepted`` held: the
+        draft slot with the state after them becomes the live one (the live slot, holding the
+        state after every draft, takes its place among the draft slots)."""
+        if num_accepted >= num_drafts or request_id not in self.live:
+            return
+        drafts = self.drafts[request_id]
+        drafts[num_accepted], self.live[request_id] = self.live[request_id], drafts[num_accepted]
 
     def take_steps(self) -> dict[str, StateStep]:
         steps, self.steps = self.steps, {}
@@ -174,7 +208,7 @@ class StateCacheManager:
         self.attention_hit_tokens.pop(request_id, None)
         self.steps.pop(request_id, None)
         if slot is not None:
-            self.pool.free_blocks([slot])
+            self.pool.free_blocks([slot, *self.drafts.pop(request_id, [])])
 
     # ---- the offloading tier (pagellm.core.kv_tier) -------------------------------------
 
@@ -192,7 +226,7 @@ class StateCacheManager:
         """The checkpoint saved at ``block_hash``, held while pages leading to it load; None when
         there is none or holding it would take the last free slot (a live slot's)."""
         slot = self.pool.get_cached_block(block_hash)
-        if slot is None or (slot.ref_cnt == 0 and self.pool.num_free_blocks <= 1):
+        if slot is None or (slot.ref_cnt == 0 and self.pool.num_free_blocks <= self.slots_per_request):
             return None
         self.pool.touch([slot])
         self.tier_held.append(slot)
@@ -200,8 +234,8 @@ class StateCacheManager:
 
     def slot_for_tier(self) -> Optional[KVCacheBlock]:
         """A free slot for a state loaded from the tier (evicting the least recently used
-        checkpoint); None when it would be the last free slot."""
-        if self.pool.num_free_blocks <= 1:
+        checkpoint); None when it would take the slots a request needs to start."""
+        if self.pool.num_free_blocks <= self.slots_per_request:
             return None
         slot = self.pool.get_new_blocks(1)[0]
         self.tier_held.append(slot)
@@ -228,7 +262,11 @@ class StateCacheManager:
 
     def stats(self) -> StateCacheStats:
         return StateCacheStats(
-            self.num_slots, len(self.live), self.num_checkpoints, self.num_checkpoints_written, self.num_checkpoints_restored
+            self.num_slots,
+            len(self.live) * self.slots_per_request,
+            self.num_checkpoints,
+            self.num_checkpoints_written,
+            self.num_checkpoints_restored,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -236,6 +274,7 @@ class StateCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        held = len({b.block_id for b in [*self.live.values(), *(s for s, _ in self.pending), *self.restoring, *self.tier_held]})
+        drafts = [b for slots in self.drafts.values() for b in slots]
+        held = len({b.block_id for b in [*self.live.values(), *drafts, *(s for s, _ in self.pending), *self.restoring, *self.tier_held]})
         if held != self.pool.num_used_blocks:
             raise RuntimeError(f"state slots: {self.pool.num_used_blocks} in use, {held} accounted for")

@@ -73,6 +73,7 @@ class EngineCore:
             kv_cache_layout=None if kv.layout.plain else kv.layout,
             num_state_slots=kv.num_state_slots,
             state_checkpoint_interval=config.state_checkpoint_interval,
+            num_state_draft_slots=kv.num_state_draft_slots,
         )
         if config.kv_offloading_backend is not None:
             self.kv_cache_manager.enable_tier(executor.kv_tier_keys())

@@ -38,6 +38,8 @@ class KVCachePlan:
     # recurrent layer's state, on one rank, carved from the same budget as the blocks.
     num_state_slots: int = 0
     state_slot_bytes: int = 0
+    # Under speculative decoding, the slots each running request holds for its drafts' states.
+    num_state_draft_slots: int = 0
 
     @property
     def num_bytes(self) -> int:
@@ -70,15 +72,29 @@ def kv_cache_layout_for(shape: ModelShape, kv_cache_manager: str = "paged") -> K
     return single_group_layout(shape.num_layers)
 
 
+def num_state_draft_slots(config: EngineConfig) -> int:
+    """Slots a hybrid model's running request holds for its drafts: one per draft a step verifies
+    (the state after each accepted prefix of them), none without speculative decoding."""
+    spec = config.speculative_config
+    return spec.num_speculative_tokens if spec is not None else 0
+
+
 def plan_state_slots(config: EngineConfig, slot_bytes: int, budget: int) -> int:
-    """State slots for a hybrid model: one per request the batch may hold plus as many for prefix
-    checkpoints, within three quarters of the budget. A hybrid's attention layers are few, so a
-    quarter still holds tens of thousands of tokens of KV, while a slot costs as much as a thousand
-    tokens of it: a smaller share would cap the batch and evict the checkpoints prefixes resume from."""
+    """State slots for a hybrid model: what each request the batch may hold needs (one, and one per
+    draft under speculative decoding) plus one per request for prefix checkpoints, within three
+    quarters of the budget. A hybrid's attention layers are few, so a quarter still holds tens of
+    thousands of tokens of KV, while a slot costs as much as a thousand tokens of it: a smaller
+    share would cap the batch and evict the checkpoints prefixes resume from."""
+    per_request = 1 + num_state_draft_slots(config)
     if config.num_state_slots is not None:
+        if config.num_state_slots < per_request:
+            raise ValueError(
+                f"num_state_slots={config.num_state_slots} cannot hold one request's state and its "
+                f"{per_request - 1} draft states; set at least {per_request}"
+            )
         return config.num_state_slots
-    wanted = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
-    return max(2, min(wanted, budget * 3 // 4 // slot_bytes))
+    wanted = config.max_num_seqs * (per_request + (1 if config.enable_prefix_caching else 0))
+    return max(per_request + 1, min(wanted, budget * 3 // 4 // slot_bytes))
 
 
 def plan_kv_cache(
@@ -117,6 +133,12 @@ def plan_kv_cache(
         num_state_slots = plan_state_slots(config, state_slot_bytes, total)
         if config.num_kv_blocks is None:
             budget = total - num_state_slots * state_slot_bytes
+            if budget <= 0:
+                raise ValueError(
+                    f"a KV cache budget of {total / 2**20:.0f} MiB holds no {num_state_slots} state slots of "
+                    f"{state_slot_bytes / 2**20:.1f} MiB (a hybrid request's recurrent state) besides KV blocks; "
+                    "raise the KV cache budget (--kv-cache-memory) or lower --num-state-slots"
+                )
     num_blocks = determine_num_blocks(config.num_kv_blocks, budget, DEFAULT_KV_CACHE_MEMORY_BYTES, block_bytes, block_size, max_model_len)
     # A request longer than the whole cache could never be scheduled and would wait forever.
     chunk = config.max_num_batched_tokens
@@ -131,4 +153,7 @@ def plan_kv_cache(
             )
         logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d to %d", capacity, max_model_len, capacity)
         max_model_len = capacity
-    return KVCachePlan(layout, block_size, kv_heads, block_bytes, num_blocks, max_model_len, num_state_slots, state_slot_bytes)
+    num_draft_slots = num_state_draft_slots(config) if shape.is_hybrid else 0
+    return KVCachePlan(
+        layout, block_size, kv_heads, block_bytes, num_blocks, max_model_len, num_state_slots, state_slot_bytes, num_draft_slots
+    )

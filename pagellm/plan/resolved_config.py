@@ -102,10 +102,11 @@ def resolve_with_model(
     if config.tensor_parallel_size > 1:
         hf = model.hf_config
         check_tp_size(config.tensor_parallel_size, hf.num_attention_heads, model.shape.num_kv_heads, hf.intermediate_size)
-    if model.shape.is_hybrid and config.speculative_config is not None:
+    spec = config.speculative_config
+    if model.shape.is_hybrid and spec is not None and spec.method != "ngram":
         raise ValueError(
-            "speculative decoding is not supported for hybrid models (recurrent layers such as Gated DeltaNet or Mamba): "
-            "a rejected draft would leave their state past the accepted tokens; serve this model without --speculative-config"
+            f"speculative method {spec.method!r} is not supported for hybrid models (recurrent layers such as Gated DeltaNet "
+            "or Mamba): a draft model's KV shares the blocks of a target whose layers all attend in full; use 'ngram'"
         )
     model_max_len = max_model_len or get_max_model_len(model.hf_config)
     if config.max_model_len is not None and config.max_model_len > model_max_len:

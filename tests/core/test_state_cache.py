@@ -6,11 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from sched_utils import FakeRunner, expected_output, make_hybrid_scheduler, make_request, step
+from sched_utils import FakeRunner, expected_output, fake_token, make_hybrid_scheduler, make_request, step
 
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
+from pagellm.core.state_cache import StateCacheManager, StateStep
 from pagellm.request import Request
+from pagellm.speculative_config import SpeculativeConfig
 
 BLOCK = 4
 
@@ -159,3 +161,134 @@ def test_random_shared_prefixes_resume_only_from_their_own_states(seed: int):
         assert outputs[req_id] == expected_output(prompt, len(outputs[req_id]))
     assert runner.num_restored > 0
     assert sched.kv_cache_manager.prefix_cache_stats.num_hits > 0
+
+
+# ---- speculative decoding: draft slots and the rollback to the accepted drafts -------------------
+
+
+class FakeSpecStateRunner:
+    """Verifies drafts as the engine does, with each slot holding the tokens its state summarises:
+    a step computes the known token and its drafts, saves the state after each prefix of them where
+    its checkpoints say, and the fake model's tokens decide how many drafts hold. Each proposal is
+    right except at one position, which moves on every time, so every depth of acceptance occurs."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, tuple[int, ...]] = {}
+        self.state: dict[str, dict] = {}
+        self.num_proposals = 0
+        self.accepted_depths: set[int] = set()
+
+    def _draft(self, tokens: list[int], k: int) -> list[int]:
+        drafts = expected_output(tokens, k)
+        spoilt = self.num_proposals % (k + 1)
+        self.num_proposals += 1
+        if spoilt < k:
+            drafts[spoilt] = 7  # the fake model never makes a token below 1000
+        return drafts
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in out.finished_req_ids:
+            self.state.pop(req_id, None)
+        for new in out.new_reqs:
+            state_step = out.state_steps[new.req_id]
+            if state_step.restore_from is not None:
+                self.slots[state_step.slot] = self.slots[state_step.restore_from]
+            start = new.num_computed_tokens
+            if not start:
+                self.slots[state_step.slot] = ()
+            self.state[new.req_id] = {"tokens": list(new.token_ids), "computed": start}
+        for cached in out.cached_reqs:
+            assert self.state[cached.req_id]["computed"] == cached.num_computed_tokens
+        sampled, drafts = {}, {}
+        for req_id, n in out.num_scheduled_tokens.items():
+            st, state_step = self.state[req_id], out.state_steps[req_id]
+            spec = out.scheduled_spec_decode_tokens.get(req_id, [])
+            start, inputs = st["computed"], st["tokens"] + spec
+            assert self.slots[state_step.slot] == tuple(inputs[:start]), f"{req_id}'s live state is not at its computed tokens"
+            assert [p for p, _ in state_step.checkpoints] == sorted(p for p, _ in state_step.checkpoints)
+            for p, slot in state_step.checkpoints:
+                assert start < p <= start + n
+                self.slots[slot] = tuple(inputs[:p])
+            self.slots[state_step.slot] = tuple(inputs[: start + n])
+            st["computed"] = start + n
+            if st["computed"] - len(spec) != len(st["tokens"]):
+                continue  # a prefill chunk short of the prompt's end
+            accepted: list[int] = []
+            for d in spec:
+                if d != fake_token(st["tokens"] + accepted):
+                    break
+                accepted.append(d)
+            if spec:
+                self.accepted_depths.add(len(accepted))
+            st["computed"] -= len(spec) - len(accepted)
+            st["tokens"] += accepted + [fake_token(st["tokens"] + accepted)]
+            sampled[req_id] = accepted + [st["tokens"][-1]]
+            k = out.num_draft_tokens_to_propose.get(req_id, 0)
+            if k:
+                drafts[req_id] = self._draft(st["tokens"], k)
+        return ModelRunnerOutput(sampled_token_ids=sampled, draft_token_ids=drafts)
+
+
+def _spec_config(k: int) -> SpeculativeConfig:
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=False)
+
+
+def test_draft_slots_hold_the_states_a_step_rolls_back_to():
+    state = StateCacheManager(num_slots=8, block_size=4, checkpoint_interval=8, enable_caching=False, num_draft_slots=2)
+    sched = make_hybrid_scheduler(enable_caching=False)
+    request = make_request(sched, "a", [1, 2, 3, 4, 5], max_tokens=8)
+    assert state.can_admit(request, 0)
+    state.allocate(request, 0, 0, 5)
+    assert state.take_steps()["a"] == StateStep(0)
+    assert [b.block_id for b in state.drafts["a"]] == [1, 2]
+    # A decode step: the sampled token (the request's 6th) and two drafts; states saved after 6 and 7 tokens.
+    request.append_output_token_ids([9])
+    state.allocate(request, 0, 5, 8, num_drafts=2)
+    assert state.take_steps()["a"] == StateStep(0, None, ((6, 1), (7, 2)))
+    state.accept_drafts("a", 2, 1)  # one draft held: the state after 7 tokens is live
+    assert state.live["a"].block_id == 2 and [b.block_id for b in state.drafts["a"]] == [1, 0]
+    state.accept_drafts("a", 2, 2)  # all held: the live slot already has them
+    assert state.live["a"].block_id == 2
+    state.accept_drafts("a", 1, 0)
+    assert state.live["a"].block_id == 1 and [b.block_id for b in state.drafts["a"]] == [2, 0]
+    assert state.stats().num_live == 3
+    state.free("a")
+    assert state.pool.num_free_blocks == 8 and not state.drafts
+
+
+def test_a_request_starts_only_with_its_draft_slots_free():
+    state = StateCacheManager(num_slots=5, block_size=4, checkpoint_interval=8, enable_caching=True, num_draft_slots=2)
+    sched = make_hybrid_scheduler()
+    first, second = (make_request(sched, r, [1, 2, 3], max_tokens=4) for r in ("a", "b"))
+    state.allocate(first, 0, 0, 3)
+    assert not state.can_admit(second, 0)  # 2 free of the 3 it needs
+    with pytest.raises(ValueError, match="3 drafts, but a request holds 2 draft slots"):
+        state.allocate(first, 0, 3, 7, num_drafts=3)
+    with pytest.raises(ValueError, match="needs one state slot and 2 for its drafts; the pool has 2 slots"):
+        StateCacheManager(num_slots=2, block_size=4, checkpoint_interval=8, enable_caching=True, num_draft_slots=2)
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_speculation_keeps_every_live_state_at_its_accepted_tokens(enable_caching: bool):
+    # 14 blocks cannot hold three requests of 26 tokens with their drafts: some are preempted.
+    sched = make_hybrid_scheduler(
+        num_blocks=14, num_slots=12, max_num_batched_tokens=12, enable_caching=enable_caching, speculative_config=_spec_config(3)
+    )
+    runner = FakeSpecStateRunner()
+    prompts = {f"r{i}": [7 * i + j for j in range(1, 15)] for i in range(3)}
+    for req_id, prompt in prompts.items():
+        sched.add_request(make_request(sched, req_id, prompt, max_tokens=12))
+    outputs: dict[str, list[int]] = {}
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        for o in sched.update_from_output(out, runner.execute(out)):
+            outputs.setdefault(o.req_id, []).extend(o.new_token_ids)
+        sched.kv_cache_manager.check_integrity()
+    assert not sched.has_unfinished_requests()
+    assert sched.num_preemptions > 0 and runner.accepted_depths == {0, 1, 2, 3}
+    for req_id, prompt in prompts.items():
+        assert outputs[req_id] == expected_output(prompt, 12)
+    state = sched.kv_cache_manager.state_cache
+    assert not state.live and not state.drafts and state.pool.num_used_blocks == 0

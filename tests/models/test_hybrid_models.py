@@ -6,8 +6,9 @@ cut mid-block, sent after the prompt they share it with; two tensor-parallel ran
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
+import numpy as np
 import pytest
 import torch
 from gguf_writer import write_gguf
@@ -18,6 +19,7 @@ from transformers import AutoConfig, PretrainedConfig
 from pagellm import LLM, SamplingParams
 from pagellm.models.loader import default_model_path, load_hf_config
 from pagellm.models.shape import ModelShape
+from pagellm.spec_decode.ngram_proposer import NgramProposer
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 _NEMOTRON_H = dict(layers_block_type=None, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4)
@@ -92,14 +94,17 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path, PretrainedConfig, 
     return request.param, path, hf_model.config, [hf_greedy_uncached(hf_model, p, _MAX_TOKENS) for p in _prompts()]
 
 
-def _generate(model: Path, one_by_one: bool = False, **kwargs):
-    """Greedy outputs, and the engine's state cache after them."""
-    llm = LLM(model=str(model), tokenizer=default_model_path(), dtype="float32", max_model_len=96, **kwargs)
+def _generate(model: Path, one_by_one: bool = False, check: Optional[Callable[[object], None]] = None, **kwargs):
+    """Greedy outputs, and the engine's state cache after them; ``check`` looks at the engine's
+    core before it shuts down."""
+    llm = LLM(model=str(model), tokenizer=default_model_path(), dtype="float32", **{"max_model_len": 96, **kwargs})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, logprobs=5, ignore_eos=True)
         batches = [[p] for p in _prompts()] if one_by_one else [_prompts()]
         outputs = [o for batch in batches for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
         core = llm.llm_engine.core
+        if check is not None:
+            check(core)
         return outputs, core.kv_cache_manager.state_cache, core.scheduler.num_preemptions
     finally:
         llm.shutdown()
@@ -188,8 +193,51 @@ def test_bfloat16_ssm_state_matches_transformers_and_halves_its_slots(checkpoint
         check_close(ours, ref, f"{name} bfloat16 state, prompt {i}")
 
 
-def test_speculative_decoding_is_refused_with_a_reason(checkpoint) -> None:
+def test_speculative_decoding_rolls_the_state_back_to_the_accepted_drafts(checkpoint, monkeypatch) -> None:
+    """n-gram speculative decoding: a step verifies a token and its drafts, and each recurrent
+    layer's state goes back to the one saved after the accepted drafts (a draft slot becomes the
+    live one). The drafter is replaced by one that knows transformers' continuation and spoils one
+    draft in turn, so every rollback depth (0 to 3 drafts accepted) happens; under chunked prefill,
+    preemption and prefix caching, greedy output still passes vLLM's rule against transformers, and
+    every state slot is accounted for afterwards."""
+    name, path, hf_config, reference = checkpoint
+    prompts = _prompts()
+    continuations = {tuple(p): ref.token_ids for p, ref in zip(prompts, reference)}
+
+    def propose(self, token_ids: np.ndarray, num_draft_tokens: int) -> list[int]:
+        ids = token_ids.tolist()
+        prompt = max((p for p in continuations if tuple(ids[: len(p)]) == p), key=len)
+        done, want = ids[len(prompt) :], continuations[prompt]
+        if done != want[: len(done)]:
+            return []  # the output took the other side of a near tie (vLLM's rule allows it): no oracle
+        drafts = want[len(done) : len(done) + num_draft_tokens]
+        spoilt = len(done) % (num_draft_tokens + 1)  # accept 0, 1, 2, ... drafts in turn
+        if spoilt < len(drafts):
+            drafts[spoilt] = (drafts[spoilt] + 1) % hf_config.vocab_size
+        return drafts
+
+    monkeypatch.setattr(NgramProposer, "propose", propose)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    outputs, state, preemptions = _generate(
+        path, max_model_len=64, block_size=4, num_kv_blocks=18, max_num_batched_tokens=16, max_num_seqs=4,
+        state_checkpoint_interval=16, speculative_config=spec, check=lambda core: _check_speculation(core, name),
+    )
+    assert preemptions > 0
+    assert state.stats().num_live == 0
+    for i, (ours, ref) in enumerate(zip(outputs, reference)):
+        check_close(ours, ref, f"{name} speculative, prompt {i}")
+
+
+def _check_speculation(core, name: str) -> None:
+    stats = core.scheduler.spec.stats
+    assert core.kv_cache_plan.num_state_draft_slots == 3 and core.kv_cache_manager.state_cache.slots_per_request == 4
+    assert stats.num_accepted_tokens < stats.num_draft_tokens, f"{name}: no draft was rejected: {stats}"
+    assert all(n > 0 for n in stats.num_accepted_tokens_per_pos), f"{name}: not every depth of drafts was accepted: {stats}"
+    core.kv_cache_manager.check_integrity()
+
+
+def test_a_draft_model_is_refused_with_a_reason(checkpoint) -> None:
     _, path, _, _ = checkpoint
-    with pytest.raises(ValueError, match="not supported for hybrid models"):
-        speculative_config = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="not supported for hybrid models.*use 'ngram'"):
+        speculative_config = {"model": str(path), "num_speculative_tokens": 2}
         LLM(model=str(path), tokenizer=default_model_path(), dtype="float32", speculative_config=speculative_config)

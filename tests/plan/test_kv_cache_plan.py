@@ -48,6 +48,20 @@ def test_a_bfloat16_ssm_state_halves_the_matrices_and_buys_slots():
     assert narrow.num_state_slots == budget * 3 // 4 // narrow.state_slot_bytes == 79
 
 
+def test_speculation_plans_a_draft_slot_per_draft_for_each_request():
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    plan = _plan(kv_cache_memory_bytes=2 << 30, max_num_seqs=8, speculative_config=spec)
+    assert plan.num_state_draft_slots == 3
+    assert plan.num_state_slots == 8 * (1 + 3 + 1)  # live and draft slots, and one checkpoint a request
+    assert _plan(kv_cache_memory_bytes=2 << 30, max_num_seqs=8, speculative_config=spec, enable_prefix_caching=False).num_state_slots == 32
+    # A budget short of one request's slots (and one checkpoint) is refused by name.
+    with pytest.raises(ValueError, match=r"holds no 5 state slots of 18.6 MiB .* raise the KV cache budget"):
+        _plan(kv_cache_memory_bytes=64 << 20, max_num_seqs=8, speculative_config=spec)
+    with pytest.raises(ValueError, match="num_state_slots=3 cannot hold one request's state and its 3 draft states; set at least 4"):
+        _plan(num_state_slots=3, speculative_config=spec)
+    assert _plan(max_num_seqs=8).num_state_draft_slots == 0
+
+
 def test_explicit_slots_and_tensor_parallel_ranks():
     assert _plan(num_state_slots=5).num_state_slots == 5
     two = plan_kv_cache(

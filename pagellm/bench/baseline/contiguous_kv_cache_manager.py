@@ -82,6 +82,7 @@ class ContiguousKVCacheManager(KVCacheManagerBase):
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Optional[KVCacheBlocks] = None,
+        num_draft_tokens: int = 0,
     ) -> Optional[KVCacheBlocks]:
         """Reserves the request's whole run on first call; later calls only check it still fits."""
         if new_computed_blocks is not None and any(new_computed_blocks.groups):
