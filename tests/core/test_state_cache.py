@@ -50,7 +50,7 @@ class FakeStateRunner(FakeRunner):
         return result
 
 
-def _run(sched: Scheduler, runner: FakeStateRunner) -> dict[str, list[int]]:
+def _run(sched: Scheduler, runner: "FakeStateRunner | FakeSpecStateRunner") -> dict[str, list[int]]:
     outputs: dict[str, list[int]] = {}
     for _ in range(1000):
         if not sched.has_unfinished_requests():
@@ -186,7 +186,7 @@ class FakeSpecStateRunner:
             drafts[spoilt] = 7  # the fake model never makes a token below 1000
         return drafts
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
         for req_id in out.finished_req_ids:
             self.state.pop(req_id, None)
         for new in out.new_reqs:
@@ -278,15 +278,7 @@ def test_speculation_keeps_every_live_state_at_its_accepted_tokens(enable_cachin
     prompts = {f"r{i}": [7 * i + j for j in range(1, 15)] for i in range(3)}
     for req_id, prompt in prompts.items():
         sched.add_request(make_request(sched, req_id, prompt, max_tokens=12))
-    outputs: dict[str, list[int]] = {}
-    for _ in range(500):
-        if not sched.has_unfinished_requests():
-            break
-        out = sched.schedule()
-        for o in sched.update_from_output(out, runner.execute(out)):
-            outputs.setdefault(o.req_id, []).extend(o.new_token_ids)
-        sched.kv_cache_manager.check_integrity()
-    assert not sched.has_unfinished_requests()
+    outputs = _run(sched, runner)
     assert sched.num_preemptions > 0 and runner.accepted_depths == {0, 1, 2, 3}
     for req_id, prompt in prompts.items():
         assert outputs[req_id] == expected_output(prompt, 12)
