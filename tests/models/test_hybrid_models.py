@@ -2,7 +2,8 @@
 with a state slot per request beside gated attention on the paged KV cache. Greedy decoding against
 transformers by vLLM's rule under chunked prefill and preemption, from safetensors and from a GGUF
 file written as llama.cpp writes it; prefix caching on equal to off for prompts that share a prefix
-cut mid-block, sent after the prompt they share it with; two tensor-parallel ranks against one."""
+cut mid-block, sent after the prompt they share it with; two tensor-parallel ranks against one; n-gram
+speculative decoding with every state rolled back to the accepted drafts."""
 from __future__ import annotations
 
 from pathlib import Path
