@@ -194,16 +194,13 @@ def test_bfloat16_ssm_state_matches_transformers_and_halves_its_slots(checkpoint
         check_close(ours, ref, f"{name} bfloat16 state, prompt {i}")
 
 
-def test_speculative_decoding_rolls_the_state_back_to_the_accepted_drafts(checkpoint, monkeypatch) -> None:
-    """n-gram speculative decoding: a step verifies a token and its drafts, and each recurrent
-    layer's state goes back to the one saved after the accepted drafts (a draft slot becomes the
-    live one). The drafter is replaced by one that knows transformers' continuation and spoils one
-    draft in turn, so every rollback depth (0 to 3 drafts accepted) happens; under chunked prefill,
-    preemption and prefix caching, greedy output still passes vLLM's rule against transformers, and
-    every state slot is accounted for afterwards."""
-    name, path, hf_config, reference = checkpoint
-    prompts = _prompts()
-    continuations = {tuple(p): ref.token_ids for p, ref in zip(prompts, reference)}
+_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+
+
+def _oracle_drafter(reference: list[HFGreedy], vocab_size: int) -> Callable[..., list[int]]:
+    """An n-gram proposer's ``propose`` that knows transformers' continuation of each prompt and
+    spoils one draft in turn: 0, 1, 2, ... drafts hold."""
+    continuations = {tuple(p): ref.token_ids for p, ref in zip(_prompts(), reference)}
 
     def propose(self, token_ids: np.ndarray, num_draft_tokens: int) -> list[int]:
         ids = token_ids.tolist()
@@ -212,16 +209,26 @@ def test_speculative_decoding_rolls_the_state_back_to_the_accepted_drafts(checkp
         if done != want[: len(done)]:
             return []  # the output took the other side of a near tie (vLLM's rule allows it): no oracle
         drafts = want[len(done) : len(done) + num_draft_tokens]
-        spoilt = len(done) % (num_draft_tokens + 1)  # accept 0, 1, 2, ... drafts in turn
+        spoilt = len(done) % (num_draft_tokens + 1)
         if spoilt < len(drafts):
-            drafts[spoilt] = (drafts[spoilt] + 1) % hf_config.vocab_size
+            drafts[spoilt] = (drafts[spoilt] + 1) % vocab_size
         return drafts
 
-    monkeypatch.setattr(NgramProposer, "propose", propose)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    return propose
+
+
+def test_speculative_decoding_rolls_the_state_back_to_the_accepted_drafts(checkpoint, monkeypatch) -> None:
+    """n-gram speculative decoding: a step verifies a token and its drafts, and each recurrent
+    layer's state goes back to the one saved after the accepted drafts (a draft slot becomes the
+    live one). The drafter is replaced by one that knows transformers' continuation and spoils one
+    draft in turn, so every rollback depth (0 to 3 drafts accepted) happens; under chunked prefill,
+    preemption and prefix caching, greedy output still passes vLLM's rule against transformers, and
+    every state slot is accounted for afterwards."""
+    name, path, hf_config, reference = checkpoint
+    monkeypatch.setattr(NgramProposer, "propose", _oracle_drafter(reference, hf_config.vocab_size))
     outputs, state, preemptions = _generate(
         path, max_model_len=64, block_size=4, num_kv_blocks=18, max_num_batched_tokens=16, max_num_seqs=4,
-        state_checkpoint_interval=16, speculative_config=spec, check=lambda core: _check_speculation(core, name),
+        state_checkpoint_interval=16, speculative_config=_SPEC, check=lambda core: _check_speculation(core, name),
     )
     assert preemptions > 0
     assert state.stats().num_live == 0
@@ -235,6 +242,25 @@ def _check_speculation(core, name: str) -> None:
     assert stats.num_accepted_tokens < stats.num_draft_tokens, f"{name}: no draft was rejected: {stats}"
     assert all(n > 0 for n in stats.num_accepted_tokens_per_pos), f"{name}: not every depth of drafts was accepted: {stats}"
     core.kv_cache_manager.check_integrity()
+
+
+@pytest.mark.slow
+def test_speculative_decoding_on_two_ranks_matches_one(checkpoint) -> None:
+    """Rank 0 proposes and verifies, and its scheduler rolls every rank's state back: two ranks give
+    one rank's output. The real n-gram lookup (the ranks are other processes), whose drafts these
+    prompts mostly refute. One model per kind of state (the delta rule, Mamba-2, short convolutions)."""
+    name, path, _, reference = checkpoint
+    if name not in ("qwen3.5", "granite-4.0-h", "lfm2"):
+        pytest.skip("one model per kind of recurrent state")
+    spec = {**_SPEC, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    kwargs = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, speculative_config=spec)
+    stats = []
+    one, _, _ = _generate(path, **kwargs)
+    two, _, _ = _generate(path, tensor_parallel_size=2, check=lambda core: stats.append(core.scheduler.spec.stats), **kwargs)
+    assert stats[0].num_draft_tokens > stats[0].num_accepted_tokens, f"{name}: no draft was refuted: {stats[0]}"
+    for a, b, ref in zip(one, two, reference):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+        check_close(b, ref, f"{name} speculative on two ranks")
 
 
 def test_a_draft_model_is_refused_with_a_reason(checkpoint) -> None:
