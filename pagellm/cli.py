@@ -224,8 +224,23 @@ def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParse
     return parser
 
 
+def dashed_flags(argv: Sequence[str]) -> list[str]:
+    """``--max_model_len 512`` as ``--max-model-len 512``: vLLM's parser takes either spelling of a
+    flag (its recipes and model cards use both), so commands copied from them run here too. Values
+    and everything after a bare ``--`` are left as written."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            arg = "--" + name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = dashed_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:

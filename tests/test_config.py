@@ -154,6 +154,21 @@ def test_mamba_ssm_cache_dtype_is_resolved_and_checked():
         parser.parse_args(["--mamba-ssm-cache-dtype", "float16"])
 
 
+def test_flags_take_vllms_underscore_spelling() -> None:
+    from pagellm.cli import build_parser, dashed_flags
+
+    argv = dashed_flags(
+        ["serve", "m.gguf", "--max_model_len", "512", "--mamba_ssm_cache_dtype=bfloat16", "--enable-prefix-caching",
+         "--served_model_name", "my_model"]
+    )
+    assert argv == ["serve", "m.gguf", "--max-model-len", "512", "--mamba-ssm-cache-dtype=bfloat16",
+                    "--enable-prefix-caching", "--served-model-name", "my_model"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.max_model_len, args.mamba_ssm_cache_dtype, args.served_model_name) == (512, "bfloat16", "my_model")
+    # A value, and anything after a bare "--", is left as written.
+    assert dashed_flags(["generate", "a_b", "--", "--x_y"]) == ["generate", "a_b", "--", "--x_y"]
+
+
 def test_command_line_imports_only_the_subcommand_it_runs() -> None:
     """``pagellm serve`` does not import the benchmarks (their HTTP client) to build its parser."""
     import subprocess
