@@ -43,8 +43,14 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="hybrid models: tokens between the recurrent state checkpoints prefix caching saves (a multiple of --block-size)",
     )
     parser.add_argument(
+        "--mamba-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="hybrid models: the type of every recurrent state tensor (convolution tails, and the recurrent matrices unless "
+        "--mamba-ssm-cache-dtype says otherwise); auto: tails in the activations' type, matrices in float32",
+    )
+    parser.add_argument(
         "--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="hybrid models: the recurrent matrices' type (Gated DeltaNet, Mamba-2); auto: float32, bfloat16 halves their memory",
+        help="hybrid models: the recurrent matrices' type (Gated DeltaNet, Mamba-2); auto: --mamba-cache-dtype's, float32 "
+        "where that is auto; bfloat16 halves their memory",
     )
     parser.add_argument(
         "--packed-weight-cache",
@@ -170,6 +176,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         num_state_slots=args.num_state_slots,
         state_checkpoint_interval=args.state_checkpoint_interval,
+        mamba_cache_dtype=getattr(args, "mamba_cache_dtype", "auto"),
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
         packed_weight_cache=args.packed_weight_cache,
         seed=args.seed,

@@ -144,10 +144,14 @@ class EngineConfig:
     # planned), and how many tokens apart prefix caching checkpoints it.
     num_state_slots: Optional[int] = None
     state_checkpoint_interval: int = 256
+    # vLLM's --mamba-cache-dtype: the element type of every recurrent state tensor, the convolutions'
+    # input tails and (unless mamba_ssm_cache_dtype says otherwise) the recurrent matrices. "auto":
+    # the tails in the activations' dtype (lossless), the matrices in float32.
+    mamba_cache_dtype: Union[str, torch.dtype] = "auto"
     # vLLM's --mamba-ssm-cache-dtype: the element type of the recurrent matrices (Gated DeltaNet's
-    # and Mamba-2's state; the convolutions' tails stay in the activations' dtype). "auto" is
-    # float32; bfloat16 halves their slots and checkpoints and the bytes a decode step moves, and
-    # rounds a state where it is written: once per decoded token or prefill chunk (docs/hybrid_models.md).
+    # and Mamba-2's state). "auto" follows mamba_cache_dtype, float32 where that is auto too;
+    # bfloat16 halves their slots and checkpoints and the bytes a decode step moves, and rounds a
+    # state where it is written: once per decoded token or prefill chunk (docs/hybrid_models.md).
     mamba_ssm_cache_dtype: Union[str, torch.dtype] = "auto"
     # Keep the CPU kernels' packed weights on disk so that later starts map them instead of packing
     # (pagellm.kernels.pack_cache; PAGELLM_PACKED_WEIGHT_CACHE says where, or 0 for never).
@@ -243,14 +247,17 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.num_state_slots is not None and self.num_state_slots < 2:
             raise ValueError(f"num_state_slots must be at least 2, got {self.num_state_slots}")
-        if not self.auto_mamba_ssm_cache_dtype:
+        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            value = getattr(self, name)
+            if _is_auto(value):
+                continue
             try:
-                ssm = parse_dtype(self.mamba_ssm_cache_dtype)
+                state_dtype = parse_dtype(value)
             except ValueError:
-                ssm = None
-            if ssm not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"mamba_ssm_cache_dtype must be auto, float32 or bfloat16, got {self.mamba_ssm_cache_dtype!r}")
-            self._set("mamba_ssm_cache_dtype", ssm)
+                state_dtype = None
+            if state_dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"{name} must be auto, float32 or bfloat16, got {value!r}")
+            self._set(name, state_dtype)
         if self.state_checkpoint_interval < self.block_size:
             raise ValueError(f"state_checkpoint_interval must be at least the block size, got {self.state_checkpoint_interval}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -337,6 +344,10 @@ class EngineConfig:
     @property
     def auto_lora_dtype(self) -> bool:
         return _is_auto(self.lora_dtype)
+
+    @property
+    def auto_mamba_cache_dtype(self) -> bool:
+        return _is_auto(self.mamba_cache_dtype)
 
     @property
     def auto_mamba_ssm_cache_dtype(self) -> bool:

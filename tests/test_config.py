@@ -154,6 +154,25 @@ def test_mamba_ssm_cache_dtype_is_resolved_and_checked():
         parser.parse_args(["--mamba-ssm-cache-dtype", "float16"])
 
 
+def test_mamba_cache_dtype_sets_the_convolution_tails_and_the_default_for_the_matrices():
+    from pagellm.models.precision import resolve_precision
+
+    def states(**kw):
+        precision = resolve_precision(EngineConfig(device="cpu", dtype="float32", **kw), torch.bfloat16, True)
+        return precision.conv_state_dtype, precision.ssm_state_dtype
+
+    assert states() == (torch.float32, torch.float32)  # tails in the activations' dtype, matrices float32
+    assert states(mamba_cache_dtype="bfloat16") == (torch.bfloat16, torch.bfloat16)
+    assert states(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="float32") == (torch.bfloat16, torch.float32)
+    assert states(mamba_cache_dtype="float32", mamba_ssm_cache_dtype="bfloat16") == (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="mamba_cache_dtype must be auto, float32 or bfloat16, got 'float16'"):
+        EngineConfig(device="cpu", mamba_cache_dtype="float16")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = EngineConfig(**engine_kwargs(parser.parse_args(["--mamba-cache-dtype", "bfloat16", "--device", "cpu"])))
+    assert (config.mamba_cache_dtype, config.mamba_ssm_cache_dtype) == (torch.bfloat16, "auto")
+
+
 def test_flags_take_vllms_underscore_spelling() -> None:
     from pagellm.cli import build_parser, dashed_flags
 

@@ -114,8 +114,8 @@ class EngineCore:
         max_model_len = config.max_model_len or resolved.model_max_len
         precision = resolved.precision
         return plan_kv_cache(
-            config, resolved.model.shape, precision.kv_cache_dtype, max_model_len, layout, draft, budget, precision.dtype,
-            precision.ssm_state_dtype,
+            config, resolved.model.shape, precision.kv_cache_dtype, max_model_len, layout, draft, budget,
+            precision.conv_state_dtype, precision.ssm_state_dtype,
         )
 
     # The plan's figures, as the benchmarks and the server read them.

@@ -163,10 +163,11 @@ class Worker:
             kv_cache.layout, kv_cache.num_blocks, kv_cache.block_size, self._num_kv_heads(), head_dim, cache_dtype, self.device,
             layer_kv_heads,
         )
+        precision = resolved.precision
         state_caches = allocate_state_caches(
             len(shape.state_layer_ids),
             kv_cache.num_state_slots,
-            [(t.per_rank(tp_size), t.dtype(resolved.precision.dtype, resolved.precision.ssm_state_dtype)) for t in shape.state_tensors],
+            [(t.per_rank(tp_size), t.dtype(precision.conv_state_dtype, precision.ssm_state_dtype)) for t in shape.state_tensors],
             self.device,
         )
         for layer, state in zip(shape.state_layer_ids, state_caches):

@@ -516,11 +516,11 @@ def _recurrent_ops_loaded() -> bool:
 
 
 def causal_conv1d_supports(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> bool:
-    """Whether :func:`causal_conv1d` covers these tensors: CPU, x float32 or bfloat16 with the state in its dtype."""
+    """Whether :func:`causal_conv1d` covers these tensors: CPU, x and the state each float32 or bfloat16."""
     return (
         all(t.device.type == "cpu" for t in (x, weight, conv_state))
         and x.dtype in (torch.float32, torch.bfloat16)
-        and conv_state.dtype == x.dtype
+        and conv_state.dtype in (torch.float32, torch.bfloat16)
         and conv_state.is_contiguous()
         and _recurrent_ops_loaded()
     )

@@ -13,7 +13,8 @@ class StateTensorShape:
     """One of a recurrent layer's state tensors, one per request (all ranks' heads): ``shape``
     with ``split_dim`` cut evenly across tensor-parallel ranks; ``ssm``: a recurrent matrix, which
     accumulates over the whole context, held in the SSM state dtype (float32 unless
-    ``--mamba-ssm-cache-dtype`` says otherwise), else a convolution's input tail in the activations' dtype."""
+    ``--mamba-ssm-cache-dtype`` or ``--mamba-cache-dtype`` says otherwise), else a convolution's input
+    tail, in the activations' dtype unless ``--mamba-cache-dtype`` says otherwise."""
 
     shape: tuple[int, ...]
     split_dim: int
@@ -30,9 +31,9 @@ class StateTensorShape:
         held = rest // tp_size + sum(n // tp_size if units % tp_size == 0 else n for (units, _), n in zip(self.whole_if_indivisible, runs))
         return tuple(held if d == self.split_dim else n for d, n in enumerate(self.shape))
 
-    def dtype(self, activation_dtype: torch.dtype, ssm_dtype: torch.dtype) -> torch.dtype:
-        return ssm_dtype if self.ssm else activation_dtype
+    def dtype(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> torch.dtype:
+        return ssm_dtype if self.ssm else conv_dtype
 
-    def nbytes(self, activation_dtype: torch.dtype, ssm_dtype: torch.dtype, tp_size: int = 1) -> int:
-        element = torch.empty((), dtype=self.dtype(activation_dtype, ssm_dtype)).element_size()
+    def nbytes(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype, tp_size: int = 1) -> int:
+        element = torch.empty((), dtype=self.dtype(conv_dtype, ssm_dtype)).element_size()
         return math.prod(self.per_rank(tp_size)) * element

@@ -28,13 +28,15 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ResolvedPrecision:
     """What an engine computes in, decided once: the linear layers' arithmetic, the model's tensors,
-    the KV cache, the LoRA slots and a hybrid model's recurrent matrices (the SSM state)."""
+    the KV cache, the LoRA slots and a hybrid model's state: its recurrent matrices (the SSM state)
+    and its convolutions' input tails."""
 
     linear: LinearPrecision
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype
     lora_dtype: torch.dtype
-    ssm_state_dtype: torch.dtype = torch.float32
+    ssm_state_dtype: torch.dtype
+    conv_state_dtype: torch.dtype
 
 
 def resolve_precision(config: EngineConfig, checkpoint_dtype: torch.dtype, is_gguf: bool) -> ResolvedPrecision:
@@ -65,9 +67,11 @@ def resolve_precision(config: EngineConfig, checkpoint_dtype: torch.dtype, is_gg
     else:
         lora_dtype = config.lora_dtype
     # "auto" keeps the recurrent matrices in float32 (llama.cpp's choice; vLLM's "auto" follows the
-    # model's dtype): they accumulate over the whole context.
-    ssm_state_dtype = torch.float32 if config.auto_mamba_ssm_cache_dtype else config.mamba_ssm_cache_dtype
-    return ResolvedPrecision(linear, dtype, kv_cache_dtype, lora_dtype, ssm_state_dtype)
+    # model's dtype): they accumulate over the whole context. The convolutions' tails are inputs,
+    # lossless in the activations' dtype.
+    state_dtype = None if config.auto_mamba_cache_dtype else config.mamba_cache_dtype
+    ssm_state_dtype = config.mamba_ssm_cache_dtype if not config.auto_mamba_ssm_cache_dtype else state_dtype or torch.float32
+    return ResolvedPrecision(linear, dtype, kv_cache_dtype, lora_dtype, ssm_state_dtype, state_dtype or dtype)
 
 
 def draft_linear_precision(device: torch.device, checkpoint_dtype: torch.dtype, is_gguf: bool) -> LinearPrecision:

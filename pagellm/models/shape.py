@@ -105,9 +105,9 @@ class ModelShape:
         """Layers whose KV the cache holds (a layer reading another's KV not counted)."""
         return len(self.kv_layer_ids)
 
-    def state_slot_bytes(self, activation_dtype: torch.dtype, ssm_dtype: torch.dtype, tp_size: int = 1) -> int:
+    def state_slot_bytes(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype, tp_size: int = 1) -> int:
         """One request's recurrent state, every recurrent layer, on one rank."""
-        return len(self.state_layer_ids) * sum(t.nbytes(activation_dtype, ssm_dtype, tp_size) for t in self.state_tensors)
+        return len(self.state_layer_ids) * sum(t.nbytes(conv_dtype, ssm_dtype, tp_size) for t in self.state_tensors)
 
     @classmethod
     def from_hf_config(cls, hf_config: PretrainedConfig) -> "ModelShape":

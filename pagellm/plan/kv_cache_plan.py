@@ -105,7 +105,7 @@ def plan_kv_cache(
     layout: KVCacheLayout,
     draft_shape: Optional[ModelShape] = None,
     budget_bytes: Optional[int] = None,
-    state_dtype: torch.dtype = torch.float32,
+    conv_state_dtype: torch.dtype = torch.float32,
     ssm_state_dtype: torch.dtype = torch.float32,
 ) -> KVCachePlan:
     """Blocks from ``num_kv_blocks``, else from ``budget_bytes`` (a GPU's free memory), else the
@@ -128,7 +128,7 @@ def plan_kv_cache(
     if shape.is_hybrid:
         if draft_shape is not None:
             raise ValueError("speculative decoding with a draft model is not supported for hybrid (recurrent) models")
-        state_slot_bytes = shape.state_slot_bytes(state_dtype, ssm_state_dtype, config.tensor_parallel_size)
+        state_slot_bytes = shape.state_slot_bytes(conv_state_dtype, ssm_state_dtype, config.tensor_parallel_size)
         total = budget if budget is not None else DEFAULT_KV_CACHE_MEMORY_BYTES
         num_state_slots = plan_state_slots(config, state_slot_bytes, total)
         if config.num_kv_blocks is None:

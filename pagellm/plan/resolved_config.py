@@ -120,7 +120,7 @@ def resolve_with_model(
         config.max_model_len or model_max_len,
         kv_cache_layout_for(model.shape),
         draft.shape if draft is not None else None,
-        state_dtype=precision.dtype,
+        conv_state_dtype=precision.conv_state_dtype,
         ssm_state_dtype=precision.ssm_state_dtype,
     )
     from_free_memory = config.device.type == "cuda" and config.kv_cache_memory_bytes is None and config.num_kv_blocks is None

@@ -82,12 +82,12 @@ def test_gated_delta_rule_reference_chunked_prefill_split():
     _split_prefill_check(recurrent.gated_delta_rule_reference)
 
 
-def _conv_inputs(lengths, C, K, S, seed=0, dtype=torch.float32):
+def _conv_inputs(lengths, C, K, S, seed=0, dtype=torch.float32, state_dtype=None):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(lengths), C, generator=gen).to(dtype)
     weight = (torch.randn(C, K, generator=gen) * 0.5).to(dtype)
     bias = (torch.randn(C, generator=gen) * 0.1).to(dtype)
-    conv_state = torch.randn(S, K - 1, C, generator=gen).to(dtype)
+    conv_state = torch.randn(S, K - 1, C, generator=gen).to(state_dtype or dtype)
     return x, weight, bias, conv_state
 
 
@@ -200,12 +200,17 @@ def test_gated_delta_rule_cpp_zero_state_ignores_slot_contents(dv):
 
 
 @needs_cpp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "state_dtype"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
 @pytest.mark.parametrize("activation", ["silu", None])
 @pytest.mark.parametrize("C,K", [(12, 4), (100, 3), (64, 2)])
-def test_causal_conv1d_cpp_matches_reference(dtype, activation, C, K):
+def test_causal_conv1d_cpp_matches_reference(dtype, activation, C, K, state_dtype):
+    """The state in x's dtype, or in the other one (--mamba-cache-dtype): inputs are rounded into
+    it exactly as the reference rounds them."""
     S = 24
-    x, weight, bias, conv_state = _conv_inputs(CONV_LENGTHS, C, K, S, dtype=dtype)
+    x, weight, bias, conv_state = _conv_inputs(CONV_LENGTHS, C, K, S, dtype=dtype, state_dtype=state_dtype)
     qsl, slots, has_init, cps = batch_meta(CONV_LENGTHS, S, seed=5, checkpoint_offsets=CONV_CHECKPOINTS)
     ref_state, cpp_state = conv_state.clone(), conv_state.clone()
     ref = recurrent.causal_conv1d_reference(x, weight, bias, ref_state, qsl, slots, has_init, cps, activation)
@@ -220,12 +225,12 @@ def test_causal_conv1d_cpp_matches_reference(dtype, activation, C, K):
 
 
 @needs_cpp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_causal_conv1d_cpp_spans_of_a_wide_strided_input(dtype):
+@pytest.mark.parametrize(("dtype", "state_dtype"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)])
+def test_causal_conv1d_cpp_spans_of_a_wide_strided_input(dtype, state_dtype):
     """Prompts longer than a work item's tokens, channels over several spans with a partial last
     vector, decodes beside them, and x a column slice of a wider projection (read in place)."""
     lengths, C, K, S = [1, 70, 1, 0, 5, 33], 1100, 4, 20
-    wide, weight, bias, conv_state = _conv_inputs(lengths, C + 37, K, S, dtype=dtype)
+    wide, weight, bias, conv_state = _conv_inputs(lengths, C + 37, K, S, dtype=dtype, state_dtype=state_dtype)
     x, weight, bias, conv_state = wide[:, 5:5 + C], weight[:C], bias[:C], conv_state[..., :C].contiguous()
     qsl, slots, has_init, cps = batch_meta(lengths, S, seed=2, checkpoint_offsets={1: [2, 32, 33, 70], 4: [1, 2], 5: [33]})
     ref_state, cpp_state = conv_state.clone(), conv_state.clone()

@@ -56,14 +56,15 @@ def test_triton_gated_delta_rule_matches_reference(dtype, state_dtype):
     torch.testing.assert_close(tri_state.float(), ref_state.float(), rtol=state_tol, atol=1e-4)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])  # bfloat16: --mamba-cache-dtype
 @pytest.mark.parametrize("activation", ["silu", None])
-def test_triton_causal_conv1d_matches_reference(activation):
+def test_triton_causal_conv1d_matches_reference(activation, state_dtype):
     C, K, S = 20, 4, 16
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(sum(LENGTHS), C, generator=gen)
     weight = torch.randn(C, K, generator=gen) * 0.5
     bias = torch.randn(C, generator=gen) * 0.1
-    state0 = torch.randn(S, K - 1, C, generator=gen)
+    state0 = torch.randn(S, K - 1, C, generator=gen).to(state_dtype)
     qsl, slots, has_init, cps = _meta(LENGTHS)
     ref_state, tri_state = state0.clone(), state0.clone()
     ref = recurrent.causal_conv1d_reference(x, weight, bias, ref_state, qsl, slots, has_init, cps, activation)

@@ -162,36 +162,38 @@ def test_tensor_parallel_two_ranks_match_one(checkpoint, source: str, tmp_path: 
             assert all(abs(x[k].logprob - y[k].logprob) < 1e-3 for k in x.keys() & y.keys()), name
 
 
-def test_bfloat16_ssm_state_matches_transformers_and_halves_its_slots(checkpoint) -> None:
+@pytest.mark.parametrize("flag", ["mamba_ssm_cache_dtype", "mamba_cache_dtype"])
+def test_bfloat16_state_matches_transformers_and_shrinks_its_slots(checkpoint, flag) -> None:
     """--mamba-ssm-cache-dtype bfloat16: the recurrent matrices in bfloat16 slots (the convolutions'
-    tails stay float32), under chunked prefill, preemption and prefix caching; greedy output still
-    passes vLLM's rule against transformers in float32."""
+    tails stay float32); --mamba-cache-dtype bfloat16: every state tensor in bfloat16. Under chunked
+    prefill, preemption and prefix caching, greedy output still passes vLLM's rule against
+    transformers in float32."""
     name, path, hf_config, reference = checkpoint
     shape = ModelShape.from_hf_config(hf_config)
-    if not any(t.ssm for t in shape.state_tensors):
-        pytest.skip(f"{name} keeps no recurrent matrix (short convolutions only)")
+    every_tensor = flag == "mamba_cache_dtype"
+    if not any(t.ssm or every_tensor for t in shape.state_tensors):
+        pytest.skip(f"{name} keeps no recurrent matrix (short convolutions only)" if shape.state_tensors else f"{name} keeps no state")
     llm = LLM(
         model=str(path), tokenizer=default_model_path(), dtype="float32", max_model_len=96, block_size=4, num_kv_blocks=24,
-        max_num_batched_tokens=16, max_num_seqs=4, state_checkpoint_interval=16, mamba_ssm_cache_dtype="bfloat16",
+        max_num_batched_tokens=16, max_num_seqs=4, state_checkpoint_interval=16, **{flag: "bfloat16"},
     )
     try:
         core = llm.llm_engine.core
         states = [t for cache in core.runner.kv_caches if isinstance(cache, tuple) for t in cache]
         assert len(states) == len(shape.state_layer_ids) * len(shape.state_tensors)
-        assert [t.dtype for t in states] == [torch.bfloat16 if spec.ssm else torch.float32 for spec in shape.state_tensors] * len(
-            shape.state_layer_ids
-        )
-        ssm_bytes = sum(spec.nbytes(torch.float32, torch.float32) for spec in shape.state_tensors if spec.ssm)
+        halved = [spec.ssm or every_tensor for spec in shape.state_tensors]
+        assert [t.dtype for t in states] == [torch.bfloat16 if h else torch.float32 for h in halved] * len(shape.state_layer_ids)
+        halved_bytes = sum(spec.nbytes(torch.float32, torch.float32) for spec, h in zip(shape.state_tensors, halved) if h)
         assert core.kv_cache_plan.state_slot_bytes == shape.state_slot_bytes(torch.float32, torch.float32) - len(
             shape.state_layer_ids
-        ) * ssm_bytes // 2
+        ) * halved_bytes // 2
         params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, logprobs=5, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
         assert core.scheduler.num_preemptions > 0
     finally:
         llm.shutdown()
     for i, (ours, ref) in enumerate(zip(outputs, reference)):
-        check_close(ours, ref, f"{name} bfloat16 state, prompt {i}")
+        check_close(ours, ref, f"{name} bfloat16 state ({flag}), prompt {i}")
 
 
 _SPEC = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}

@@ -22,7 +22,7 @@ BLOCK_BYTES = 2 * 6 * 16 * 2 * 256 * 2
 
 def _plan(**kw):
     config = EngineConfig(max_model_len=4096, **kw)
-    return plan_kv_cache(config, SHAPE, torch.bfloat16, 4096, kv_cache_layout_for(SHAPE), state_dtype=torch.bfloat16)
+    return plan_kv_cache(config, SHAPE, torch.bfloat16, 4096, kv_cache_layout_for(SHAPE), conv_state_dtype=torch.bfloat16)
 
 
 def test_slots_for_twice_the_batch_within_three_quarters_of_the_budget():
@@ -39,9 +39,9 @@ def test_slots_for_twice_the_batch_within_three_quarters_of_the_budget():
 def test_a_bfloat16_ssm_state_halves_the_matrices_and_buys_slots():
     budget = 1 << 30
     config = EngineConfig(max_model_len=4096, kv_cache_memory_bytes=budget, max_num_seqs=64)
-    wide = plan_kv_cache(config, SHAPE, torch.bfloat16, 4096, kv_cache_layout_for(SHAPE), state_dtype=torch.bfloat16)
+    wide = plan_kv_cache(config, SHAPE, torch.bfloat16, 4096, kv_cache_layout_for(SHAPE), conv_state_dtype=torch.bfloat16)
     narrow = plan_kv_cache(
-        config, SHAPE, torch.bfloat16, 4096, kv_cache_layout_for(SHAPE), state_dtype=torch.bfloat16, ssm_state_dtype=torch.bfloat16
+        config, SHAPE, torch.bfloat16, 4096, kv_cache_layout_for(SHAPE), conv_state_dtype=torch.bfloat16, ssm_state_dtype=torch.bfloat16
     )
     assert narrow.state_slot_bytes == 18 * (3 * 6144 * 2 + 16 * 128 * 128 * 2) == 10_100_736
     assert wide.num_state_slots == budget * 3 // 4 // SLOT_BYTES == 41
@@ -66,7 +66,7 @@ def test_explicit_slots_and_tensor_parallel_ranks():
     assert _plan(num_state_slots=5).num_state_slots == 5
     two = plan_kv_cache(
         EngineConfig(max_model_len=4096, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 30), SHAPE, torch.bfloat16, 4096,
-        kv_cache_layout_for(SHAPE), state_dtype=torch.bfloat16,
+        kv_cache_layout_for(SHAPE), conv_state_dtype=torch.bfloat16,
     )
     assert two.state_slot_bytes == SLOT_BYTES // 2  # each rank holds half the heads' state
 

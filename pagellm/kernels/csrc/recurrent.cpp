@@ -36,9 +36,10 @@ constexpr int kDecodeVecs = 32 / W;        // a decode's column chunk: 128 bytes
 // ---- causal conv1d ---------------------------------------------------------------------------
 
 // A one-token sequence's full block of channels, straight from its state rows (the K - 1 inputs
-// before it, oldest first), which then shift by one: no ring of inputs to set up and save.
-template <typename T>
-void conv_decode_block(T* orow, const T* xr, const float* wpad, const float* bpad, T* st, bool initial, int64_t C,
+// before it, oldest first), which then shift by one: no ring of inputs to set up and save. The
+// state may be in another type than x (--mamba-cache-dtype): its rows are widened and rounded here.
+template <typename T, typename ST>
+void conv_decode_block(T* orow, const T* xr, const float* wpad, const float* bpad, ST* st, bool initial, int64_t C,
                        int64_t K, bool silu_on) {
   const int64_t H = K - 1;
   alignas(64) float xin[kConvBlock], y[kConvBlock];
@@ -56,35 +57,48 @@ void conv_decode_block(T* orow, const T* xr, const float* wpad, const float* bpa
   }
   for (int64_t c = 0; c < kConvBlock; ++c) orow[c] = from_float<T>(y[c]);
   for (int64_t j = 0; j + 1 < H; ++j) {
-    for (int64_t c = 0; c < kConvBlock; ++c) st[j * C + c] = initial ? st[(j + 1) * C + c] : T(0);
+    for (int64_t c = 0; c < kConvBlock; ++c) st[j * C + c] = initial ? st[(j + 1) * C + c] : ST(0);
   }
-  if (H > 0) std::copy(xr, xr + kConvBlock, st + (H - 1) * C);
+  if (H > 0) {
+    for (int64_t c = 0; c < kConvBlock; ++c) st[(H - 1) * C + c] = from_float<ST>(xin[c]);
+  }
 }
 
-// Where sequence i's input at position p (from its first token; negative: before it) lies: a row of x
-// (ldx apart), or a row of its state slot, or zeros for a sequence without a state.
-template <typename T>
-const T* conv_input(const T* x, int64_t ldx, const T* state, const T* zeros, const SeqMeta& m, int64_t i, int64_t p,
-                    int64_t C, int64_t H) {
-  if (p >= 0) return x + (m.starts[i] + p) * ldx;
-  return m.initial[i] ? state + (m.slots[i] * H + H + p) * C : zeros;
+// Where sequence i's input at position p (from its first token; negative: before it) lies: a row of
+// its state slot (returned; in the state's type), or else a row of x (ldx apart) or zeros for a
+// sequence without a state (set in *x_row, in x's type).
+template <typename T, typename ST>
+const ST* conv_input(const T* x, int64_t ldx, const ST* state, const T* zeros, const SeqMeta& m, int64_t i, int64_t p,
+                     int64_t C, int64_t H, const T** x_row) {
+  *x_row = p >= 0 ? x + (m.starts[i] + p) * ldx : zeros;
+  return p < 0 && m.initial[i] ? state + (m.slots[i] * H + H + p) * C : nullptr;
 }
 
 // Channels [c0, c1) of tokens [t0, t1) of sequence i, each input read where it lies (conv_input).
 // A work item's K row spans and taps stay in L1, and the rows stream through it in order.
-template <typename T>
-void conv_span(T* out, const T* x, int64_t ldx, const float* taps, const float* bias, const T* state, const T* zeros,
+template <typename T, typename ST>
+void conv_span(T* out, const T* x, int64_t ldx, const float* taps, const float* bias, const ST* state, const T* zeros,
                const SeqMeta& m, int64_t i, int64_t t0, int64_t t1, int64_t c0, int64_t c1, int64_t C, int64_t K,
                bool silu_on) {
   const int64_t a = m.starts[i], H = K - 1;
   const T* in[16];
+  const ST* in_state[16];  // non-null where the input is a state row (only the first K - 1 tokens)
   for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t j = 0; j < K; ++j) in[j] = conv_input(x, ldx, state, zeros, m, i, t - H + j, C, H);  // oldest first
+    for (int64_t j = 0; j < K; ++j)
+      in_state[j] = conv_input(x, ldx, state, zeros, m, i, t - H + j, C, H, &in[j]);  // oldest first
     T* orow = out + (a + t) * C;
     int64_t c = c0;
+    if (t >= H || !m.initial[i]) {  // every input a row of x (or zeros): the loop without a choice per tap
+      for (; c + W <= c1; c += W) {
+        vfloat acc = bias != nullptr ? vload(bias + c) : vfloat{};
+        for (int64_t j = 0; j < K; ++j) acc += vload(taps + j * C + c) * load_kv(in[j] + c);
+        store_kv(orow + c, silu_on ? silu(acc) : acc);
+      }
+    }
     for (; c + W <= c1; c += W) {
       vfloat acc = bias != nullptr ? vload(bias + c) : vfloat{};
-      for (int64_t j = 0; j < K; ++j) acc += vload(taps + j * C + c) * load_kv(in[j] + c);
+      for (int64_t j = 0; j < K; ++j)
+        acc += vload(taps + j * C + c) * (in_state[j] != nullptr ? load_kv(in_state[j] + c) : load_kv(in[j] + c));
       store_kv(orow + c, silu_on ? silu(acc) : acc);
     }
     if (c < c1) {  // the last channels, through zero-padded vectors
@@ -94,7 +108,7 @@ void conv_span(T* out, const T* x, int64_t ldx, const float* taps, const float* 
       for (int64_t j = 0; j < K; ++j) {
         for (int l = 0; l < W; ++l) {
           tap[l] = c + l < c1 ? taps[j * C + c + l] : 0.0f;
-          xin[l] = c + l < c1 ? to_float(in[j][c + l]) : 0.0f;
+          xin[l] = c + l >= c1 ? 0.0f : in_state[j] != nullptr ? to_float(in_state[j][c + l]) : to_float(in[j][c + l]);
         }
         acc += vload(tap) * vload(xin);
       }
@@ -107,13 +121,20 @@ void conv_span(T* out, const T* x, int64_t ldx, const float* taps, const float* 
 // The K - 1 inputs of sequence i before token `offset`, channels [c0, c1), into state slot `slot`.
 // Rows go in ascending order: a slot overwritten with its own later rows (a sequence shorter than
 // K - 1 saving into its slot) reads each row before it is written.
-template <typename T>
-void conv_save(const T* x, int64_t ldx, T* state, const T* zeros, const SeqMeta& m, int64_t i, int64_t offset,
+template <typename T, typename ST>
+void conv_save(const T* x, int64_t ldx, ST* state, const T* zeros, const SeqMeta& m, int64_t i, int64_t offset,
                int64_t slot, int64_t c0, int64_t c1, int64_t C, int64_t H) {
-  T* dst = state + slot * H * C;
+  ST* dst = state + slot * H * C;
   for (int64_t r = 0; r < H; ++r) {
-    const T* src = conv_input(x, ldx, static_cast<const T*>(state), zeros, m, i, offset - H + r, C, H);
-    std::memmove(dst + r * C + c0, src + c0, sizeof(T) * (c1 - c0));
+    const T* x_row;
+    const ST* src = conv_input(x, ldx, static_cast<const ST*>(state), zeros, m, i, offset - H + r, C, H, &x_row);
+    if (src != nullptr) {
+      std::memmove(dst + r * C + c0, src + c0, sizeof(ST) * (c1 - c0));
+    } else if constexpr (std::is_same_v<T, ST>) {
+      std::memmove(dst + r * C + c0, x_row + c0, sizeof(ST) * (c1 - c0));
+    } else {
+      for (int64_t c = c0; c < c1; ++c) dst[r * C + c] = from_float<ST>(to_float(x_row[c]));
+    }
   }
 }
 
@@ -141,9 +162,10 @@ void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
                         weight.size(1) == C && weight.size(0) >= 1 && weight.size(0) <= 16,
                     op, ": weight must be a contiguous float32 [K, C] tensor, K <= 16");
   const int64_t K = weight.size(0), H = K - 1;
-  TORCH_CHECK_VALUE(conv_state.scalar_type() == x.scalar_type() && conv_state.is_contiguous() &&
-                        conv_state.dim() == 3 && conv_state.size(1) == H && conv_state.size(2) == C,
-                    op, ": conv_state must be a contiguous [S, K - 1, C] tensor in x's dtype");
+  TORCH_CHECK_VALUE((conv_state.scalar_type() == at::kFloat || conv_state.scalar_type() == at::kBFloat16) &&
+                        conv_state.is_contiguous() && conv_state.dim() == 3 && conv_state.size(1) == H &&
+                        conv_state.size(2) == C,
+                    op, ": conv_state must be a contiguous float32 or bfloat16 [S, K - 1, C] tensor");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == C, op,
@@ -171,42 +193,46 @@ void causal_conv1d(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   }
   const bool parallel = T * C * 8 >= kParallelMin && items.size() > 1;
   dispatch_float_bf16(x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* st = conv_state.data_ptr<scalar_t>();
-    const float* w = weight.data_ptr<float>();
-    const std::vector<scalar_t> zeros(C, scalar_t(0));
+    dispatch_float_bf16(conv_state.scalar_type(), [&](auto state_tag) {
+      using scalar_t = decltype(tag);
+      using state_t = decltype(state_tag);
+      scalar_t* o = out.data_ptr<scalar_t>();
+      const scalar_t* xp = x.data_ptr<scalar_t>();
+      state_t* st = conv_state.data_ptr<state_t>();
+      const float* w = weight.data_ptr<float>();
+      const std::vector<scalar_t> zeros(C, scalar_t(0));
 #pragma omp parallel if (parallel)
-    {
-      float wpad[16 * kConvBlock];  // a decode block's taps
-      float bpad[kConvBlock];
+      {
+        float wpad[16 * kConvBlock];  // a decode block's taps
+        float bpad[kConvBlock];
 #pragma omp for schedule(dynamic, 1)
-      for (size_t n = 0; n < items.size(); ++n) {
-        const ConvItem& it = items[n];
-        if (it.seq >= 0) {
-          conv_span<scalar_t>(o, xp, ldx, w, b, st, zeros.data(), m, it.seq, it.t0, it.t1, it.c0, it.c1, C, K, silu_on);
-          continue;
+        for (size_t n = 0; n < items.size(); ++n) {
+          const ConvItem& it = items[n];
+          if (it.seq >= 0) {
+            conv_span<scalar_t, state_t>(o, xp, ldx, w, b, st, zeros.data(), m, it.seq, it.t0, it.t1, it.c0, it.c1, C,
+                                         K, silu_on);
+            continue;
+          }
+          for (int64_t j = 0; j < K; ++j) std::copy(w + j * C + it.c0, w + j * C + it.c1, wpad + j * kConvBlock);
+          for (int64_t c = 0; c < kConvBlock; ++c) bpad[c] = b != nullptr ? b[it.c0 + c] : 0.0f;
+          for (int64_t i = 0; i < m.num_seqs; ++i) {
+            const int64_t a = m.starts[i];
+            if (m.starts[i + 1] - a != 1 || m.cp_begin[i] != m.cp_begin[i + 1]) continue;
+            conv_decode_block(o + a * C + it.c0, xp + a * ldx + it.c0, wpad, bpad, st + m.slots[i] * H * C + it.c0,
+                              m.initial[i], C, K, silu_on);
+          }
         }
-        for (int64_t j = 0; j < K; ++j) std::copy(w + j * C + it.c0, w + j * C + it.c1, wpad + j * kConvBlock);
-        for (int64_t c = 0; c < kConvBlock; ++c) bpad[c] = b != nullptr ? b[it.c0 + c] : 0.0f;
-        for (int64_t i = 0; i < m.num_seqs; ++i) {
-          const int64_t a = m.starts[i];
-          if (m.starts[i + 1] - a != 1 || m.cp_begin[i] != m.cp_begin[i + 1]) continue;
-          conv_decode_block(o + a * C + it.c0, xp + a * ldx + it.c0, wpad, bpad, st + m.slots[i] * H * C + it.c0,
-                            m.initial[i], C, K, silu_on);
+        // Checkpoints first: a sequence's own slot, which they may read, is written last.
+#pragma omp for schedule(dynamic, 1)
+        for (size_t n = 0; n < saves.size(); ++n) {
+          const ConvItem& it = saves[n];
+          const int64_t i = it.seq, L = m.starts[i + 1] - m.starts[i];
+          for (int64_t cp = m.cp_begin[i]; cp < m.cp_begin[i + 1]; ++cp)
+            conv_save(xp, ldx, st, zeros.data(), m, i, m.cps[3 * cp + 1], m.cps[3 * cp + 2], it.c0, it.c1, C, H);
+          conv_save(xp, ldx, st, zeros.data(), m, i, L, m.slots[i], it.c0, it.c1, C, H);
         }
       }
-      // Checkpoints first: a sequence's own slot, which they may read, is written last.
-#pragma omp for schedule(dynamic, 1)
-      for (size_t n = 0; n < saves.size(); ++n) {
-        const ConvItem& it = saves[n];
-        const int64_t i = it.seq, L = m.starts[i + 1] - m.starts[i];
-        for (int64_t cp = m.cp_begin[i]; cp < m.cp_begin[i + 1]; ++cp)
-          conv_save(xp, ldx, st, zeros.data(), m, i, m.cps[3 * cp + 1], m.cps[3 * cp + 2], it.c0, it.c1, C, H);
-        conv_save(xp, ldx, st, zeros.data(), m, i, L, m.slots[i], it.c0, it.c1, C, H);
-      }
-    }
+    });
   });
 }
 
