@@ -39,8 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="hybrid models: recurrent state slots (running requests' and prefix-cache checkpoints), from the KV budget (default: planned)",
     )
     parser.add_argument(
-        "--state-checkpoint-interval", type=int, default=256,
-        help="hybrid models: tokens between the recurrent state checkpoints prefix caching saves (a multiple of --block-size)",
+        "--state-checkpoint-interval", "--mamba-block-size", type=int, default=256, dest="state_checkpoint_interval",
+        help="hybrid models: tokens between the recurrent state checkpoints prefix caching saves (a multiple of --block-size); "
+        "--mamba-block-size is vLLM's name for it",
     )
     parser.add_argument(
         "--mamba-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],

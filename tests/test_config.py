@@ -173,6 +173,14 @@ def test_mamba_cache_dtype_sets_the_convolution_tails_and_the_default_for_the_ma
     assert (config.mamba_cache_dtype, config.mamba_ssm_cache_dtype) == (torch.bfloat16, "auto")
 
 
+def test_mamba_block_size_is_vllms_name_for_the_checkpoint_interval():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["state_checkpoint_interval"] == 256
+    for flag in ("--mamba-block-size", "--state-checkpoint-interval"):
+        assert engine_kwargs(parser.parse_args([flag, "512"]))["state_checkpoint_interval"] == 512
+
+
 def test_flags_take_vllms_underscore_spelling() -> None:
     from pagellm.cli import build_parser, dashed_flags
 
