@@ -44,7 +44,11 @@ def test_streamed_text_equals_non_streamed_for_chinese_prompt(client):
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == full.choices[0].text
-    assert "\ufffd" not in streamed
+    # No character is broken inside the text. Where max_tokens cut the last character in half (which
+    # depends on the CPU's kernels through the greedy tokens), the finished text ends with it as
+    # U+FFFD, as tokenizer.decode shows it (tests/engine/test_detokenizer.py).
+    whole = streamed.rstrip("\ufffd") if full.choices[0].finish_reason == "length" else streamed
+    assert "\ufffd" not in whole
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
 
