@@ -27,6 +27,14 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--model", default=None, help="HF directory or GGUF file (default: packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="taken for vLLM's commands; changes nothing: pagellm builds every architecture itself and runs no code from a checkpoint",
+    )
+    parser.add_argument(
+        "--language-model-only", action="store_true",
+        help="taken for vLLM's commands; changes nothing: of a multimodal checkpoint pagellm loads only the language model",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -178,6 +186,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_state_slots=args.num_state_slots,
         state_checkpoint_interval=args.state_checkpoint_interval,
         mamba_cache_dtype=getattr(args, "mamba_cache_dtype", "auto"),
+        trust_remote_code=getattr(args, "trust_remote_code", False),
+        language_model_only=getattr(args, "language_model_only", False),
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
         packed_weight_cache=args.packed_weight_cache,
         seed=args.seed,

@@ -132,6 +132,11 @@ def default_device() -> torch.device:
 class EngineConfig:
     model: Optional[str] = None  # HF directory or GGUF file; None -> the packaged SmolLM2-135M-Instruct
     tokenizer: Optional[str] = None
+    # vLLM's trust_remote_code and language_model_only, taken so that vLLM's commands and code run as
+    # written; neither changes anything here: pagellm builds every architecture itself (it never runs
+    # a checkpoint's own code) and loads only the language model of a multimodal checkpoint.
+    trust_remote_code: bool = False
+    language_model_only: bool = False
     served_model_name: Optional[str] = None
     block_size: int = 16
     max_num_seqs: int = 64

@@ -173,6 +173,16 @@ def test_mamba_cache_dtype_sets_the_convolution_tails_and_the_default_for_the_ma
     assert (config.mamba_cache_dtype, config.mamba_ssm_cache_dtype) == (torch.bfloat16, "auto")
 
 
+def test_vllms_trust_remote_code_and_language_model_only_are_taken():
+    """Copied from vLLM's commands and code, they run: neither changes what pagellm loads."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--trust-remote-code", "--language-model-only", "--device", "cpu"]))
+    config = EngineConfig(**kwargs)
+    assert (config.trust_remote_code, config.language_model_only) == (True, True)
+    assert engine_kwargs(parser.parse_args([]))["trust_remote_code"] is False
+
+
 def test_mamba_block_size_is_vllms_name_for_the_checkpoint_interval():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
