@@ -195,6 +195,25 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x32.to(x.dtype)
 
 
+def group_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x * silu(z))`` with the norm over each run of ``group_size`` channels
+    (Mamba-2's gated norm), as a new tensor in x's dtype."""
+    if supports(x, z) and _rows_contiguous(x) and _rows_contiguous(z) and weight.dtype == torch.float32:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        torch.ops.pagellm_ops.group_gated_rms_norm(out, x, z, weight, group_size, eps)
+        return out
+    return group_gated_rms_norm_torch(x, z, weight, group_size, eps)
+
+
+def group_gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """:func:`group_gated_rms_norm`'s torch path, transformers' order: the gated value and its
+    statistics in float32, cast back, then times the weight."""
+    y = x.float() * F.silu(z.float())
+    groups = y.view(*y.shape[:-1], -1, group_size)
+    y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).view_as(y)
+    return weight * y.to(x.dtype)
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

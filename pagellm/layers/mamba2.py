@@ -24,7 +24,7 @@ from torch import nn
 
 from pagellm.attention.state_metadata import StateMetadata
 from pagellm.distributed.parallel_state import get_tp_group
-from pagellm.kernels import mamba, recurrent
+from pagellm.kernels import mamba, ops, recurrent
 from pagellm.layers.gated_deltanet import DepthwiseConvWeight, GatedRMSNorm
 from pagellm.layers.linear import Linear, TPSplit
 from pagellm.layers.state_shape import StateTensorShape
@@ -69,13 +69,11 @@ class GroupGatedRMSNorm(GatedRMSNorm):
         super().load_checkpoint_tensor(kind, shard, flat.narrow(0, self.start, self.weight.shape[0]))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if not self.reduce_over_ranks:
+            return ops.group_gated_rms_norm(x, z, self.weight, self.group_size, self.eps)
         y = x.float() * F.silu(z.float())
-        if self.reduce_over_ranks:
-            square_sum = get_tp_group().all_reduce(y.pow(2).sum(-1, keepdim=True))
-            y = y * torch.rsqrt(square_sum / self.group_size + self.eps)
-        else:
-            groups = y.view(*y.shape[:-1], -1, self.group_size)
-            y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view_as(y)
+        square_sum = get_tp_group().all_reduce(y.pow(2).sum(-1, keepdim=True))
+        y = y * torch.rsqrt(square_sum / self.group_size + self.eps)
         return self.weight * y.to(x.dtype)
 
 

@@ -53,6 +53,24 @@ def test_rms_norm_reads_strided_rows() -> None:
 
 
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("channels", "group"), [(4096, 4096), (512, 64), (70, 35)])  # one group, many, a vector tail
+def test_group_gated_rms_norm_matches_torch_path(rows: int, channels: int, group: int) -> None:
+    """Mamba-2's gated norm in one kernel, z a column slice of a wider projection as the layer passes it."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, channels, generator=gen) * 3
+    z = torch.randn(rows, channels + 40, generator=gen)[:, 7:7 + channels]
+    weight = torch.rand(channels, generator=gen) + 0.5
+    got = ops.group_gated_rms_norm(x, z, weight, group, 1e-5)
+    torch.testing.assert_close(got, ops.group_gated_rms_norm_torch(x, z, weight, group, 1e-5), rtol=1e-5, atol=1e-5)
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated  # transformers' own layer
+
+    hf = MambaRMSNormGated(channels, group_size=group, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        torch.testing.assert_close(got, hf(x, z), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ROWS)
 def test_silu_and_mul_matches_torch(rows: int) -> None:
     torch.manual_seed(rows)
     x = torch.randn(rows, 2 * 1536) * 4
