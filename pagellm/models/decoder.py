@@ -46,7 +46,12 @@ LLAMA_STACKED_PARAMS: tuple[tuple[str, str, Optional[str]], ...] = (
 # An image-and-text checkpoint's language model under its text-only names, and its vision parts,
 # which a text engine does not load (the layouts transformers saves and older hub checkpoints use).
 _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# Tensors of a checkpoint that the served text model has no part in, as transformers' causal-LM classes
+# skip them: an image-text checkpoint's vision tower and projector (Qwen3.5's is model.visual), and the
+# multi-token-prediction head that Qwen3.5, Qwen3-Next and Nemotron-H checkpoints carry (mtp.*).
+_UNSERVED_PREFIXES = (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.", "mtp.",
+)
 # Buffers some checkpoints carry that we compute ourselves instead.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # An 8-bit checkpoint's KV cache scales, as its quantizer names them (compressed-tensors, AutoFP8's
@@ -330,7 +335,7 @@ class CausalLM(nn.Module):
         modules = dict(self.named_modules())
         filled: set[str] = set()
         for name, tensor in weights:
-            if name.startswith(_VISION_PREFIXES):
+            if name.startswith(_UNSERVED_PREFIXES):
                 continue
             for prefix, replacement in _TEXT_MODEL_PREFIXES.items():
                 if name.startswith(prefix):

@@ -13,7 +13,6 @@ names by pagellm.models.gguf_arch.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -21,7 +20,6 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.layers.attention import Attention, AttentionSpec
-from pagellm.layers.linear_method import WeightSource
 from pagellm.layers.mamba2 import Mamba2Mixer, mamba2_state_shapes
 from pagellm.layers.mlp import MLP
 from pagellm.layers.moe import FusedMoE
@@ -115,10 +113,6 @@ class NemotronHForCausalLM(CausalLM):
             if old in name and (old.startswith(".") or name.startswith(old)):
                 name = name.replace(old, new, 1)
         return super().checkpoint_target(name)
-
-    def load_weights(self, weights: Iterable[tuple[str, WeightSource]], *args, **kwargs) -> set[str]:
-        # The multi-token-prediction head (mtp.*) is not served: transformers does not load it either.
-        return super().load_weights(((name, t) for name, t in weights if not name.startswith("mtp.")), *args, **kwargs)
 
     def make_mixer(self, c: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend) -> tuple[nn.Module, bool]:
         """Layer ``layer_idx``'s mixer, and whether it reads a cache."""

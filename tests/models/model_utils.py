@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import torch
 from torch import nn
@@ -20,14 +21,18 @@ TINY_QWEN3_5 = dict(
 )
 
 
-def make_random_hf_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
+def make_random_hf_model(config: PretrainedConfig, seed: int = 0, model_class: Optional[type] = None) -> nn.Module:
     """A transformers model with every weight random and O(0.1), norms and biases included.
 
     transformers initializes norms to 1 and biases to 0, which would hide a norm or bias loaded
     into the wrong place; larger weights also make logit mismatches visible above fp32 noise.
+    ``model_class``: another class than AutoModelForCausalLM's for the config (an image-text one).
     """
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if model_class is None:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    else:
+        model = model_class._from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -121,6 +121,32 @@ def test_engine_greedy_matches_transformers_under_chunks_and_preemption(checkpoi
         check_close(ours, ref, f"{name} prompt {i}")
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_image_text_checkpoint_with_an_mtp_head_serves_its_language_model(model_type: str, tmp_path: Path) -> None:
+    """Qwen3.5 ships as Qwen3_5(Moe)ForConditionalGeneration with its vision tower (model.visual.*) and
+    a multi-token-prediction head (mtp.*) beside the language model: both are left unread, as
+    transformers' causal-LM class leaves them, and the language model matches transformers."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
+    text = AutoConfig.for_model(f"{model_type}_text", **TINY_QWEN3_5, **(_MOE if model_type.endswith("moe") else {})).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4, spatial_merge_size=2)
+    model_class = Qwen3_5MoeForConditionalGeneration if model_type.endswith("moe") else Qwen3_5ForConditionalGeneration
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
+    hf_model = make_random_hf_model(config, seed=1, model_class=model_class)
+    hf_model.save_pretrained(tmp_path)
+    (weights_file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    assert any(name.startswith("model.visual.") for name in tensors)
+    tensors["mtp.fc.weight"] = torch.zeros(64, 128)  # an MTP layer's tensors, as the released checkpoints carry
+    tensors["mtp.layers.0.input_layernorm.weight"] = torch.ones(64)
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    assert load_hf_config(str(tmp_path)).architectures[0].endswith("ForCausalLM")
+    outputs, _, _ = _generate(tmp_path, block_size=4, max_num_batched_tokens=16)
+    for i, (ours, prompt) in enumerate(zip(outputs, _prompts())):
+        check_close(ours, hf_greedy_uncached(hf_model, prompt, _MAX_TOKENS), f"{model_type} image-text prompt {i}")
+
+
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
 def test_prefix_caching_resumes_state_and_equals_no_caching(checkpoint, source: str, tmp_path: Path) -> None:
     name, path, hf_config, reference = checkpoint
