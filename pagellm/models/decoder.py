@@ -43,8 +43,8 @@ LLAMA_STACKED_PARAMS: tuple[tuple[str, str, Optional[str]], ...] = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
-# An image-and-text checkpoint's language model under its text-only names, and its vision parts,
-# which a text engine does not load (the layouts transformers saves and older hub checkpoints use).
+# An image-and-text checkpoint's language model under its text-only names (the layouts transformers
+# saves and older hub checkpoints use).
 _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
 # Tensors of a checkpoint that the served text model has no part in, as transformers' causal-LM classes
 # skip them: an image-text checkpoint's vision tower and projector (Qwen3.5's is model.visual), and the
