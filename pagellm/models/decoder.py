@@ -47,10 +47,13 @@ LLAMA_STACKED_PARAMS: tuple[tuple[str, str, Optional[str]], ...] = (
 # saves and older hub checkpoints use).
 _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
 # Tensors of a checkpoint that the served text model has no part in, as transformers' causal-LM classes
-# skip them: an image-text checkpoint's vision tower and projector (Qwen3.5's is model.visual), and the
-# multi-token-prediction head that Qwen3.5, Qwen3-Next and Nemotron-H checkpoints carry (mtp.*).
+# skip them: an image-text checkpoint's vision tower and projector (Qwen3.5's is model.visual; Gemma 4's
+# audio tower and its image and audio embedders too), and the multi-token-prediction head that Qwen3.5,
+# Qwen3-Next and Nemotron-H checkpoints carry (mtp.*).
 _UNSERVED_PREFIXES = (
-    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.", "mtp.",
+    "vision_tower.", "multi_modal_projector.", "audio_tower.", "embed_vision.", "embed_audio.",
+    "model.vision_tower.", "model.multi_modal_projector.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+    "model.visual.", "mtp.",
 )
 # Buffers some checkpoints carry that we compute ourselves instead.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")

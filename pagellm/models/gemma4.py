@@ -75,8 +75,6 @@ def kv_sources(hf_config: PretrainedConfig) -> tuple[tuple[int, int], ...]:
 
 
 _MOE_NAMES = re.compile(r"^(model\.layers\.\d+)\.(router|experts)\.(proj\.weight|scale|per_expert_scale|gate_up_proj|down_proj)$")
-# Gemma4ForConditionalGeneration's parts beside its language model and vision tower.
-_NOT_TEXT_PREFIXES = ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.", "audio_tower.", "embed_vision.", "embed_audio.")
 
 
 class LayerScalar(nn.Module):
@@ -274,11 +272,6 @@ class Gemma4ForCausalLM(CausalLM):
         for layer, source in sources.items():  # an 8-bit cache's scales are the writer's
             layers[layer].self_attn.kv_scales = layers[source].self_attn.kv_scales
         return Gemma4Model(hf_config, layers)
-
-    def load_weights(self, weights, *args, **kwargs) -> set[str]:
-        """As every model's, leaving out an image-audio-text checkpoint's audio tower and its image and
-        audio embedders (the vision tower is left out for every model)."""
-        return super().load_weights(((n, t) for n, t in weights if not n.startswith(_NOT_TEXT_PREFIXES)), *args, **kwargs)
 
     def checkpoint_target(self, name: str) -> tuple[str, Optional[str]]:
         if name.endswith(".layer_scalar"):  # a buffer in transformers, a one-number module here
